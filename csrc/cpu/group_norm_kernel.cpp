@@ -1,0 +1,544 @@
+// CPU kernels of group_norm_forward / group_norm_backward.
+//
+// Two layouts are handled in place (see Layout in group_norm.h):
+//   ChannelsFirst: group (n, g) is one contiguous run of D * S elements, D rows of S.
+//   ChannelsLast:  sample n is S rows of C channels; group g is a slice of D channels of each row.
+// Statistics are two-pass (mean, then the sum of squared deviations), accumulated in vector lanes
+// of opmath (float, or double for double) within blocks and in double across blocks, so neither a
+// large offset nor a huge group loses precision. The backward uses the centred sums
+// sum(dy * (x - mean)) for the same reason.
+//
+// Results do not depend on the number of threads: every partial sum covers a range fixed by the
+// shape alone and partials are combined in a fixed order.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+#include "group_norm.h"
+
+namespace fusednorm {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// Elements summed in vector lanes before the running total moves to double.
+constexpr int64_t kBlock = 4096;
+
+// Loads and stores between T and vectors of opmath_type<T>.
+template <typename T>
+struct VecIO {
+  using acc_t = at::opmath_type<T>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  static constexpr int64_t kSize = Vec::size();
+
+  static Vec load(const T* p, int64_t count = kSize) {
+    if constexpr (std::is_same_v<T, acc_t>) {
+      return count == kSize ? Vec::loadu(p) : Vec::loadu(p, count);
+    } else {
+      acc_t buf[kSize] = {};
+      for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<acc_t>(p[i]);
+      return Vec::loadu(buf);
+    }
+  }
+
+  static void store(T* p, const Vec& v, int64_t count = kSize) {
+    if constexpr (std::is_same_v<T, acc_t>) {
+      v.store(p, count);
+    } else {
+      acc_t buf[kSize];
+      v.store(buf);
+      for (int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(buf[i]);
+    }
+  }
+};
+
+template <typename Vec>
+double horizontal_sum(const Vec& v) {
+  using acc_t = typename Vec::value_type;
+  acc_t buf[Vec::size()];
+  v.store(buf);
+  double s = 0;
+  for (int64_t i = 0; i < Vec::size(); ++i) s += buf[i];
+  return s;
+}
+
+// Sums f(x[i], y[i]) over a contiguous row for each of K outputs. `f(acc, xv, yv, count)` adds
+// one vector's contribution to the K accumulators; lanes past `count` hold zeros.
+template <int K, typename T, typename F>
+std::array<double, K> reduce_row(const T* x, const T* y, int64_t n, F f) {
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  std::array<double, K> total{};
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    std::array<Vec, K> acc;
+    acc.fill(Vec(0));
+    int64_t i = start;
+    for (; i + IO::kSize <= end; i += IO::kSize) {
+      f(acc, IO::load(x + i), y ? IO::load(y + i) : Vec(0), IO::kSize);
+    }
+    if (i < end) {
+      f(acc, IO::load(x + i, end - i), y ? IO::load(y + i, end - i) : Vec(0), end - i);
+    }
+    for (int k = 0; k < K; ++k) total[k] += horizontal_sum(acc[k]);
+  }
+  return total;
+}
+
+// Applies out[i] = f(x[i], y[i]) over a contiguous row.
+template <typename T, typename F>
+void map_row(const T* x, const T* y, T* out, int64_t n, F f) {
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  int64_t i = 0;
+  for (; i + IO::kSize <= n; i += IO::kSize) {
+    IO::store(out + i, f(IO::load(x + i), y ? IO::load(y + i) : Vec(0), i));
+  }
+  if (i < n) IO::store(out + i, f(IO::load(x + i, n - i), y ? IO::load(y + i, n - i) : Vec(0), i), n - i);
+}
+
+// mean = sum / count; rstd = 1 / sqrt(var + eps) with the biased variance.
+double mean_of(double sum, int64_t count) {
+  return count > 0 ? sum / count : 0.0;
+}
+double rstd_of(double sq_dev_sum, int64_t count, double eps) {
+  const double var = count > 0 ? std::max(sq_dev_sum / count, 0.0) : 0.0;
+  return 1.0 / std::sqrt(var + eps);
+}
+
+// Weight / bias as opmath values, 1 and 0 where absent.
+template <typename acc_t>
+std::vector<acc_t> param_or(const OptTensor& p, int64_t C, acc_t fill) {
+  std::vector<acc_t> out(C, fill);
+  if (p.has_value() && p->defined()) {
+    const at::Tensor pc = p->contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, pc.scalar_type(), "param_or", [&] {
+      const scalar_t* data = pc.data_ptr<scalar_t>();
+      for (int64_t c = 0; c < C; ++c) out[c] = static_cast<acc_t>(data[c]);
+    });
+  }
+  return out;
+}
+
+// Rows of a channels-last sample processed as one unit of work: fixed by C alone, so that
+// partial sums never depend on the thread count.
+int64_t rows_per_chunk(int64_t C) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+// A group mean split into two opmath values, hi + lo. x - hi is exact for x near the mean
+// (Sterbenz), so (x - hi) - lo centres x to within one rounding even when |mean| >> std, which a
+// mean rounded to float32 alone would not (1e4 + randn loses ~5e-4 that way).
+template <typename acc_t>
+struct SplitMean {
+  acc_t hi, lo;
+  explicit SplitMean(double mean = 0)
+      : hi(static_cast<acc_t>(mean)), lo(static_cast<acc_t>(mean - static_cast<double>(hi))) {}
+};
+
+template <typename T>
+void forward_channels_first(
+    const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
+    const std::vector<at::opmath_type<T>>& b, double eps, at::opmath_type<T>* mean_out,
+    at::opmath_type<T>* rstd_out) {
+  using acc_t = at::opmath_type<T>;
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t M = sh.D * sh.S;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1));
+  at::parallel_for(0, sh.N * sh.G, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t ng = begin; ng < end; ++ng) {
+      const T* xg = x + ng * M;
+      // Summing x - x[0] instead of x keeps the float lanes small when |mean| >> std.
+      const acc_t shift = M > 0 ? static_cast<acc_t>(xg[0]) : acc_t(0);
+      const double shifted_sum = reduce_row<1>(xg, static_cast<const T*>(nullptr), M,
+          [shift](auto& acc, const Vec& xv, const Vec&, int64_t count) {
+            // Lanes past `count` were loaded as zeros; keep them out of the sum.
+            const Vec d = xv - Vec(shift);
+            acc[0] += count == Vec::size() ? d : Vec::set(Vec(0), d, count);
+          })[0];
+      const double mean = M > 0 ? shift + shifted_sum / M : 0.0;
+      const SplitMean<acc_t> m(mean);
+      const double sq = reduce_row<1>(xg, static_cast<const T*>(nullptr), M,
+          [m](auto& acc, const Vec& xv, const Vec&, int64_t count) {
+            const Vec d = (xv - Vec(m.hi)) - Vec(m.lo);
+            acc[0] += count == Vec::size() ? d * d : Vec::set(Vec(0), d * d, count);
+          })[0];
+      // The output uses the statistics at opmath precision, not their saved rounding.
+      const double rstd = rstd_of(sq, M, eps);
+      mean_out[ng] = static_cast<acc_t>(mean);
+      rstd_out[ng] = static_cast<acc_t>(rstd);
+      const int64_t g = ng % sh.G;
+      for (int64_t d = 0; d < sh.D; ++d) {
+        const int64_t c = g * sh.D + d;
+        const Vec scale(static_cast<acc_t>(rstd) * w[c]), bias(b[c]), hi(m.hi), lo(m.lo);
+        map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + ng * M + d * sh.S, sh.S,
+            [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd((xv - hi) - lo, scale, bias); });
+      }
+    }
+  });
+}
+
+// Per-channel sums over rows [r0, r1) of a channels-last sample: out[k * C + c] for K
+// accumulators. `f(acc, xv, yv, c0, count)` updates the accumulators of channels
+// [c0, c0 + count); lanes past `count` load as zeros and are never stored.
+template <int K, typename T, typename F>
+void reduce_channels(const T* x, const T* y, int64_t r0, int64_t r1, int64_t C, double* out, F f) {
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  for (int64_t c0 = 0; c0 < C; c0 += IO::kSize) {
+    const int64_t count = std::min<int64_t>(IO::kSize, C - c0);
+    std::array<Vec, K> acc;
+    acc.fill(Vec(0));
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = r * C + c0;
+      f(acc, IO::load(x + off, count), y ? IO::load(y + off, count) : Vec(0), c0, count);
+    }
+    for (int k = 0; k < K; ++k) {
+      typename IO::acc_t buf[IO::kSize];
+      acc[k].store(buf);
+      for (int64_t i = 0; i < count; ++i) out[k * C + c0 + i] = buf[i];
+    }
+  }
+}
+
+// Runs body(n, chunk, r0, r1) over every chunk of rows of every sample, in parallel.
+template <typename F>
+void for_each_chunk(const GroupNormShape& sh, F body) {
+  const int64_t rows = rows_per_chunk(sh.C);
+  const int64_t chunks = (sh.S + rows - 1) / rows;
+  at::parallel_for(0, sh.N * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / chunks, k = i % chunks;
+      body(n, k, k * rows, std::min(sh.S, (k + 1) * rows));
+    }
+  });
+}
+
+int64_t num_chunks(const GroupNormShape& sh) {
+  const int64_t rows = rows_per_chunk(sh.C);
+  return (sh.S + rows - 1) / rows;
+}
+
+// Sums per-chunk partials [N][chunks][K][C] over chunks, in order: per-channel totals [K][N][C].
+std::vector<double> channel_totals(const std::vector<double>& partial, const GroupNormShape& sh, int K) {
+  const int64_t chunks = num_chunks(sh);
+  std::vector<double> out(K * sh.N * sh.C, 0.0);
+  for (int64_t n = 0; n < sh.N; ++n)
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int kk = 0; kk < K; ++kk)
+        for (int64_t c = 0; c < sh.C; ++c)
+          out[(kk * sh.N + n) * sh.C + c] += partial[((n * chunks + k) * K + kk) * sh.C + c];
+  return out;
+}
+
+// Per-channel totals [K][N][C] summed over the D channels of each group: [K][N][G].
+std::vector<double> group_totals(const std::vector<double>& per_channel, const GroupNormShape& sh, int K) {
+  std::vector<double> out(K * sh.N * sh.G, 0.0);
+  for (int64_t i = 0; i < K * sh.N; ++i)
+    for (int64_t c = 0; c < sh.C; ++c) out[i * sh.G + c / sh.D] += per_channel[i * sh.C + c];
+  return out;
+}
+
+template <typename T>
+void forward_channels_last(
+    const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
+    const std::vector<at::opmath_type<T>>& b, double eps, at::opmath_type<T>* mean_out,
+    at::opmath_type<T>* rstd_out) {
+  using acc_t = at::opmath_type<T>;
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  const int64_t C = sh.C, chunks = num_chunks(sh), M = sh.D * sh.S;
+  std::vector<double> partial(sh.N * chunks * C);
+
+  // Pass 1: per-channel sums of x - x[n, 0, c] (see forward_channels_first for the shift).
+  std::vector<acc_t> first_row(sh.N * C, acc_t(0));
+  if (sh.S > 0) {
+    for (int64_t n = 0; n < sh.N; ++n)
+      for (int64_t c = 0; c < C; ++c) first_row[n * C + c] = static_cast<acc_t>(x[n * sh.S * C + c]);
+  }
+  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
+    const acc_t* x0 = &first_row[n * C];
+    reduce_channels<1>(x + n * sh.S * C, static_cast<const T*>(nullptr), r0, r1, C,
+        &partial[(n * chunks + k) * C],
+        [x0](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
+          acc[0] += xv - Vec::loadu(x0 + c0, count);
+        });
+  });
+  std::vector<double> channel_sums = channel_totals(partial, sh, 1);
+  for (int64_t nc = 0; nc < sh.N * C; ++nc) channel_sums[nc] += static_cast<double>(sh.S) * first_row[nc];
+  const std::vector<double> sums = group_totals(channel_sums, sh, 1);
+
+  // Each group's mean, split and copied per channel so that the later passes are vector loops
+  // over channels.
+  std::vector<acc_t> mean_hi(sh.N * C), mean_lo(sh.N * C);
+  for (int64_t nc = 0; nc < sh.N * C; ++nc) {
+    const SplitMean<acc_t> m(mean_of(sums[nc / sh.D], M));  // (n * C + c) / D == n * G + g
+    mean_hi[nc] = m.hi;
+    mean_lo[nc] = m.lo;
+  }
+
+  // Pass 2: per-channel sums of squared deviations.
+  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
+    const acc_t* hi = &mean_hi[n * C];
+    const acc_t* lo = &mean_lo[n * C];
+    reduce_channels<1>(x + n * sh.S * C, static_cast<const T*>(nullptr), r0, r1, C,
+        &partial[(n * chunks + k) * C],
+        [hi, lo](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
+          const Vec d = (xv - Vec::loadu(hi + c0, count)) - Vec::loadu(lo + c0, count);
+          acc[0] += d * d;
+        });
+  });
+  const std::vector<double> sq = group_totals(channel_totals(partial, sh, 1), sh, 1);
+
+  std::vector<acc_t> scale(sh.N * C);
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) {
+    mean_out[ng] = static_cast<acc_t>(mean_of(sums[ng], M));
+    rstd_out[ng] = static_cast<acc_t>(rstd_of(sq[ng], M, eps));
+  }
+  for (int64_t nc = 0; nc < sh.N * C; ++nc) {
+    scale[nc] = static_cast<acc_t>(rstd_of(sq[nc / sh.D], M, eps)) * w[nc % C];
+  }
+
+  // Pass 3: y = ((x - hi) - lo) * scale + bias.
+  for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = (n * sh.S + r) * C;
+      map_row(x + off, static_cast<const T*>(nullptr), y + off, C,
+          [&](const Vec& xv, const Vec&, int64_t c0) {
+            const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+            const int64_t nc = n * C + c0;
+            const Vec centred = (xv - Vec::loadu(&mean_hi[nc], count)) - Vec::loadu(&mean_lo[nc], count);
+            return at::vec::fmadd(centred, Vec::loadu(&scale[nc], count), Vec::loadu(&b[c0], count));
+          });
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cpu(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps) {
+  const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
+  const Layout layout = layout_for(input);
+  const at::Tensor x = to_layout(input, layout);
+  at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
+  at::Tensor mean = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
+  at::Tensor rstd = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_forward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
+    const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    acc_t* mp = mean.data_ptr<acc_t>();
+    acc_t* rp = rstd.data_ptr<acc_t>();
+    if (layout == Layout::ChannelsFirst) {
+      forward_channels_first(xp, yp, sh, w, b, eps, mp, rp);
+    } else {
+      forward_channels_last(xp, yp, sh, w, b, eps, mp, rp);
+    }
+  });
+  return {y, mean, rstd};
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+//
+// Per (n, c): db = sum_s dy and dsc = sum_s dy * (x - mean). With w = weight (or 1), M = D * S and
+// per group A = sum_c w * db, B = sum_c w * dsc:
+//   dx = w * rstd * dy - rstd^3 / M * B * (x - mean) - rstd / M * A
+//   grad_weight[c] = sum_n dsc * rstd,  grad_bias[c] = sum_n db.
+
+// Per-(n, c) coefficients of dx = a * dy + b * (x - mean) + e.
+template <typename acc_t>
+struct GradInputCoeffs {
+  std::vector<acc_t> a, b, e, mean;
+};
+
+template <typename acc_t>
+GradInputCoeffs<acc_t> grad_input_coeffs(
+    const GroupNormShape& sh, const std::vector<acc_t>& w, const acc_t* mean, const acc_t* rstd,
+    const double* db, const double* dsc) {
+  GradInputCoeffs<acc_t> k;
+  for (auto* v : {&k.a, &k.b, &k.e, &k.mean}) v->assign(sh.N * sh.C, acc_t(0));
+  const double M = static_cast<double>(sh.D * sh.S);
+  if (M == 0) return k;
+  for (int64_t n = 0; n < sh.N; ++n) {
+    for (int64_t g = 0; g < sh.G; ++g) {
+      double A = 0, B = 0;
+      for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
+        A += w[c] * db[n * sh.C + c];
+        B += w[c] * dsc[n * sh.C + c];
+      }
+      const double r = rstd[n * sh.G + g];
+      for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
+        k.a[n * sh.C + c] = static_cast<acc_t>(w[c] * r);
+        k.b[n * sh.C + c] = static_cast<acc_t>(-r * r * r / M * B);
+        k.e[n * sh.C + c] = static_cast<acc_t>(-r / M * A);
+        k.mean[n * sh.C + c] = static_cast<acc_t>(mean[n * sh.G + g]);
+      }
+    }
+  }
+  return k;
+}
+
+// Fills db and dsc, [N][C] each.
+template <typename T>
+void grad_sums_channels_first(
+    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, double* db,
+    double* dsc) {
+  using Vec = typename VecIO<T>::Vec;
+  using acc_t = at::opmath_type<T>;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
+  at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t nc = begin; nc < end; ++nc) {
+      const Vec m(static_cast<acc_t>(mean[nc / sh.D]));  // (n * C + c) / D == n * G + g
+      const auto sums = reduce_row<2>(dy + nc * sh.S, x + nc * sh.S, sh.S,
+          [&m](auto& acc, const Vec& dyv, const Vec& xv, int64_t) {
+            acc[0] += dyv;
+            acc[1] = at::vec::fmadd(dyv, xv - m, acc[1]);  // zero-padded dy keeps the tail out
+          });
+      db[nc] = sums[0];
+      dsc[nc] = sums[1];
+    }
+  });
+}
+
+template <typename T>
+void grad_sums_channels_last(
+    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, double* db,
+    double* dsc) {
+  using Vec = typename VecIO<T>::Vec;
+  using acc_t = at::opmath_type<T>;
+  const int64_t C = sh.C, chunks = num_chunks(sh);
+  std::vector<acc_t> mean_c(sh.N * C);
+  for (int64_t nc = 0; nc < sh.N * C; ++nc) mean_c[nc] = static_cast<acc_t>(mean[nc / sh.D]);
+  std::vector<double> partial(sh.N * chunks * 2 * C);
+  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
+    const acc_t* mc = &mean_c[n * C];
+    reduce_channels<2>(dy + n * sh.S * C, x + n * sh.S * C, r0, r1, C,
+        &partial[(n * chunks + k) * 2 * C],
+        [mc](auto& acc, const Vec& dyv, const Vec& xv, int64_t c0, int64_t count) {
+          acc[0] += dyv;
+          acc[1] = at::vec::fmadd(dyv, xv - Vec::loadu(mc + c0, count), acc[1]);
+        });
+  });
+  const std::vector<double> totals = channel_totals(partial, sh, 2);
+  std::copy(totals.begin(), totals.begin() + sh.N * C, db);
+  std::copy(totals.begin() + sh.N * C, totals.end(), dsc);
+}
+
+template <typename T>
+void grad_input_channels_first(
+    const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k) {
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
+  at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t nc = begin; nc < end; ++nc) {
+      const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
+      map_row(dy + nc * sh.S, x + nc * sh.S, dx + nc * sh.S, sh.S,
+          [&](const Vec& dyv, const Vec& xv, int64_t) {
+            return at::vec::fmadd(a, dyv, at::vec::fmadd(b, xv - m, e));
+          });
+    }
+  });
+}
+
+template <typename T>
+void grad_input_channels_last(
+    const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k) {
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C;
+  for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = (n * sh.S + r) * C;
+      map_row(dy + off, x + off, dx + off, C, [&](const Vec& dyv, const Vec& xv, int64_t c0) {
+        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+        const int64_t nc = n * C + c0;
+        return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dyv,
+            at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
+                Vec::loadu(&k.e[nc], count)));
+      });
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& rstd, const OptTensor& weight, int64_t num_groups,
+    std::array<bool, 3> output_mask) {
+  const GroupNormShape sh =
+      check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
+  const Layout layout = layout_for(input);
+  const at::Tensor x = to_layout(input, layout);
+  const at::Tensor dy = to_layout(grad_out, layout);
+  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+
+  std::vector<double> db(sh.N * sh.C), dsc(sh.N * sh.C);
+  at::Tensor dx = output_mask[0] ? empty_in_layout(x, layout, x.scalar_type())
+                                 : at::empty({0}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const acc_t* mp = mean_c.data_ptr<acc_t>();
+    const acc_t* rp = rstd_c.data_ptr<acc_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dyp = dy.data_ptr<scalar_t>();
+    if (layout == Layout::ChannelsFirst) {
+      grad_sums_channels_first(dyp, xp, sh, mp, db.data(), dsc.data());
+    } else {
+      grad_sums_channels_last(dyp, xp, sh, mp, db.data(), dsc.data());
+    }
+    if (!output_mask[0]) return;
+    const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
+    const auto k = grad_input_coeffs<acc_t>(sh, w, mp, rp, db.data(), dsc.data());
+    scalar_t* dxp = dx.data_ptr<scalar_t>();
+    if (layout == Layout::ChannelsFirst) {
+      grad_input_channels_first(dyp, xp, dxp, sh, k);
+    } else {
+      grad_input_channels_last(dyp, xp, dxp, sh, k);
+    }
+  });
+
+  const at::ScalarType param_dtype = param_grad_dtype(input, weight);
+  const auto param_options = x.options().dtype(param_dtype);
+  at::Tensor dweight = at::empty({0}, param_options), dbias = at::empty({0}, param_options);
+  if (output_mask[1] || output_mask[2]) {
+    // Summed over the batch in a fixed order, in double.
+    const at::Tensor rstd_d = rstd_c.to(at::kDouble);
+    const double* rp = rstd_d.data_ptr<double>();
+    at::Tensor dw = at::zeros({sh.C}, x.options().dtype(at::kDouble));
+    at::Tensor dbs = at::zeros({sh.C}, x.options().dtype(at::kDouble));
+    double* dwp = dw.data_ptr<double>();
+    double* dbp = dbs.data_ptr<double>();
+    for (int64_t n = 0; n < sh.N; ++n) {
+      for (int64_t c = 0; c < sh.C; ++c) {
+        dwp[c] += dsc[n * sh.C + c] * rp[n * sh.G + c / sh.D];
+        dbp[c] += db[n * sh.C + c];
+      }
+    }
+    if (output_mask[1]) dweight = dw.to(param_dtype);
+    if (output_mask[2]) dbias = dbs.to(param_dtype);
+  }
+  return {dx, dweight, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusednorm, CPU, m) {
+  m.impl("group_norm_forward", &group_norm_forward_cpu);
+  m.impl("group_norm_backward", &group_norm_backward_cpu);
+}
+
+}  // namespace fusednorm

@@ -1,0 +1,102 @@
+#include "group_norm.h"
+
+#include <ATen/ATen.h>
+
+namespace fusednorm {
+namespace {
+
+bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_param(const char* name, const at::Tensor& param, const at::Tensor& input, int64_t C) {
+  TORCH_CHECK(param.device() == input.device(),
+      "Expected all tensors to be on the same device, but found input on ", input.device(),
+      " and ", name, " on ", param.device());
+  TORCH_CHECK(param.dim() == 1 && param.numel() == C,
+      "Expected ", name, " to be a vector of size equal to the number of channels in input, but got ",
+      name, " of shape ", param.sizes(), " and input of shape ", input.sizes());
+  const auto in = input.scalar_type();
+  const auto p = param.scalar_type();
+  const bool reduced_input = in == at::kBFloat16 || in == at::kHalf;
+  // Mixed precision as on PyTorch's CPU kernels: bf16/fp16 input with fp32 parameters.
+  TORCH_CHECK_TYPE(p == in || (reduced_input && p == at::kFloat),
+      "Expected ", name, " to have the input's dtype (", in, ")",
+      reduced_input ? " or float32" : "", ", but got ", p);
+}
+
+}  // namespace
+
+GroupNormShape check_group_norm_args(
+    const at::Tensor& input,
+    int64_t num_groups,
+    const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() >= 2,
+      "Expected at least 2 dimensions for input tensor but received ", input.dim());
+  TORCH_CHECK_NOT_IMPLEMENTED(is_supported_dtype(input.scalar_type()),
+      "\"fusednorm::group_norm\" not implemented for '", input.scalar_type(),
+      "': expected float32, float64, bfloat16 or float16 input");
+  TORCH_CHECK(num_groups > 0, "Expected num_groups to be positive, but got num_groups=", num_groups);
+  const int64_t N = input.size(0);
+  const int64_t C = input.size(1);
+  TORCH_CHECK(C % num_groups == 0,
+      "Expected number of channels in input to be divisible by num_groups, but got input of shape ",
+      input.sizes(), " and num_groups=", num_groups);
+  if (weight.has_value() && weight->defined()) check_param("weight", *weight, input, C);
+  if (bias.has_value() && bias->defined()) check_param("bias", *bias, input, C);
+  int64_t spatial = 1;
+  for (int64_t d = 2; d < input.dim(); ++d) spatial *= input.size(d);
+  return GroupNormShape{N, C, spatial, num_groups, C / num_groups};
+}
+
+GroupNormShape check_group_norm_backward_args(
+    const at::Tensor& grad_out,
+    const at::Tensor& input,
+    const at::Tensor& mean,
+    const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight,
+    int64_t num_groups) {
+  const GroupNormShape shape = check_group_norm_args(input, num_groups, weight, c10::nullopt);
+  TORCH_CHECK(grad_out.sizes() == input.sizes(),
+      "Expected grad_out of the input's shape ", input.sizes(), ", but got ", grad_out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type(),
+      "Expected grad_out of the input's dtype ", input.scalar_type(), ", but got ",
+      grad_out.scalar_type());
+  for (const auto* stat : {&mean, &rstd}) {
+    const char* name = stat == &mean ? "mean" : "rstd";
+    TORCH_CHECK(stat->dim() == 2 && stat->size(0) == shape.N && stat->size(1) == shape.G &&
+                    stat->scalar_type() == stats_dtype(input.scalar_type()),
+        "Expected ", name, " to be a ", stats_dtype(input.scalar_type()), " tensor of shape (", shape.N, ", ", shape.G,
+        "), but got ", stat->scalar_type(), " of shape ", stat->sizes());
+  }
+  for (const auto* t : {&grad_out, &mean, &rstd}) {
+    TORCH_CHECK(t->device() == input.device(),
+        "Expected all tensors to be on the same device, but found input on ", input.device(),
+        " and another argument on ", t->device());
+  }
+  return shape;
+}
+
+Layout layout_for(const at::Tensor& t) {
+  if (t.is_contiguous()) return Layout::ChannelsFirst;
+  if (t.dim() >= 3 && t.movedim(1, -1).is_contiguous()) return Layout::ChannelsLast;
+  return Layout::ChannelsFirst;
+}
+
+at::Tensor to_layout(const at::Tensor& t, Layout layout) {
+  if (layout == Layout::ChannelsFirst) return t.contiguous();
+  return t.movedim(1, -1).contiguous().movedim(-1, 1);
+}
+
+at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dtype) {
+  const auto options = t.options().dtype(dtype);
+  if (layout == Layout::ChannelsFirst) return at::empty(t.sizes(), options);
+  return at::empty(t.movedim(1, -1).sizes(), options).movedim(-1, 1);
+}
+
+at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& weight) {
+  return weight.has_value() && weight->defined() ? weight->scalar_type() : input.scalar_type();
+}
+
+}  // namespace fusednorm

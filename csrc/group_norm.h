@@ -1,0 +1,61 @@
+// Shared host-side pieces of the group-norm family: argument checks, the shape every kernel
+// works on, and the two memory layouts the kernels read and write without a copy.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace fusednorm {
+
+// Every input of rank >= 2 is viewed as (N, C, S) with S = prod(spatial sizes).
+// Group g of sample n covers channels [g * D, (g + 1) * D) over all S positions.
+struct GroupNormShape {
+  int64_t N;  // batch
+  int64_t C;  // channels
+  int64_t S;  // spatial elements per channel
+  int64_t G;  // groups
+  int64_t D;  // channels per group, C / G
+};
+
+// The layouts the kernels handle directly. Any other strides are copied to ChannelsFirst.
+//   ChannelsFirst: (N, C, S) contiguous, what torch calls contiguous_format.
+//   ChannelsLast:  (N, S, C) contiguous, i.e. channels_last / channels_last_3d, for any rank >= 3.
+enum class Layout { ChannelsFirst, ChannelsLast };
+
+// Validates input, num_groups, weight and bias for the forward op and returns the shape.
+// Raises the exception types PyTorch raises for the same mistakes.
+GroupNormShape check_group_norm_args(
+    const at::Tensor& input,
+    int64_t num_groups,
+    const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias);
+
+// Validates the backward op's arguments against each other and returns the shape.
+GroupNormShape check_group_norm_backward_args(
+    const at::Tensor& grad_out,
+    const at::Tensor& input,
+    const at::Tensor& mean,
+    const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight,
+    int64_t num_groups);
+
+// The layout the kernels use for `t`: ChannelsFirst if `t` is contiguous, ChannelsLast if it is
+// dense with the channel dimension innermost, otherwise ChannelsFirst after a copy.
+Layout layout_for(const at::Tensor& t);
+
+// `t` in `layout`, copied only when its strides are not already those of `layout`.
+at::Tensor to_layout(const at::Tensor& t, Layout layout);
+
+// An uninitialised tensor of `t`'s shape in `layout`, with the given dtype.
+at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dtype);
+
+// dtype of the saved mean and rstd: float32, or float64 for float64 inputs.
+inline at::ScalarType stats_dtype(at::ScalarType input_dtype) {
+  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// dtype of the weight gradient (and of the bias gradient): the weight's dtype when there is a
+// weight, else the input's.
+at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& weight);
+
+}  // namespace fusednorm

@@ -1,0 +1,142 @@
+// The single source of truth for fusednorm's operator schemas, and the composite ops that are
+// built from the kernel ops (they run on every backend, so autograd, fake tensors, torch.compile
+// and torch.export see only the kernel ops underneath).
+//
+// Kernel ops (CPU: cpu/group_norm_kernel.cpp, CUDA: cuda/group_norm_kernel.cu; fake kernels and
+// autograd: ops/_registrations.py):
+//   group_norm_forward  -> (output, mean, rstd); mean and rstd have shape (N, num_groups) and are
+//                          float32 (float64 for float64 input) whatever the input dtype
+//   group_norm_backward -> (grad_input, grad_weight, grad_bias); an output whose output_mask entry is
+//                          false is returned as an empty tensor of shape (0,)
+// Composite ops (this file):
+//   group_norm     F.group_norm semantics
+//   instance_norm  F.instance_norm semantics, running statistics updated in place
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace fusednorm {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+using ForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_group_norm_forward(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fusednorm::group_norm_forward", "")
+                       .typed<ForwardFn>();
+  return op.call(input, num_groups, weight, bias, eps);
+}
+
+bool defined(const OptTensor& t) {
+  return t.has_value() && t->defined();
+}
+
+at::Tensor group_norm(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps) {
+  return std::get<0>(call_group_norm_forward(input, num_groups, weight, bias, eps));
+}
+
+// Product of the spatial sizes, symbolic under torch.compile's dynamic shapes.
+c10::SymInt spatial_numel(const at::Tensor& input) {
+  c10::SymInt n = 1;
+  for (int64_t d = 2; d < input.dim(); ++d) n = n * input.sym_size(d);
+  return n;
+}
+
+// Per-channel view (C, 1, ..., 1) of a (C,) tensor, broadcastable against (N, C, *).
+at::Tensor per_channel(const at::Tensor& t, int64_t rank) {
+  std::vector<int64_t> shape(rank - 1, 1);
+  shape[0] = -1;
+  return t.reshape(shape);
+}
+
+// Eval mode with running statistics: a per-channel affine map, computed in float32 or better.
+at::Tensor instance_norm_with_running_stats(
+    const at::Tensor& input, const at::Tensor& running_mean, const at::Tensor& running_var,
+    const OptTensor& weight, const OptTensor& bias, double eps) {
+  const auto compute_dtype = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor scale = (running_var.to(compute_dtype) + eps).rsqrt();
+  if (defined(weight)) scale = scale * weight->to(compute_dtype);
+  at::Tensor shift = -running_mean.to(compute_dtype) * scale;
+  if (defined(bias)) shift = shift + bias->to(compute_dtype);
+  const int64_t rank = input.dim();
+  return (input.to(compute_dtype) * per_channel(scale, rank) + per_channel(shift, rank))
+      .to(input.scalar_type());
+}
+
+at::Tensor instance_norm(
+    const at::Tensor& input, const OptTensor& running_mean, const OptTensor& running_var,
+    const OptTensor& weight, const OptTensor& bias, bool use_input_stats, double momentum,
+    double eps) {
+  TORCH_CHECK(input.dim() >= 2,
+      "Expected at least 2 dimensions for input tensor but received ", input.dim());
+  const c10::SymInt C = input.sym_size(1);
+  for (const auto* stat : {&running_mean, &running_var}) {
+    if (!defined(*stat)) continue;
+    const char* name = stat == &running_mean ? "running_mean" : "running_var";
+    TORCH_CHECK((*stat)->dim() == 1 && (*stat)->sym_numel() == C,
+        name, " should contain ", C, " elements not ", (*stat)->sym_numel());
+    TORCH_CHECK((*stat)->device() == input.device(),
+        "Expected all tensors to be on the same device, but found input on ", input.device(),
+        " and ", name, " on ", (*stat)->device());
+  }
+  if (!use_input_stats) {
+    TORCH_CHECK(defined(running_mean) && defined(running_var),
+        "Expected running_mean and running_var to be defined when use_input_stats is false");
+    return instance_norm_with_running_stats(input, *running_mean, *running_var, weight, bias, eps);
+  }
+  const c10::SymInt spatial = spatial_numel(input);
+  TORCH_CHECK_VALUE(spatial != 1,
+      "Expected more than 1 spatial element when training, got input size ", input.sym_sizes());
+
+  // Instance norm is group norm with one channel per group.
+  auto [output, mean, rstd] =
+      call_group_norm_forward(input, C.guard_int(__FILE__, __LINE__), weight, bias, eps);
+
+  if ((defined(running_mean) || defined(running_var)) && input.sym_size(0) != 0) {
+    // As PyTorch: running = (1 - momentum) * running + momentum * mean over the batch of the
+    // per-instance statistic, with the per-instance variance unbiased.
+    at::NoGradGuard no_grad;
+    if (defined(running_mean)) {
+      const at::Tensor batch_mean = mean.mean(0);
+      running_mean->mul_(1 - momentum).add_(batch_mean.to(running_mean->scalar_type()), momentum);
+    }
+    if (defined(running_var)) {
+      // rstd = 1 / sqrt(var + eps), so var = rstd^-2 - eps.
+      const at::Tensor var = rstd.pow(-2).sub_(eps);
+      const at::Tensor unbiased = var.mul_(c10::Scalar(spatial)).div_(c10::Scalar(spatial - 1));
+      running_var->mul_(1 - momentum).add_(unbiased.mean(0).to(running_var->scalar_type()), momentum);
+    }
+  }
+  return output;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fusednorm, m) {
+  m.def(
+      "group_norm_forward(Tensor input, int num_groups, Tensor? weight, Tensor? bias, float eps)"
+      " -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "group_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor? weight,"
+      " int num_groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "group_norm(Tensor input, int num_groups, Tensor? weight=None, Tensor? bias=None,"
+      " float eps=1e-05) -> Tensor");
+  m.def(
+      "instance_norm(Tensor input, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None,"
+      " Tensor? weight=None, Tensor? bias=None, bool use_input_stats=True, float momentum=0.1,"
+      " float eps=1e-05) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fusednorm, CompositeImplicitAutograd, m) {
+  m.impl("group_norm", &group_norm);
+  m.impl("instance_norm", &instance_norm);
+}
+
+}  // namespace fusednorm

@@ -1,0 +1,16 @@
+"""fusednorm: fused GroupNorm and InstanceNorm operators for PyTorch.
+
+The ops live in the ``torch.ops.fusednorm`` namespace; this package loads their native library,
+registers their fake (meta) kernels and autograd, and offers F-style functions and nn modules.
+"""
+
+from . import _library
+
+_library.load()
+
+from . import _registrations  # noqa: E402,F401  (registers fake kernels and autograd)
+from . import nn  # noqa: E402
+from .functional import group_norm, instance_norm  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["group_norm", "instance_norm", "nn"]

@@ -1,0 +1,115 @@
+"""Fake (meta) kernels and autograd for the kernel ops defined in csrc/ops.cpp.
+
+The composite ops (group_norm, instance_norm) need neither: they decompose into the kernel ops.
+torch.library.register_fake / register_autograd appeared in torch 2.4; on older torch the same
+functions are registered through the Meta and Autograd dispatch keys (see _compat).
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from ._compat import register_autograd, register_fake
+
+# -- shared by the fake kernels ------------------------------------------------------------------
+
+
+def _check_group_norm_args(input: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor]) -> None:
+    # The same checks, messages and exception types as check_group_norm_args in csrc/group_norm.cpp,
+    # so that torch.compile rejects bad arguments at trace time as eager does at run time.
+    torch._check(input.dim() >= 2, lambda: f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
+    if input.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"\"fusednorm::group_norm\" not implemented for '{input.dtype}'")
+    torch._check(num_groups > 0, lambda: f"Expected num_groups to be positive, but got num_groups={num_groups}")
+    C = input.shape[1]
+    torch._check(
+        C % num_groups == 0,
+        lambda: "Expected number of channels in input to be divisible by num_groups, but got input "
+        f"of shape {tuple(input.shape)} and num_groups={num_groups}",
+    )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        torch._check(
+            p.device == input.device,
+            lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {p.device}",
+        )
+        torch._check(
+            p.dim() == 1 and p.numel() == C,
+            lambda: f"Expected {name} to be a vector of size equal to the number of channels in input, "
+            f"but got {name} of shape {tuple(p.shape)} and input of shape {tuple(input.shape)}",
+        )
+        reduced = input.dtype in (torch.bfloat16, torch.float16)
+        torch._check_type(
+            p.dtype == input.dtype or (reduced and p.dtype == torch.float32),
+            lambda: f"Expected {name} to have the input's dtype ({input.dtype}), but got {p.dtype}",
+        )
+
+
+def _is_channels_last(t: Tensor) -> bool:
+    # Mirrors layout_for() in csrc/group_norm.cpp: the output strides must match the kernels'.
+    return not t.is_contiguous() and t.dim() >= 3 and t.movedim(1, -1).is_contiguous()
+
+
+def _empty_like_kernel_output(t: Tensor, dtype: torch.dtype) -> Tensor:
+    if _is_channels_last(t):
+        return t.new_empty(t.movedim(1, -1).shape, dtype=dtype).movedim(-1, 1)
+    return t.new_empty(t.shape, dtype=dtype)
+
+
+# -- group_norm_forward ----------------------------------------------------------------------------
+
+
+@register_fake("group_norm_forward")
+def _group_norm_forward_fake(input, num_groups, weight, bias, eps):
+    _check_group_norm_args(input, num_groups, weight, bias)
+    stats_shape = (input.shape[0], num_groups)
+    stats_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+    return (
+        _empty_like_kernel_output(input, input.dtype),
+        input.new_empty(stats_shape, dtype=stats_dtype),
+        input.new_empty(stats_shape, dtype=stats_dtype),
+    )
+
+
+def _group_norm_forward_setup_context(ctx, inputs, output):
+    input, num_groups, weight, bias, _eps = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(input, mean, rstd, weight)
+    ctx.num_groups = num_groups
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    input, mean, rstd, weight = ctx.saved_tensors
+    need_input, _, need_weight, need_bias, _ = ctx.needs_input_grad
+    grad_input, grad_weight, grad_bias = torch.ops.fusednorm.group_norm_backward(
+        grad_out, input, mean, rstd, weight, ctx.num_groups, [need_input, need_weight, need_bias]
+    )
+    return (
+        grad_input if need_input else None,
+        None,
+        grad_weight if need_weight else None,
+        grad_bias.to(ctx.bias_dtype) if need_bias else None,
+        None,
+    )
+
+
+register_autograd("group_norm_forward", _group_norm_forward_backward, _group_norm_forward_setup_context)
+
+
+# -- group_norm_backward -----------------------------------------------------------------------------
+
+
+@register_fake("group_norm_backward")
+def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, output_mask: List[bool]):
+    _check_group_norm_args(input, num_groups, weight, None)
+    torch._check(grad_out.shape == input.shape, lambda: f"Expected grad_out of the input's shape {tuple(input.shape)}, but got {tuple(grad_out.shape)}")
+    param_dtype = input.dtype if weight is None else weight.dtype
+    C = input.shape[1]
+    grad_input = _empty_like_kernel_output(input, input.dtype) if output_mask[0] else input.new_empty((0,))
+    grad_weight = input.new_empty((C,) if output_mask[1] else (0,), dtype=param_dtype)
+    grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=param_dtype)
+    return grad_input, grad_weight, grad_bias

@@ -1,0 +1,157 @@
+"""Builds fusednorm's native library.
+
+One shared library, ``fusednorm/_C*.so``, defines and registers every op.  It does not link
+against Python (no Python.h): the package loads it with ``torch.ops.load_library``.
+
+CUDA sources are compiled whenever torch is a CUDA build and a CUDA toolkit is found, with or
+without a visible GPU.  Environment knobs:
+
+* ``FUSEDNORM_CUDA=0`` / ``=1``: force a CPU-only build / fail unless CUDA can be built.
+* ``TORCH_CUDA_ARCH_LIST``: architectures to build (default: the visible GPUs, else ``DEFAULT_ARCHS``).
+* ``MAX_JOBS``: parallel compile jobs (honoured by torch's ninja build).
+* ``CUDA_HOME``: the toolkit; found from ``nvcc`` when unset.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import setup
+
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _toolkit_from_nvcc():
+    """The toolkit directory of the nvcc on PATH.
+
+    ``nvcc`` may be a wrapper script outside the toolkit, which is why torch's own guess
+    (the parent of nvcc's directory) can be wrong; nvcc's dry run prints the real one as TOP=.
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run(
+            [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            capture_output=True, text=True, timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^#\$ TOP=(.*)$", out.stdout + out.stderr, re.M)
+    return os.path.realpath(m.group(1).strip()) if m else None
+
+
+def _want_cuda(torch):
+    flag = os.environ.get("FUSEDNORM_CUDA", "").strip()
+    if flag == "0":
+        return False
+    if torch.version.cuda is None:
+        if flag == "1":
+            sys.exit("FUSEDNORM_CUDA=1 but the installed torch is not a CUDA build")
+        return False
+    if not os.environ.get("CUDA_HOME"):
+        toolkit = _toolkit_from_nvcc()
+        if toolkit:
+            os.environ["CUDA_HOME"] = toolkit
+    if os.environ.get("CUDA_HOME") or shutil.which("nvcc"):
+        return True
+    if flag == "1":
+        sys.exit("FUSEDNORM_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
+    return False
+
+
+def _pip_cuda_include_dirs():
+    """Headers of the pip-installed CUDA libraries (cuBLAS, cuSPARSE...) that ATen's CUDA
+    headers include; a toolkit that holds only the compiler lacks them."""
+    dirs = []
+    for path in sys.path:
+        dirs += glob.glob(os.path.join(path, "nvidia", "*", "include"))
+        dirs += glob.glob(os.path.join(path, "nvidia", "*", "*", "include"))
+    return sorted({d for d in dirs if os.path.isdir(d)})
+
+
+def _host_cpu_flags():
+    """at::vec flags for the CPU kernels.
+
+    Source builds target the host, like ATen's own AVX2 kernels: with AVX2 and FMA present the
+    CPU kernels use 256-bit vectors. FUSEDNORM_CPU_CAPABILITY=default builds portable code.
+    """
+    if os.environ.get("FUSEDNORM_CPU_CAPABILITY", "").lower() == "default":
+        return []
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(re.findall(r"^flags\s*:(.*)$", f.read(), re.M)[0].split())
+    except (OSError, IndexError):
+        return []
+    if {"avx2", "fma", "f16c"} <= flags:
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def _cxx_standard(torch):
+    """The C++ standard this torch's headers need (C++20 from torch 2.10 on, C++17 before)."""
+    aten_h = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h")
+    try:
+        with open(aten_h) as f:
+            return "c++20" if "C++20" in f.read() else "c++17"
+    except OSError:
+        return "c++17"
+
+
+def _extension():
+    import torch
+    from torch.utils import cpp_extension
+
+    with_cuda = _want_cuda(torch)
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    std = "-std=" + _cxx_standard(torch)
+    cxx_flags = ["-O3", std, "-fdiagnostics-color=always"] + _host_cpu_flags()
+    extra = {"cxx": cxx_flags}
+    include_dirs = [os.path.join(HERE, "csrc")]
+    if with_cuda:
+        # Reload so that CUDA_HOME (possibly set above) is what torch's build helpers use.
+        import importlib
+        cpp_extension = importlib.reload(cpp_extension)
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+        sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+        extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"]
+        include_dirs += _pip_cuda_include_dirs()
+        ext_cls = cpp_extension.CUDAExtension
+        print(f"fusednorm: building with CUDA (CUDA_HOME={os.environ.get('CUDA_HOME')}, "
+              f"archs={os.environ.get('TORCH_CUDA_ARCH_LIST')})")
+    else:
+        ext_cls = cpp_extension.CppExtension
+        print("fusednorm: building CPU-only")
+    ext = ext_cls(
+        name="fusednorm._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        extra_compile_args=extra,
+        py_limited_api=True,
+    )
+    return ext, cpp_extension.BuildExtension
+
+
+def _write_build_info():
+    """Records the torch the library is built against, so that importing fusednorm under
+    another torch fails with a message naming both versions instead of a symbol error."""
+    import torch
+
+    with open(os.path.join(HERE, "ops", "_build_info.py"), "w") as f:
+        f.write("# Generated by setup.py; do not edit.\n")
+        f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
+        f.write(f"CUDA_VERSION = {torch.version.cuda!r}\n")
+
+
+_write_build_info()
+ext, build_ext = _extension()
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_ext.with_options(no_python_abi_suffix=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
