@@ -358,17 +358,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cpu(
 // per group A = sum_c w * db, B = sum_c w * dsc:
 //   dx = w * rstd * dy - rstd^3 / M * B * (x - mean) - rstd / M * A
 //   grad_weight[c] = sum_n dsc * rstd,  grad_bias[c] = sum_n db.
+//
+// The saved mean m is the true mean rounded to float32, off by up to half an ulp of |mean| (5e-4 at
+// 1e4), which would shift dsc by that much times db. The first pass also sums x - m, whose group
+// average is exactly that rounding error delta; dsc and dx are then centred on m + delta.
 
-// Per-(n, c) coefficients of dx = a * dy + b * (x - mean) + e.
+struct GradSums {
+  std::vector<double> db, dsc, dev;  // [N][C] each: sum dy, sum dy * (x - m), sum (x - m)
+  explicit GradSums(int64_t n) : db(n), dsc(n), dev(n) {}
+};
+
+// Per-(n, c) coefficients of dx = a * dy + b * (x - m) + e.
 template <typename acc_t>
 struct GradInputCoeffs {
   std::vector<acc_t> a, b, e, mean;
 };
 
+// Recentres the sums on the true mean; returns delta per (n, g).
+std::vector<double> recentre(const GroupNormShape& sh, GradSums& sums) {
+  std::vector<double> delta(sh.N * sh.G, 0.0);
+  const double M = static_cast<double>(sh.D * sh.S);
+  if (M == 0) return delta;
+  for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) delta[nc / sh.D] += sums.dev[nc];
+  for (auto& d : delta) d /= M;
+  for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) sums.dsc[nc] -= delta[nc / sh.D] * sums.db[nc];
+  return delta;
+}
+
 template <typename acc_t>
 GradInputCoeffs<acc_t> grad_input_coeffs(
     const GroupNormShape& sh, const std::vector<acc_t>& w, const acc_t* mean, const acc_t* rstd,
-    const double* db, const double* dsc) {
+    const GradSums& sums, const std::vector<double>& delta) {
   GradInputCoeffs<acc_t> k;
   for (auto* v : {&k.a, &k.b, &k.e, &k.mean}) v->assign(sh.N * sh.C, acc_t(0));
   const double M = static_cast<double>(sh.D * sh.S);
@@ -377,65 +397,74 @@ GradInputCoeffs<acc_t> grad_input_coeffs(
     for (int64_t g = 0; g < sh.G; ++g) {
       double A = 0, B = 0;
       for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        A += w[c] * db[n * sh.C + c];
-        B += w[c] * dsc[n * sh.C + c];
+        A += w[c] * sums.db[n * sh.C + c];
+        B += w[c] * sums.dsc[n * sh.C + c];
       }
-      const double r = rstd[n * sh.G + g];
+      const int64_t ng = n * sh.G + g;
+      const double r = rstd[ng];
+      const double b = -r * r * r / M * B;
       for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
         k.a[n * sh.C + c] = static_cast<acc_t>(w[c] * r);
-        k.b[n * sh.C + c] = static_cast<acc_t>(-r * r * r / M * B);
-        k.e[n * sh.C + c] = static_cast<acc_t>(-r / M * A);
-        k.mean[n * sh.C + c] = static_cast<acc_t>(mean[n * sh.G + g]);
+        k.b[n * sh.C + c] = static_cast<acc_t>(b);
+        k.e[n * sh.C + c] = static_cast<acc_t>(-r / M * A - b * delta[ng]);
+        k.mean[n * sh.C + c] = mean[ng];
       }
     }
   }
   return k;
 }
 
-// Fills db and dsc, [N][C] each.
+// Accumulates dy, dy * (x - m) and x - m.
+template <typename Vec>
+void accumulate_grad_sums(std::array<Vec, 3>& acc, const Vec& dy, const Vec& centred) {
+  acc[0] += dy;
+  acc[1] = at::vec::fmadd(dy, centred, acc[1]);
+  acc[2] += centred;
+}
+
 template <typename T>
 void grad_sums_channels_first(
-    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, double* db,
-    double* dsc) {
+    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, GradSums& out) {
   using Vec = typename VecIO<T>::Vec;
-  using acc_t = at::opmath_type<T>;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
     for (int64_t nc = begin; nc < end; ++nc) {
-      const Vec m(static_cast<acc_t>(mean[nc / sh.D]));  // (n * C + c) / D == n * G + g
-      const auto sums = reduce_row<2>(dy + nc * sh.S, x + nc * sh.S, sh.S,
-          [&m](auto& acc, const Vec& dyv, const Vec& xv, int64_t) {
-            acc[0] += dyv;
-            acc[1] = at::vec::fmadd(dyv, xv - m, acc[1]);  // zero-padded dy keeps the tail out
+      const Vec m(mean[nc / sh.D]);  // (n * C + c) / D == n * G + g
+      const auto sums = reduce_row<3>(dy + nc * sh.S, x + nc * sh.S, sh.S,
+          [&m](auto& acc, const Vec& dyv, const Vec& xv, int64_t count) {
+            // Padding lanes hold dy = x = 0: only x - m needs masking.
+            const Vec centred = xv - m;
+            accumulate_grad_sums(acc, dyv, count == Vec::size() ? centred : Vec::set(Vec(0), centred, count));
           });
-      db[nc] = sums[0];
-      dsc[nc] = sums[1];
+      out.db[nc] = sums[0];
+      out.dsc[nc] = sums[1];
+      out.dev[nc] = sums[2];
     }
   });
 }
 
 template <typename T>
 void grad_sums_channels_last(
-    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, double* db,
-    double* dsc) {
+    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, GradSums& out) {
   using Vec = typename VecIO<T>::Vec;
   using acc_t = at::opmath_type<T>;
   const int64_t C = sh.C, chunks = num_chunks(sh);
   std::vector<acc_t> mean_c(sh.N * C);
-  for (int64_t nc = 0; nc < sh.N * C; ++nc) mean_c[nc] = static_cast<acc_t>(mean[nc / sh.D]);
-  std::vector<double> partial(sh.N * chunks * 2 * C);
+  for (int64_t nc = 0; nc < sh.N * C; ++nc) mean_c[nc] = mean[nc / sh.D];
+  std::vector<double> partial(sh.N * chunks * 3 * C);
   for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
     const acc_t* mc = &mean_c[n * C];
-    reduce_channels<2>(dy + n * sh.S * C, x + n * sh.S * C, r0, r1, C,
-        &partial[(n * chunks + k) * 2 * C],
+    reduce_channels<3>(dy + n * sh.S * C, x + n * sh.S * C, r0, r1, C,
+        &partial[(n * chunks + k) * 3 * C],
         [mc](auto& acc, const Vec& dyv, const Vec& xv, int64_t c0, int64_t count) {
-          acc[0] += dyv;
-          acc[1] = at::vec::fmadd(dyv, xv - Vec::loadu(mc + c0, count), acc[1]);
+          accumulate_grad_sums(acc, dyv, xv - Vec::loadu(mc + c0, count));
         });
   });
-  const std::vector<double> totals = channel_totals(partial, sh, 2);
-  std::copy(totals.begin(), totals.begin() + sh.N * C, db);
-  std::copy(totals.begin() + sh.N * C, totals.end(), dsc);
+  const std::vector<double> totals = channel_totals(partial, sh, 3);
+  const int64_t NC = sh.N * C;
+  std::copy(totals.begin(), totals.begin() + NC, out.db.begin());
+  std::copy(totals.begin() + NC, totals.begin() + 2 * NC, out.dsc.begin());
+  std::copy(totals.begin() + 2 * NC, totals.end(), out.dev.begin());
 }
 
 template <typename T>
@@ -486,7 +515,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
   const at::Tensor dy = to_layout(grad_out, layout);
   const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
 
-  std::vector<double> db(sh.N * sh.C), dsc(sh.N * sh.C);
+  GradSums sums(sh.N * sh.C);
+  std::vector<double> delta;
   at::Tensor dx = output_mask[0] ? empty_in_layout(x, layout, x.scalar_type())
                                  : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
@@ -496,13 +526,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* dyp = dy.data_ptr<scalar_t>();
     if (layout == Layout::ChannelsFirst) {
-      grad_sums_channels_first(dyp, xp, sh, mp, db.data(), dsc.data());
+      grad_sums_channels_first(dyp, xp, sh, mp, sums);
     } else {
-      grad_sums_channels_last(dyp, xp, sh, mp, db.data(), dsc.data());
+      grad_sums_channels_last(dyp, xp, sh, mp, sums);
     }
+    delta = recentre(sh, sums);
     if (!output_mask[0]) return;
     const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
-    const auto k = grad_input_coeffs<acc_t>(sh, w, mp, rp, db.data(), dsc.data());
+    const auto k = grad_input_coeffs<acc_t>(sh, w, mp, rp, sums, delta);
     scalar_t* dxp = dx.data_ptr<scalar_t>();
     if (layout == Layout::ChannelsFirst) {
       grad_input_channels_first(dyp, xp, dxp, sh, k);
@@ -524,8 +555,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
     double* dbp = dbs.data_ptr<double>();
     for (int64_t n = 0; n < sh.N; ++n) {
       for (int64_t c = 0; c < sh.C; ++c) {
-        dwp[c] += dsc[n * sh.C + c] * rp[n * sh.G + c / sh.D];
-        dbp[c] += db[n * sh.C + c];
+        dwp[c] += sums.dsc[n * sh.C + c] * rp[n * sh.G + c / sh.D];
+        dbp[c] += sums.db[n * sh.C + c];
       }
     }
     if (output_mask[1]) dweight = dw.to(param_dtype);

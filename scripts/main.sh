@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job: sets up the environment and the build, runs every export example, then the
+# benchmark on whatever device is present (results under results/).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck disable=SC1091
+source "$ROOT/scripts/setup_env.sh"
+cd "$ROOT"
+for example in export_examples/*.py; do
+  echo "== $example"
+  python "$example"
+done
+python benchmarks/bench.py --out results "$@"

@@ -1,0 +1,43 @@
+# Sourced by scripts/test.sh and scripts/main.sh: makes a virtual environment with torch, the test
+# dependencies and fusednorm built into it, then activates it.
+#
+# On a machine whose python3 already has torch (the GPU machine, which has no network), the venv
+# sees that torch through --system-site-packages and nothing is downloaded. Elsewhere torch is
+# installed from the package index: FUSEDNORM_TORCH (default torch==2.14.1) says which.
+#
+# Knobs: FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, MAX_JOBS (default: all cores),
+# TORCH_CUDA_ARCH_LIST, FUSEDNORM_CUDA (0: CPU-only build).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FUSEDNORM_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+if ! python -c "import torch" 2>/dev/null; then
+  echo "== installing ${FUSEDNORM_TORCH:-torch==2.14.1}"
+  python -m pip install -q "${FUSEDNORM_TORCH:-torch==2.14.1}"
+fi
+missing=$(python - <<'PY'
+import importlib.util
+wanted = {"pytest": "pytest", "hypothesis": "hypothesis", "numpy": "numpy", "ninja": "ninja",
+          "setuptools": "setuptools>=64", "wheel": "wheel"}
+print(" ".join(spec for mod, spec in wanted.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  echo "== installing $missing"
+  # shellcheck disable=SC2086
+  python -m pip install -q $missing
+fi
+
+echo "== building fusednorm against torch $(python -c 'import torch; print(torch.__version__)')"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+( cd "$ROOT" && python -m pip install -q --no-build-isolation --no-deps -e . )
+python -c "import fusednorm, torch; print('fusednorm', fusednorm.__version__, 'loaded; CUDA kernels:', torch._C._dispatch_has_kernel_for_dispatch_key('fusednorm::group_norm_forward', 'CUDA'))"

@@ -1,0 +1,41 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import fusednorm  # noqa: F401  (loads the ops)
+
+# "ci": derandomized and bounded, so the suite fits CI's time budget and a failure reproduces.
+# "dev": fresh random examples each run. Pick with HYPOTHESIS_PROFILE; CI=true selects "ci".
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "dev",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_generate_tests(metafunc):
+    # Every test that takes `device` runs on the CPU and, where there is one, on the GPU.
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICES)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if ("cuda" in item.keywords or "large" in item.keywords) and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)

@@ -1,0 +1,72 @@
+"""Float64 references of the formulas, written from the definitions (not from torch.nn.functional),
+and helpers shared by the tests."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+TOLERANCES = {
+    # (atol, rtol) for outputs of unit scale, against the float64 reference.
+    torch.float64: (1e-10, 1e-8),
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (3e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+
+def group_norm_reference(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, statistics over (C / G) x spatial, biased
+    variance, in float64. Differentiable in its (float64) arguments."""
+    N, C = x.shape[:2]
+    g = x.reshape(N, num_groups, -1)
+    mean = g.mean(dim=2, keepdim=True)
+    var = ((g - mean) ** 2).mean(dim=2, keepdim=True)
+    y = ((g - mean) / torch.sqrt(var + eps)).reshape(x.shape)
+    shape = (1, C) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
+
+
+def _f64(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach().cpu().double().requires_grad_()
+
+
+def group_norm_reference_with_grads(x, num_groups, weight, bias, eps, grad_out):
+    """The float64 reference output and its gradients (dx, dweight, dbias; None where absent)."""
+    x64, w64, b64 = _f64(x), _f64(weight), _f64(bias)
+    y = group_norm_reference(x64, num_groups, w64, b64, eps)
+    inputs = [t for t in (x64, w64, b64) if t is not None]
+    grads = iter(torch.autograd.grad(y, inputs, grad_out.detach().cpu().double()))
+    dx = next(grads)
+    dw = next(grads) if w64 is not None else None
+    db = next(grads) if b64 is not None else None
+    return y.detach(), dx, dw, db
+
+
+def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, scale: float = 1.0, msg: str = "") -> None:
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(
+        actual.detach().cpu().double(), expected.detach().cpu().double(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{msg}\n{m}"
+    )
+
+
+def to_layout(t: Tensor, layout: str) -> Tensor:
+    """'contiguous', 'channels_last' (channels innermost, any rank >= 3) or 'strided' (a
+    non-dense view with the same values)."""
+    if layout == "contiguous":
+        return t.contiguous()
+    if layout == "channels_last":
+        if t.dim() < 3:
+            return t.contiguous()
+        return t.movedim(1, -1).contiguous().movedim(-1, 1)
+    if layout == "strided":
+        # Every other element of a tensor twice as wide in the last dim.
+        wide = torch.empty(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype, device=t.device)
+        view = wide[..., ::2]
+        view.copy_(t)
+        return view
+    raise ValueError(layout)
