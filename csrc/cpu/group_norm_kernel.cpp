@@ -3,10 +3,11 @@
 // Two layouts are handled in place (see Layout in group_norm.h):
 //   ChannelsFirst: group (n, g) is one contiguous run of D * S elements, D rows of S.
 //   ChannelsLast:  sample n is S rows of C channels; group g is a slice of D channels of each row.
-// Statistics are two-pass (mean, then the sum of squared deviations), accumulated in vector lanes
-// of opmath (float, or double for double) within blocks and in double across blocks, so neither a
-// large offset nor a huge group loses precision. The backward uses the centred sums
-// sum(dy * (x - mean)) for the same reason.
+// Statistics take one pass over memory: each block of a group small enough to stay in cache is
+// reduced exactly in two passes (mean, then squared deviations from it) in vector lanes of opmath
+// (float, or double for double), and the blocks' (count, mean, M2) are merged in double with Chan's
+// formula. Neither a large offset nor a huge group loses precision, and there is no
+// E[x^2] - E[x]^2. The backward uses centred sums, sum(dy * (x - mean)), for the same reason.
 //
 // Results do not depend on the number of threads: every partial sum covers a range fixed by the
 // shape alone and partials are combined in a fixed order.
@@ -69,25 +70,38 @@ double horizontal_sum(const Vec& v) {
   return s;
 }
 
+// Independent accumulators per output: one vector add has a latency of several cycles, so a
+// single accumulator would leave the loop latency-bound.
+constexpr int kUnroll = 4;
+
 // Sums f(x[i], y[i]) over a contiguous row for each of K outputs. `f(acc, xv, yv, count)` adds
-// one vector's contribution to the K accumulators; lanes past `count` hold zeros.
+// one vector's contribution to the K accumulators; lanes past `count` hold zeros. `y` may be null.
 template <int K, typename T, typename F>
 std::array<double, K> reduce_row(const T* x, const T* y, int64_t n, F f) {
   using IO = VecIO<T>;
   using Vec = typename IO::Vec;
+  constexpr int64_t kSize = IO::kSize;
   std::array<double, K> total{};
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t end = std::min(n, start + kBlock);
-    std::array<Vec, K> acc;
-    acc.fill(Vec(0));
+    std::array<std::array<Vec, K>, kUnroll> acc;
+    for (auto& a : acc) a.fill(Vec(0));
     int64_t i = start;
-    for (; i + IO::kSize <= end; i += IO::kSize) {
-      f(acc, IO::load(x + i), y ? IO::load(y + i) : Vec(0), IO::kSize);
+    for (; i + kUnroll * kSize <= end; i += kUnroll * kSize) {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = i + u * kSize;
+        f(acc[u], IO::load(x + j), y ? IO::load(y + j) : Vec(0), kSize);
+      }
     }
-    if (i < end) {
-      f(acc, IO::load(x + i, end - i), y ? IO::load(y + i, end - i) : Vec(0), end - i);
+    for (; i < end; i += kSize) {
+      const int64_t count = std::min(kSize, end - i);
+      f(acc[0], IO::load(x + i, count), y ? IO::load(y + i, count) : Vec(0), count);
     }
-    for (int k = 0; k < K; ++k) total[k] += horizontal_sum(acc[k]);
+    for (int k = 0; k < K; ++k) {
+      Vec sum = acc[0][k];
+      for (int u = 1; u < kUnroll; ++u) sum += acc[u][k];
+      total[k] += horizontal_sum(sum);
+    }
   }
   return total;
 }
@@ -102,15 +116,6 @@ void map_row(const T* x, const T* y, T* out, int64_t n, F f) {
     IO::store(out + i, f(IO::load(x + i), y ? IO::load(y + i) : Vec(0), i));
   }
   if (i < n) IO::store(out + i, f(IO::load(x + i, n - i), y ? IO::load(y + i, n - i) : Vec(0), i), n - i);
-}
-
-// mean = sum / count; rstd = 1 / sqrt(var + eps) with the biased variance.
-double mean_of(double sum, int64_t count) {
-  return count > 0 ? sum / count : 0.0;
-}
-double rstd_of(double sq_dev_sum, int64_t count, double eps) {
-  const double var = count > 0 ? std::max(sq_dev_sum / count, 0.0) : 0.0;
-  return 1.0 / std::sqrt(var + eps);
 }
 
 // Weight / bias as opmath values, 1 and 0 where absent.
@@ -136,15 +141,58 @@ int64_t rows_per_chunk(int64_t C) {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-// A group mean split into two opmath values, hi + lo. x - hi is exact for x near the mean
-// (Sterbenz), so (x - hi) - lo centres x to within one rounding even when |mean| >> std, which a
-// mean rounded to float32 alone would not (1e4 + randn loses ~5e-4 that way).
+// Count, mean and sum of squared deviations of a set of values; merge() is Chan's formula.
+struct Moments {
+  double n = 0, mean = 0, m2 = 0;
+  void merge(const Moments& o) {
+    if (o.n == 0) return;
+    const double total = n + o.n, delta = o.mean - mean;
+    mean += delta * (o.n / total);
+    m2 += o.m2 + delta * delta * (n * o.n / total);
+    n = total;
+  }
+};
+
+// A mean split into two opmath values, hi + lo. x - hi is exact for x near the mean (Sterbenz),
+// so (x - hi) - lo centres x to within one rounding even when |mean| >> std, which a mean rounded
+// to float32 alone would not (1e4 + randn loses ~5e-4 that way).
 template <typename acc_t>
 struct SplitMean {
   acc_t hi, lo;
   explicit SplitMean(double mean = 0)
       : hi(static_cast<acc_t>(mean)), lo(static_cast<acc_t>(mean - static_cast<double>(hi))) {}
 };
+
+// Moments of a contiguous run of at most kBlock elements (cache-resident for its second read).
+template <typename T>
+Moments block_moments(const T* x, int64_t len) {
+  using Vec = typename VecIO<T>::Vec;
+  using acc_t = at::opmath_type<T>;
+  if (len == 0) return {};
+  // Summing x - x[0] keeps the float lanes small when |mean| >> std. Padding lanes past `count`
+  // load as zeros and are masked out.
+  const acc_t first = static_cast<acc_t>(x[0]);
+  const double shifted = reduce_row<1>(x, static_cast<const T*>(nullptr), len,
+      [first](auto& acc, const Vec& xv, const Vec&, int64_t count) {
+        const Vec d = xv - Vec(first);
+        acc[0] += count == Vec::size() ? d : Vec::set(Vec(0), d, count);
+      })[0];
+  const double mean = first + shifted / len;
+  const SplitMean<acc_t> m(mean);
+  // sum((x - hi) - lo)^2 = sum(x - hi)^2 - len * lo^2, as sum(x - hi) = len * lo.
+  const double m2 = reduce_row<1>(x, static_cast<const T*>(nullptr), len,
+      [m](auto& acc, const Vec& xv, const Vec&, int64_t count) {
+        const Vec d = xv - Vec(m.hi);
+        acc[0] += count == Vec::size() ? d * d : Vec::set(Vec(0), d * d, count);
+      })[0];
+  return {static_cast<double>(len), mean, std::max(m2 - len * double(m.lo) * m.lo, 0.0)};
+}
+
+// The output uses the statistics at opmath precision, not their saved rounding.
+double rstd_of(const Moments& m, double eps) {
+  const double var = m.n > 0 ? std::max(m.m2 / m.n, 0.0) : 0.0;
+  return 1.0 / std::sqrt(var + eps);
+}
 
 template <typename T>
 void forward_channels_first(
@@ -158,31 +206,21 @@ void forward_channels_first(
   at::parallel_for(0, sh.N * sh.G, grain, [&](int64_t begin, int64_t end) {
     for (int64_t ng = begin; ng < end; ++ng) {
       const T* xg = x + ng * M;
-      // Summing x - x[0] instead of x keeps the float lanes small when |mean| >> std.
-      const acc_t shift = M > 0 ? static_cast<acc_t>(xg[0]) : acc_t(0);
-      const double shifted_sum = reduce_row<1>(xg, static_cast<const T*>(nullptr), M,
-          [shift](auto& acc, const Vec& xv, const Vec&, int64_t count) {
-            // Lanes past `count` were loaded as zeros; keep them out of the sum.
-            const Vec d = xv - Vec(shift);
-            acc[0] += count == Vec::size() ? d : Vec::set(Vec(0), d, count);
-          })[0];
-      const double mean = M > 0 ? shift + shifted_sum / M : 0.0;
-      const SplitMean<acc_t> m(mean);
-      const double sq = reduce_row<1>(xg, static_cast<const T*>(nullptr), M,
-          [m](auto& acc, const Vec& xv, const Vec&, int64_t count) {
-            const Vec d = (xv - Vec(m.hi)) - Vec(m.lo);
-            acc[0] += count == Vec::size() ? d * d : Vec::set(Vec(0), d * d, count);
-          })[0];
-      // The output uses the statistics at opmath precision, not their saved rounding.
-      const double rstd = rstd_of(sq, M, eps);
-      mean_out[ng] = static_cast<acc_t>(mean);
+      Moments stats;
+      for (int64_t start = 0; start < M; start += kBlock) {
+        stats.merge(block_moments(xg + start, std::min(kBlock, M - start)));
+      }
+      const double rstd = rstd_of(stats, eps);
+      mean_out[ng] = static_cast<acc_t>(stats.mean);
       rstd_out[ng] = static_cast<acc_t>(rstd);
+      const SplitMean<acc_t> m(stats.mean);
       const int64_t g = ng % sh.G;
       for (int64_t d = 0; d < sh.D; ++d) {
         const int64_t c = g * sh.D + d;
-        const Vec scale(static_cast<acc_t>(rstd) * w[c]), bias(b[c]), hi(m.hi), lo(m.lo);
+        const acc_t scale = static_cast<acc_t>(rstd) * w[c];
+        const Vec scale_v(scale), hi(m.hi), shift(b[c] - m.lo * scale);
         map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + ng * M + d * sh.S, sh.S,
-            [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd((xv - hi) - lo, scale, bias); });
+            [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); });
       }
     }
   });
@@ -190,25 +228,27 @@ void forward_channels_first(
 
 // Per-channel sums over rows [r0, r1) of a channels-last sample: out[k * C + c] for K
 // accumulators. `f(acc, xv, yv, c0, count)` updates the accumulators of channels
-// [c0, c0 + count); lanes past `count` load as zeros and are never stored.
+// [c0, c0 + count); lanes past `count` load as zeros and are never stored. Rows are walked in
+// memory order with the C running sums held in a small (L1-resident) buffer.
 template <int K, typename T, typename F>
 void reduce_channels(const T* x, const T* y, int64_t r0, int64_t r1, int64_t C, double* out, F f) {
   using IO = VecIO<T>;
   using Vec = typename IO::Vec;
-  for (int64_t c0 = 0; c0 < C; c0 += IO::kSize) {
-    const int64_t count = std::min<int64_t>(IO::kSize, C - c0);
-    std::array<Vec, K> acc;
-    acc.fill(Vec(0));
-    for (int64_t r = r0; r < r1; ++r) {
+  using acc_t = typename IO::acc_t;
+  const int64_t padded = (C + IO::kSize - 1) / IO::kSize * IO::kSize;
+  std::vector<acc_t> acc_buf(K * padded, acc_t(0));
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c0 = 0; c0 < C; c0 += IO::kSize) {
+      const int64_t count = std::min<int64_t>(IO::kSize, C - c0);
       const int64_t off = r * C + c0;
+      std::array<Vec, K> acc;
+      for (int k = 0; k < K; ++k) acc[k] = Vec::loadu(&acc_buf[k * padded + c0]);
       f(acc, IO::load(x + off, count), y ? IO::load(y + off, count) : Vec(0), c0, count);
-    }
-    for (int k = 0; k < K; ++k) {
-      typename IO::acc_t buf[IO::kSize];
-      acc[k].store(buf);
-      for (int64_t i = 0; i < count; ++i) out[k * C + c0 + i] = buf[i];
+      for (int k = 0; k < K; ++k) acc[k].store(&acc_buf[k * padded + c0]);
     }
   }
+  for (int k = 0; k < K; ++k)
+    for (int64_t c = 0; c < C; ++c) out[k * C + c] = acc_buf[k * padded + c];
 }
 
 // Runs body(n, chunk, r0, r1) over every chunk of rows of every sample, in parallel.
@@ -241,12 +281,36 @@ std::vector<double> channel_totals(const std::vector<double>& partial, const Gro
   return out;
 }
 
-// Per-channel totals [K][N][C] summed over the D channels of each group: [K][N][G].
-std::vector<double> group_totals(const std::vector<double>& per_channel, const GroupNormShape& sh, int K) {
-  std::vector<double> out(K * sh.N * sh.G, 0.0);
-  for (int64_t i = 0; i < K * sh.N; ++i)
-    for (int64_t c = 0; c < sh.C; ++c) out[i * sh.G + c / sh.D] += per_channel[i * sh.C + c];
-  return out;
+// Moments of every group over one chunk of rows of a channels-last sample: the chunk (a few
+// tens of KB) is read twice, the second time from cache.
+template <typename T>
+void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh, Moments* out) {
+  using acc_t = at::opmath_type<T>;
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C, rows = r1 - r0;
+  std::vector<double> sums(C);
+  std::vector<acc_t> first(C), hi(C);
+  for (int64_t c = 0; c < C; ++c) first[c] = static_cast<acc_t>(xn[r0 * C + c]);
+  reduce_channels<1>(xn, static_cast<const T*>(nullptr), r0, r1, C, sums.data(),
+      [&first](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
+        acc[0] += xv - Vec::loadu(&first[c0], count);
+      });
+  for (int64_t g = 0; g < sh.G; ++g) {
+    double total = 0;
+    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) total += sums[c] + rows * static_cast<double>(first[c]);
+    out[g] = Moments{static_cast<double>(rows * sh.D), total / (rows * sh.D), 0.0};
+    const SplitMean<acc_t> m(out[g].mean);
+    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) hi[c] = m.hi;
+    // The lo part of the mean enters as in block_moments.
+    out[g].m2 = -out[g].n * double(m.lo) * m.lo;
+  }
+  reduce_channels<1>(xn, static_cast<const T*>(nullptr), r0, r1, C, sums.data(),
+      [&hi](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
+        const Vec d = xv - Vec::loadu(&hi[c0], count);
+        acc[0] += d * d;
+      });
+  for (int64_t c = 0; c < C; ++c) out[c / sh.D].m2 += sums[c];
+  for (int64_t g = 0; g < sh.G; ++g) out[g].m2 = std::max(out[g].m2, 0.0);
 }
 
 template <typename T>
@@ -255,61 +319,35 @@ void forward_channels_last(
     const std::vector<at::opmath_type<T>>& b, double eps, at::opmath_type<T>* mean_out,
     at::opmath_type<T>* rstd_out) {
   using acc_t = at::opmath_type<T>;
-  using IO = VecIO<T>;
-  using Vec = typename IO::Vec;
-  const int64_t C = sh.C, chunks = num_chunks(sh), M = sh.D * sh.S;
-  std::vector<double> partial(sh.N * chunks * C);
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C, chunks = num_chunks(sh);
 
-  // Pass 1: per-channel sums of x - x[n, 0, c] (see forward_channels_first for the shift).
-  std::vector<acc_t> first_row(sh.N * C, acc_t(0));
-  if (sh.S > 0) {
-    for (int64_t n = 0; n < sh.N; ++n)
-      for (int64_t c = 0; c < C; ++c) first_row[n * C + c] = static_cast<acc_t>(x[n * sh.S * C + c]);
-  }
+  std::vector<Moments> partial(sh.N * chunks * sh.G);
   for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
-    const acc_t* x0 = &first_row[n * C];
-    reduce_channels<1>(x + n * sh.S * C, static_cast<const T*>(nullptr), r0, r1, C,
-        &partial[(n * chunks + k) * C],
-        [x0](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
-          acc[0] += xv - Vec::loadu(x0 + c0, count);
-        });
+    chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
   });
-  std::vector<double> channel_sums = channel_totals(partial, sh, 1);
-  for (int64_t nc = 0; nc < sh.N * C; ++nc) channel_sums[nc] += static_cast<double>(sh.S) * first_row[nc];
-  const std::vector<double> sums = group_totals(channel_sums, sh, 1);
 
-  // Each group's mean, split and copied per channel so that the later passes are vector loops
-  // over channels.
-  std::vector<acc_t> mean_hi(sh.N * C), mean_lo(sh.N * C);
-  for (int64_t nc = 0; nc < sh.N * C; ++nc) {
-    const SplitMean<acc_t> m(mean_of(sums[nc / sh.D], M));  // (n * C + c) / D == n * G + g
-    mean_hi[nc] = m.hi;
-    mean_lo[nc] = m.lo;
+  // Merged in chunk order; then each group's statistics copied per channel so that the output
+  // pass is a vector loop over channels.
+  std::vector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
+  for (int64_t n = 0; n < sh.N; ++n) {
+    for (int64_t g = 0; g < sh.G; ++g) {
+      Moments stats;
+      for (int64_t k = 0; k < chunks; ++k) stats.merge(partial[(n * chunks + k) * sh.G + g]);
+      const int64_t ng = n * sh.G + g;
+      const double rstd = rstd_of(stats, eps);
+      mean_out[ng] = static_cast<acc_t>(stats.mean);
+      rstd_out[ng] = static_cast<acc_t>(rstd);
+      const SplitMean<acc_t> m(stats.mean);
+      for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
+        mean_hi[n * C + c] = m.hi;
+        scale[n * C + c] = static_cast<acc_t>(rstd) * w[c];
+        shift[n * C + c] = b[c] - m.lo * scale[n * C + c];
+      }
+    }
   }
 
-  // Pass 2: per-channel sums of squared deviations.
-  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
-    const acc_t* hi = &mean_hi[n * C];
-    const acc_t* lo = &mean_lo[n * C];
-    reduce_channels<1>(x + n * sh.S * C, static_cast<const T*>(nullptr), r0, r1, C,
-        &partial[(n * chunks + k) * C],
-        [hi, lo](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
-          const Vec d = (xv - Vec::loadu(hi + c0, count)) - Vec::loadu(lo + c0, count);
-          acc[0] += d * d;
-        });
-  });
-  const std::vector<double> sq = group_totals(channel_totals(partial, sh, 1), sh, 1);
-
-  std::vector<acc_t> scale(sh.N * C);
-  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) {
-    mean_out[ng] = static_cast<acc_t>(mean_of(sums[ng], M));
-    rstd_out[ng] = static_cast<acc_t>(rstd_of(sq[ng], M, eps));
-  }
-  for (int64_t nc = 0; nc < sh.N * C; ++nc) {
-    scale[nc] = static_cast<acc_t>(rstd_of(sq[nc / sh.D], M, eps)) * w[nc % C];
-  }
-
-  // Pass 3: y = ((x - hi) - lo) * scale + bias.
+  // y = (x - hi) * scale + (bias - lo * scale), see SplitMean.
   for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t off = (n * sh.S + r) * C;
@@ -317,8 +355,8 @@ void forward_channels_last(
           [&](const Vec& xv, const Vec&, int64_t c0) {
             const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
             const int64_t nc = n * C + c0;
-            const Vec centred = (xv - Vec::loadu(&mean_hi[nc], count)) - Vec::loadu(&mean_lo[nc], count);
-            return at::vec::fmadd(centred, Vec::loadu(&scale[nc], count), Vec::loadu(&b[c0], count));
+            return at::vec::fmadd(xv - Vec::loadu(&mean_hi[nc], count), Vec::loadu(&scale[nc], count),
+                Vec::loadu(&shift[nc], count));
           });
     }
   });

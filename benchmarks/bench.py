@@ -1,0 +1,269 @@
+"""Times fusednorm against PyTorch eager and torch.compile (and Liger-Kernel when installed).
+
+On a GPU: the suite of the performance issue, forward and backward, with the device-to-device
+copy bandwidth measured in the same run as the roofline. On a CPU: a small suite against ATen.
+Prints a table (ms, effective GB/s, % of roofline, speedups), writes JSON and, with matplotlib,
+a PNG chart.
+
+    python benchmarks/bench.py [--out DIR] [--device cuda|cpu] [--no-compile] [--filter TEXT]
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import fusednorm
+
+
+@dataclass
+class Case:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    kind: str  # "group" or "instance"
+    groups: int = 32
+    affine: bool = True
+    channels_last: bool = False
+    activation: Optional[str] = None  # applied after the norm, eagerly, in every implementation
+
+
+def gpu_suite() -> List[Case]:
+    cases = [
+        Case("GroupNorm problem", (112, 64, 512, 512), torch.float32, "group", groups=8),
+        Case("InstanceNorm problem", (112, 64, 512, 512), torch.float32, "instance", affine=False),
+    ]
+    for batch in (2, 8):
+        for c, hw in ((320, 64), (640, 32), (1280, 16), (1280, 8)):
+            for cl in (False, True):
+                cases.append(Case(f"SD UNet GN+SiLU b{batch}", (batch, c, hw, hw), torch.float16, "group",
+                                  channels_last=cl, activation="silu"))
+    for c, hw in ((128, 512), (256, 256), (512, 128)):
+        cases.append(Case("VAE GN+SiLU", (1, c, hw, hw), torch.bfloat16, "group", activation="silu"))
+    cases.append(Case("VAE GN+SiLU", (1, 128, 1024, 1024), torch.float16, "group", activation="silu"))
+    cases.append(Case("Attention GN", (16, 512, 4096), torch.bfloat16, "group"))
+    for cl in (False, True):
+        cases.append(Case("InstanceNorm3d affine", (2, 32, 128, 128, 128), torch.float32, "instance", channels_last=cl))
+    return cases
+
+
+def cpu_suite() -> List[Case]:
+    return [
+        Case("GN CPU", (8, 320, 32, 32), torch.float32, "group"),
+        Case("GN CPU", (8, 320, 32, 32), torch.float32, "group", channels_last=True),
+        Case("IN CPU", (4, 64, 64, 64), torch.float32, "instance", affine=False),
+    ]
+
+
+def activation(name: Optional[str]) -> Callable:
+    return {None: lambda t: t, "silu": F.silu}[name]
+
+
+def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
+    act = activation(case.activation)
+    if case.kind == "group":
+        def eager(x, w, b):
+            return act(F.group_norm(x, case.groups, w, b, 1e-5))
+
+        def ours(x, w, b):
+            return act(fusednorm.group_norm(x, case.groups, w, b, 1e-5))
+    else:
+        def eager(x, w, b):
+            return act(F.instance_norm(x, weight=w, bias=b, eps=1e-5))
+
+        def ours(x, w, b):
+            return act(fusednorm.instance_norm(x, weight=w, bias=b, eps=1e-5))
+    impls = {"fusednorm": ours, "eager": eager}
+    if with_compile:
+        impls["compile"] = torch.compile(eager)
+    try:
+        from liger_kernel.ops.group_norm import LigerGroupNormFunction  # type: ignore
+
+        if case.kind == "group" and case.affine and not case.channels_last:
+            impls["liger"] = lambda x, w, b: act(LigerGroupNormFunction.apply(x, w, b, x.shape[1], case.groups, 1e-5))
+    except Exception:
+        pass
+    return impls
+
+
+def timer(device: str):
+    """Median milliseconds of fn(); on CUDA with CUDA events after an L2 flush."""
+    if device == "cuda":
+        try:
+            from triton.testing import do_bench
+
+            return lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median")
+        except ImportError:
+            pass
+
+        def cuda_time(fn, reps=50):
+            flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+            for _ in range(5):
+                fn()
+            times = []
+            for _ in range(reps):
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return statistics.median(times)
+
+        return cuda_time
+
+    def cpu_time(fn, reps=30):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_time
+
+
+def copy_bandwidth(device: str, measure) -> float:
+    """Device-to-device copy bandwidth in GB/s, bytes read plus bytes written."""
+    numel = (1 << 30) // 4 if device == "cuda" else (1 << 26) // 4
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = measure(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+@dataclass
+class Row:
+    case: str
+    shape: str
+    dtype: str
+    layout: str
+    direction: str
+    ms: Dict[str, float] = field(default_factory=dict)
+    gbps: float = 0.0
+    roofline_pct: float = 0.0
+
+
+def run_case(case: Case, device: str, measure, roofline: float, with_compile: bool) -> List[Row]:
+    x = torch.randn(case.shape, dtype=case.dtype, device=device)
+    if case.channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    C = case.shape[1]
+    w = torch.randn(C, dtype=case.dtype, device=device) if case.affine else None
+    b = torch.randn(C, dtype=case.dtype, device=device) if case.affine else None
+    elem = x.element_size()
+    numel = x.numel()
+    rows = []
+    layout = "channels_last" if case.channels_last else "contiguous"
+    fwd = Row(case.name, str(tuple(case.shape)), str(case.dtype).replace("torch.", ""), layout, "forward")
+    bwd = Row(case.name, str(tuple(case.shape)), str(case.dtype).replace("torch.", ""), layout, "backward")
+    for name, fn in implementations(case, with_compile).items():
+        try:
+            with torch.no_grad():
+                fwd.ms[name] = measure(lambda: fn(x, w, b))
+            xg = x.detach().requires_grad_()
+            params = [p.detach().requires_grad_() for p in (w, b) if p is not None]
+            y = fn(xg, *(params if params else [None, None]))
+            dy = torch.randn_like(y)
+            bwd.ms[name] = measure(lambda: torch.autograd.grad(y, [xg] + params, dy, retain_graph=True))
+            del y, dy, xg
+        except Exception as e:  # one implementation failing must not hide the others
+            print(f"  {name} failed on {case.name} {case.shape}: {type(e).__name__}: {e}", file=sys.stderr)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for row, passes in ((fwd, 2), (bwd, 3)):
+        if "fusednorm" in row.ms:
+            row.gbps = passes * numel * elem / (row.ms["fusednorm"] * 1e-3) / 1e9
+            row.roofline_pct = 100 * row.gbps / roofline
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: List[Row], impls: List[str]) -> str:
+    head = ["case", "shape", "dtype", "layout", "dir"] + [f"{i} ms" for i in impls] + ["GB/s", "% roof", "x eager", "x compile"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ours = r.ms.get("fusednorm")
+        cells = [r.case, r.shape, r.dtype, r.layout, r.direction]
+        cells += [f"{r.ms[i]:.4f}" if i in r.ms else "-" for i in impls]
+        cells += [f"{r.gbps:.0f}", f"{r.roofline_pct:.0f}%"]
+        for base in ("eager", "compile"):
+            cells.append(f"{r.ms[base] / ours:.2f}" if ours and base in r.ms else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def geomean(values):
+    values = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves minutes of compile time)")
+    parser.add_argument("--filter", default="", help="only cases whose name contains this text")
+    args = parser.parse_args()
+
+    device = args.device
+    measure = timer(device)
+    roofline = copy_bandwidth(device, measure)
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"fusednorm benchmark on {card}, torch {torch.__version__}; copy bandwidth {roofline:.0f} GB/s (roofline)")
+    cases = [c for c in (gpu_suite() if device == "cuda" else cpu_suite()) if args.filter in c.name]
+    rows = []
+    for case in cases:
+        print(f"  {case.name} {case.shape} {case.dtype} {'channels_last' if case.channels_last else ''}", flush=True)
+        rows += run_case(case, device, measure, roofline, not args.no_compile)
+    impls = [i for i in ("fusednorm", "eager", "compile", "liger") if any(i in r.ms for r in rows)]
+    table = print_table(rows, impls)
+    print(table)
+    for direction in ("forward", "backward"):
+        sel = [r for r in rows if r.direction == direction and "fusednorm" in r.ms]
+        for base in ("eager", "compile"):
+            g = geomean([r.ms[base] / r.ms["fusednorm"] for r in sel if base in r.ms])
+            print(f"geomean speedup {direction} vs {base}: {g:.2f}x")
+
+    os.makedirs(args.out, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d")
+    with open(os.path.join(args.out, f"bench_{device}.json"), "w") as f:
+        json.dump({"date": stamp, "card": card, "torch": torch.__version__, "roofline_gbps": roofline,
+                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+    with open(os.path.join(args.out, f"bench_{device}.md"), "w") as f:
+        f.write(f"{stamp}, {card}, torch {torch.__version__}, copy bandwidth {roofline:.0f} GB/s\n\n{table}\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.5))
+        labels = [f"{r.case} {r.shape} {r.layout[:8]} {r.direction[:3]}" for r in rows]
+        for i, impl in enumerate(impls):
+            ax.barh([j + i * 0.8 / len(impls) for j in range(len(rows))],
+                    [r.ms.get(impl, 0) for r in rows], height=0.8 / len(impls), label=impl)
+        ax.set_yticks(range(len(rows)), labels, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (log)")
+        ax.set_title(f"fusednorm on {card}, torch {torch.__version__}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, f"bench_{device}.png"), dpi=80)
+    except ImportError:
+        print("matplotlib not installed: no chart")
+
+
+if __name__ == "__main__":
+    main()
