@@ -9,13 +9,13 @@ bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
 
-void check_param(const char* name, const at::Tensor& param, const at::Tensor& input, int64_t C) {
+void check_param(const char* name, const at::Tensor& param, const at::Tensor& input) {
   TORCH_CHECK(param.device() == input.device(),
       "Expected all tensors to be on the same device, but found input on ", input.device(),
       " and ", name, " on ", param.device());
-  TORCH_CHECK(param.dim() == 1 && param.numel() == C,
+  TORCH_CHECK(param.dim() == 1 && param.sym_numel() == input.sym_size(1),
       "Expected ", name, " to be a vector of size equal to the number of channels in input, but got ",
-      name, " of shape ", param.sizes(), " and input of shape ", input.sizes());
+      name, " of shape ", param.sym_sizes(), " and input of shape ", input.sym_sizes());
   const auto in = input.scalar_type();
   const auto p = param.scalar_type();
   const bool reduced_input = in == at::kBFloat16 || in == at::kHalf;
@@ -27,9 +27,8 @@ void check_param(const char* name, const at::Tensor& param, const at::Tensor& in
 
 }  // namespace
 
-GroupNormShape check_group_norm_args(
+void check_input_and_params(
     const at::Tensor& input,
-    int64_t num_groups,
     const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.dim() >= 2,
@@ -37,14 +36,22 @@ GroupNormShape check_group_norm_args(
   TORCH_CHECK_NOT_IMPLEMENTED(is_supported_dtype(input.scalar_type()),
       "\"fusednorm::group_norm\" not implemented for '", input.scalar_type(),
       "': expected float32, float64, bfloat16 or float16 input");
+  if (weight.has_value() && weight->defined()) check_param("weight", *weight, input);
+  if (bias.has_value() && bias->defined()) check_param("bias", *bias, input);
+}
+
+GroupNormShape check_group_norm_args(
+    const at::Tensor& input,
+    int64_t num_groups,
+    const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias) {
+  check_input_and_params(input, weight, bias);
   TORCH_CHECK(num_groups > 0, "Expected num_groups to be positive, but got num_groups=", num_groups);
   const int64_t N = input.size(0);
   const int64_t C = input.size(1);
   TORCH_CHECK(C % num_groups == 0,
       "Expected number of channels in input to be divisible by num_groups, but got input of shape ",
       input.sizes(), " and num_groups=", num_groups);
-  if (weight.has_value() && weight->defined()) check_param("weight", *weight, input, C);
-  if (bias.has_value() && bias->defined()) check_param("bias", *bias, input, C);
   int64_t spatial = 1;
   for (int64_t d = 2; d < input.dim(); ++d) spatial *= input.size(d);
   return GroupNormShape{N, C, spatial, num_groups, C / num_groups};
@@ -95,8 +102,8 @@ at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dt
   return at::empty(t.movedim(1, -1).sizes(), options).movedim(-1, 1);
 }
 
-at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& weight) {
-  return weight.has_value() && weight->defined() ? weight->scalar_type() : input.scalar_type();
+at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& /*weight*/) {
+  return stats_dtype(input.scalar_type());
 }
 
 }  // namespace fusednorm

@@ -22,6 +22,13 @@ struct GroupNormShape {
 //   ChannelsLast:  (N, S, C) contiguous, i.e. channels_last / channels_last_3d, for any rank >= 3.
 enum class Layout { ChannelsFirst, ChannelsLast };
 
+// Validates the input's rank and dtype and the weight's and bias's device, shape and dtype.
+// Works on symbolic shapes too (the composite ops call it while torch.compile traces them).
+void check_input_and_params(
+    const at::Tensor& input,
+    const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias);
+
 // Validates input, num_groups, weight and bias for the forward op and returns the shape.
 // Raises the exception types PyTorch raises for the same mistakes.
 GroupNormShape check_group_norm_args(
@@ -54,8 +61,8 @@ inline at::ScalarType stats_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// dtype of the weight gradient (and of the bias gradient): the weight's dtype when there is a
-// weight, else the input's.
+// dtype of the weight and bias gradients the backward op returns: that of the statistics, so
+// that nothing is rounded to bf16/fp16 before autograd casts them to the parameters' dtypes.
 at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& weight);
 
 }  // namespace fusednorm

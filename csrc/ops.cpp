@@ -15,6 +15,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "group_norm.h"
+
 namespace fusednorm {
 namespace {
 
@@ -73,21 +75,24 @@ at::Tensor instance_norm(
     const at::Tensor& input, const OptTensor& running_mean, const OptTensor& running_var,
     const OptTensor& weight, const OptTensor& bias, bool use_input_stats, double momentum,
     double eps) {
-  TORCH_CHECK(input.dim() >= 2,
-      "Expected at least 2 dimensions for input tensor but received ", input.dim());
+  check_input_and_params(input, weight, bias);
   const c10::SymInt C = input.sym_size(1);
+  // The same checks, in the same order, as ATen's instance_norm.
+  TORCH_CHECK(use_input_stats || (defined(running_mean) && defined(running_var)),
+      "Expected running_mean and running_var to be defined when use_input_stats is false");
+  TORCH_CHECK_VALUE(defined(running_mean) == defined(running_var),
+      "running_mean and running_var must either both be None or neither be None");
   for (const auto* stat : {&running_mean, &running_var}) {
     if (!defined(*stat)) continue;
     const char* name = stat == &running_mean ? "running_mean" : "running_var";
     TORCH_CHECK((*stat)->dim() == 1 && (*stat)->sym_numel() == C,
-        name, " should contain ", C, " elements not ", (*stat)->sym_numel());
+        "Expected ", name, " to be a vector of size equal to the number of channels in input (", C,
+        "), but got ", name, " of shape ", (*stat)->sym_sizes());
     TORCH_CHECK((*stat)->device() == input.device(),
         "Expected all tensors to be on the same device, but found input on ", input.device(),
         " and ", name, " on ", (*stat)->device());
   }
   if (!use_input_stats) {
-    TORCH_CHECK(defined(running_mean) && defined(running_var),
-        "Expected running_mean and running_var to be defined when use_input_stats is false");
     return instance_norm_with_running_stats(input, *running_mean, *running_var, weight, bias, eps);
   }
   const c10::SymInt spatial = spatial_numel(input);

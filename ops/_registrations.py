@@ -47,6 +47,11 @@ def _check_group_norm_args(input: Tensor, num_groups: int, weight: Optional[Tens
         )
 
 
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Mean, rstd and parameter gradients: float32, float64 for float64 input (stats_dtype in C++).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _is_channels_last(t: Tensor) -> bool:
     # Mirrors layout_for() in csrc/group_norm.cpp: the output strides must match the kernels'.
     return not t.is_contiguous() and t.dim() >= 3 and t.movedim(1, -1).is_contiguous()
@@ -65,11 +70,10 @@ def _empty_like_kernel_output(t: Tensor, dtype: torch.dtype) -> Tensor:
 def _group_norm_forward_fake(input, num_groups, weight, bias, eps):
     _check_group_norm_args(input, num_groups, weight, bias)
     stats_shape = (input.shape[0], num_groups)
-    stats_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
     return (
         _empty_like_kernel_output(input, input.dtype),
-        input.new_empty(stats_shape, dtype=stats_dtype),
-        input.new_empty(stats_shape, dtype=stats_dtype),
+        input.new_empty(stats_shape, dtype=_stats_dtype(input.dtype)),
+        input.new_empty(stats_shape, dtype=_stats_dtype(input.dtype)),
     )
 
 
@@ -88,10 +92,11 @@ def _group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     grad_input, grad_weight, grad_bias = torch.ops.fusednorm.group_norm_backward(
         grad_out, input, mean, rstd, weight, ctx.num_groups, [need_input, need_weight, need_bias]
     )
+    # The op returns parameter gradients in the statistics' precision; round them only now.
     return (
         grad_input if need_input else None,
         None,
-        grad_weight if need_weight else None,
+        grad_weight.to(weight.dtype) if need_weight else None,
         grad_bias.to(ctx.bias_dtype) if need_bias else None,
         None,
     )
@@ -105,11 +110,18 @@ register_autograd("group_norm_forward", _group_norm_forward_backward, _group_nor
 
 @register_fake("group_norm_backward")
 def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, output_mask: List[bool]):
+    # As check_group_norm_backward_args in csrc/group_norm.cpp.
     _check_group_norm_args(input, num_groups, weight, None)
     torch._check(grad_out.shape == input.shape, lambda: f"Expected grad_out of the input's shape {tuple(input.shape)}, but got {tuple(grad_out.shape)}")
-    param_dtype = input.dtype if weight is None else weight.dtype
+    torch._check(grad_out.dtype == input.dtype, lambda: f"Expected grad_out of the input's dtype {input.dtype}, but got {grad_out.dtype}")
+    stats_dtype = _stats_dtype(input.dtype)
+    for name, stat in (("mean", mean), ("rstd", rstd)):
+        torch._check(
+            stat.dim() == 2 and stat.shape[0] == input.shape[0] and stat.shape[1] == num_groups and stat.dtype == stats_dtype,
+            lambda: f"Expected {name} to be a {stats_dtype} tensor of shape ({input.shape[0]}, {num_groups}), but got {stat.dtype} of shape {tuple(stat.shape)}",
+        )
     C = input.shape[1]
     grad_input = _empty_like_kernel_output(input, input.dtype) if output_mask[0] else input.new_empty((0,))
-    grad_weight = input.new_empty((C,) if output_mask[1] else (0,), dtype=param_dtype)
-    grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=param_dtype)
+    grad_weight = input.new_empty((C,) if output_mask[1] else (0,), dtype=stats_dtype)
+    grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=stats_dtype)
     return grad_input, grad_weight, grad_bias

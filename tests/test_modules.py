@@ -1,0 +1,578 @@
+"""fusednorm.nn.GroupNorm / InstanceNorm1d/2d/3d against their torch.nn counterparts: construction,
+parameters and buffers, checkpoints, numerics in train and eval mode, input checks, TorchScript."""
+
+import functools
+import io
+import inspect
+import json
+import math
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import fusednorm
+import fusednorm.nn as fnn
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
+
+INSTANCE_NORMS = {1: (fnn.InstanceNorm1d, torch.nn.InstanceNorm1d),
+                  2: (fnn.InstanceNorm2d, torch.nn.InstanceNorm2d),
+                  3: (fnn.InstanceNorm3d, torch.nn.InstanceNorm3d)}
+PAIRS = {"GroupNorm": (fnn.GroupNorm, torch.nn.GroupNorm),
+         **{f"InstanceNorm{d}d": INSTANCE_NORMS[d] for d in (1, 2, 3)}}
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype and a[k].device == b[k].device, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def randomize_(module, seed):
+    """Random non-default parameters and running statistics (and a non-zero num_batches_tracked)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if name == "num_batches_tracked":
+                t.fill_(int(torch.randint(1, 100, (1,), generator=g)))
+            elif name == "running_var":
+                t.copy_(torch.rand(t.shape, generator=g) * 2 + 0.5)
+            else:
+                t.copy_(torch.randn(t.shape, generator=g))
+    return module
+
+
+def make_pair(name, *args, seed=0, device="cpu", **kwargs):
+    """(fusednorm module, torch module) with the torch module's random state loaded into the
+    fusednorm one."""
+    ours_cls, torch_cls = PAIRS[name]
+    theirs = randomize_(torch_cls(*args, **kwargs), seed).to(device)
+    ours = ours_cls(*args, **kwargs).to(device)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return ours, theirs
+
+
+def random_input(shape, seed, device, requires_grad=True, group_numel=None):
+    """Random values whose normalization groups (runs of `group_numel` consecutive elements; by
+    default one (n, c) instance, prod(shape[2:])) each have a mean in [-2, 2] and a standard
+    deviation in [0.5, 2], so rstd stays O(1) and fp32 tolerances can stay tight."""
+    g = torch.Generator().manual_seed(seed)
+    if group_numel is None:
+        group_numel = math.prod(shape[2:])
+    z = torch.randn(shape, generator=g, dtype=torch.float64).reshape(-1, group_numel)
+    if group_numel > 1 and z.numel():
+        z = (z - z.mean(1, keepdim=True)) / z.std(1, unbiased=False, keepdim=True)
+    mu = torch.rand(z.shape[0], 1, generator=g, dtype=torch.float64) * 4 - 2
+    sigma = torch.rand(z.shape[0], 1, generator=g, dtype=torch.float64) * 1.5 + 0.5
+    x = (z * sigma + mu).reshape(shape).float()
+    return x.to(device).requires_grad_(requires_grad)
+
+
+def compare_step(ours, theirs, x, seed):
+    """Forward + backward through both modules on copies of x; compares outputs, the input and
+    parameter gradients and the buffers."""
+    x1 = x.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    exc = None
+    try:
+        y2 = theirs(x2)
+    except Exception as e:  # torch rejects it: so must we, with the same type
+        exc = e
+    if exc is not None:
+        with pytest.raises(type(exc)):
+            ours(x1)
+        return
+    y1 = ours(x1)
+    assert y1.shape == y2.shape and y1.dtype == y2.dtype
+    torch.testing.assert_close(y1, y2, **TOL)
+    g = torch.randn(y2.shape, generator=torch.Generator().manual_seed(seed)).to(y2.device)
+    for p in list(ours.parameters()) + list(theirs.parameters()):
+        p.grad = None
+    y1.backward(g)
+    y2.backward(g)
+    scale = max(1.0, float(x2.grad.abs().max()))
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-5 * scale, rtol=1e-5)
+    assert len(list(ours.parameters())) == len(list(theirs.parameters()))
+    assert len(list(ours.buffers())) == len(list(theirs.buffers()))
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert n1 == n2
+        scale = max(1.0, float(p2.grad.abs().max()))
+        torch.testing.assert_close(p1.grad, p2.grad, atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"grad {n1}: {m}")
+    for (n1, b1), (n2, b2) in zip(ours.named_buffers(), theirs.named_buffers()):
+        assert n1 == n2
+        torch.testing.assert_close(b1, b2, atol=1e-6, rtol=1e-5, msg=lambda m: f"buffer {n1}: {m}")
+
+
+# -- construction ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_subclass_and_same_constructor_signature(name):
+    ours_cls, torch_cls = PAIRS[name]
+    assert issubclass(ours_cls, torch_cls)
+    assert inspect.signature(ours_cls) == inspect.signature(torch_cls)
+    args = (2, 4) if name == "GroupNorm" else (4,)
+    assert isinstance(ours_cls(*args), torch_cls)
+
+
+def test_isinstance():
+    assert isinstance(fnn.GroupNorm(2, 4), torch.nn.GroupNorm)
+    for d, (ours_cls, torch_cls) in INSTANCE_NORMS.items():
+        assert isinstance(ours_cls(3), torch_cls)
+        assert isinstance(ours_cls(3), torch.nn.modules.instancenorm._InstanceNorm)
+
+
+def check_same_module_state(ours, theirs):
+    for attr in ("num_groups", "num_channels", "num_features", "eps", "momentum", "affine", "track_running_stats",
+                 "training"):
+        assert getattr(ours, attr, "absent") == getattr(theirs, attr, "absent"), attr
+    p1, p2 = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert_same_tensors(p1, p2)
+    assert [p.requires_grad for p in p1.values()] == [p.requires_grad for p in p2.values()]
+    assert_same_tensors(dict(ours.named_buffers()), dict(theirs.named_buffers()))
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert repr(ours) == repr(theirs)
+
+
+@given(num_groups=st.integers(1, 5), per_group=st.integers(1, 4), eps=st.floats(1e-8, 0.5),
+       affine=st.booleans(), dtype=st.sampled_from([None, torch.float32, torch.float64, torch.bfloat16]),
+       positional=st.booleans())
+def test_group_norm_constructor(num_groups, per_group, eps, affine, dtype, positional, device):
+    C = num_groups * per_group
+    if positional:
+        ours, theirs = fnn.GroupNorm(num_groups, C, eps, affine, device, dtype), torch.nn.GroupNorm(num_groups, C, eps, affine, device, dtype)
+    else:
+        kw = dict(num_groups=num_groups, num_channels=C, eps=eps, affine=affine, device=device, dtype=dtype)
+        ours, theirs = fnn.GroupNorm(**kw), torch.nn.GroupNorm(**kw)
+    check_same_module_state(ours, theirs)
+    assert (ours.weight is None) == (not affine)
+    if affine:
+        assert ours.weight.device.type == device and ours.weight.dtype == (dtype or torch.float32)
+
+
+@pytest.mark.parametrize("ctor", ["default", "all"])
+def test_group_norm_defaults(ctor):
+    if ctor == "default":
+        check_same_module_state(fnn.GroupNorm(3, 6), torch.nn.GroupNorm(3, 6))
+    else:
+        check_same_module_state(fnn.GroupNorm(3, 6, 1e-3, False), torch.nn.GroupNorm(3, 6, 1e-3, False))
+
+
+@given(dim=st.sampled_from([1, 2, 3]), C=st.integers(1, 8), eps=st.floats(1e-8, 0.5),
+       momentum=st.none() | st.floats(0, 1), affine=st.booleans(), track=st.booleans(),
+       dtype=st.sampled_from([None, torch.float32, torch.float64]))
+def test_instance_norm_constructor(dim, C, eps, momentum, affine, track, dtype, device):
+    ours_cls, torch_cls = INSTANCE_NORMS[dim]
+    kw = dict(eps=eps, momentum=momentum, affine=affine, track_running_stats=track, device=device, dtype=dtype)
+    ours, theirs = ours_cls(C, **kw), torch_cls(C, **kw)
+    check_same_module_state(ours, theirs)
+    check_same_module_state(ours_cls(C, eps, momentum, affine, track, device, dtype),
+                            torch_cls(C, eps, momentum, affine, track, device, dtype))
+    if track:
+        assert {"running_mean", "running_var", "num_batches_tracked"} <= set(ours.state_dict())
+        assert ours.running_mean.device.type == device
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_instance_norm_defaults(dim):
+    ours_cls, torch_cls = INSTANCE_NORMS[dim]
+    ours, theirs = ours_cls(5), torch_cls(5)
+    check_same_module_state(ours, theirs)
+    assert (ours.eps, ours.momentum, ours.affine, ours.track_running_stats) == (1e-5, 0.1, False, False)
+
+
+@pytest.mark.parametrize("num_groups,num_channels", [(4, 6), (5, 3), (3, 10)])
+def test_group_norm_indivisible_channels_raise_at_construction(num_groups, num_channels):
+    with pytest.raises(ValueError) as theirs:
+        torch.nn.GroupNorm(num_groups, num_channels)
+    with pytest.raises(ValueError, match=r"num_channels.*must be divisible by num_groups") as ours:
+        fnn.GroupNorm(num_groups, num_channels)
+    assert str(ours.value) == str(theirs.value)
+
+
+REPR_CASES = [("GroupNorm", affine, False) for affine in (True, False)] + [
+    (f"InstanceNorm{d}d", affine, track) for d in (1, 2, 3) for affine in (True, False) for track in (True, False)]
+
+
+@pytest.mark.parametrize("name,affine,track", REPR_CASES)
+def test_repr(name, affine, track):
+    ours_cls, torch_cls = PAIRS[name]
+    if name == "GroupNorm":
+        args, kw = (2, 6), dict(eps=1e-3, affine=affine)
+    else:
+        args, kw = (6,), dict(eps=1e-3, momentum=0.3, affine=affine, track_running_stats=track)
+    ours, theirs = ours_cls(*args, **kw), torch_cls(*args, **kw)
+    assert repr(ours) == repr(theirs)
+    assert repr(torch.nn.Sequential(ours)) == repr(torch.nn.Sequential(theirs))
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,args,kwargs", [
+    ("GroupNorm", (3, 6), {}),
+    ("GroupNorm", (3, 6), dict(affine=False)),
+    ("InstanceNorm1d", (5,), dict(affine=True, track_running_stats=True)),
+    ("InstanceNorm2d", (5,), dict(affine=True, track_running_stats=True)),
+    ("InstanceNorm3d", (5,), dict(affine=False, track_running_stats=True)),
+    ("InstanceNorm2d", (5,), dict(affine=True)),
+])
+def test_checkpoint_roundtrip(name, args, kwargs, device):
+    ours_cls, torch_cls = PAIRS[name]
+    theirs = randomize_(torch_cls(*args, **kwargs), seed=7).to(device)
+    sd = theirs.state_dict()
+    if kwargs.get("track_running_stats"):
+        assert "num_batches_tracked" in sd and int(sd["num_batches_tracked"]) != 0
+        assert not torch.equal(sd["running_var"], torch.ones_like(sd["running_var"]))
+
+    ours = ours_cls(*args, **kwargs).to(device)
+    result = ours.load_state_dict(sd, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_same_tensors(ours.state_dict(), sd)
+
+    back = torch_cls(*args, **kwargs).to(device)
+    back.load_state_dict(ours.state_dict(), strict=True)
+    assert_same_tensors(back.state_dict(), sd)
+
+    # Through a file too, as a real checkpoint would travel.
+    buf = io.BytesIO()
+    torch.save(theirs.state_dict(), buf)
+    buf.seek(0)
+    again = ours_cls(*args, **kwargs).to(device)
+    again.load_state_dict(torch.load(buf, weights_only=True), strict=True)
+    assert_same_tensors(again.state_dict(), sd)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_checkpoint_missing_running_stats_is_rejected_like_torch(dim):
+    """A checkpoint without running stats loaded into a tracking module fails strict loading the
+    same way for both."""
+    ours_cls, torch_cls = INSTANCE_NORMS[dim]
+    sd = torch_cls(4, affine=True).state_dict()
+    with pytest.raises(RuntimeError) as theirs:
+        torch_cls(4, affine=True, track_running_stats=True).load_state_dict(sd, strict=True)
+    with pytest.raises(RuntimeError) as ours:
+        ours_cls(4, affine=True, track_running_stats=True).load_state_dict(sd, strict=True)
+    assert "running_mean" in str(ours.value)
+    assert str(ours.value).replace("fusednorm.nn.", "").replace("InstanceNorm", "X") == str(theirs.value).replace("InstanceNorm", "X")
+
+
+# -- numerics -------------------------------------------------------------------------------------------
+
+
+@given(num_groups=st.integers(1, 4), per_group=st.integers(1, 3), N=st.integers(1, 3),
+       spatial=st.lists(st.integers(1, 5), min_size=0, max_size=3), affine=st.booleans(),
+       eps=st.sampled_from([1e-5, 1e-3, 0.1]), train=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_group_norm_module_matches_torch(num_groups, per_group, N, spatial, affine, eps, train, seed, device):
+    C = num_groups * per_group
+    group_numel = per_group * math.prod(spatial)
+    # A group of one element has zero variance: y = bias exactly, where torch's result is rounding
+    # noise times 1/sqrt(eps); test_group_norm.py covers it against the exact reference.
+    assume(group_numel > 1)
+    ours, theirs = make_pair("GroupNorm", num_groups, C, eps=eps, affine=affine, seed=seed, device=device)
+    ours.train(train)
+    theirs.train(train)
+    x = random_input((N, C) + tuple(spatial), seed + 1, device, group_numel=group_numel)
+    compare_step(ours, theirs, x, seed + 2)
+
+
+@st.composite
+def instance_norm_module_cases(draw):
+    dim = draw(st.sampled_from([1, 2, 3]))
+    spatial = draw(st.lists(st.integers(1, 6), min_size=dim, max_size=dim).filter(lambda s: math.prod(s) > 1))
+    return dict(
+        dim=dim,
+        spatial=tuple(spatial),
+        N=draw(st.integers(1, 3)),
+        C=draw(st.integers(1, 6)),
+        batched=draw(st.booleans()),
+        affine=draw(st.booleans()),
+        track=draw(st.booleans()),
+        momentum=draw(st.none() | st.sampled_from([0.1, 1.0]) | st.floats(0, 1)),
+        eps=draw(st.sampled_from([1e-5, 1e-3])),
+        steps=draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@given(case=instance_norm_module_cases())
+def test_instance_norm_module_matches_torch(case, device):
+    """Several train steps (outputs, grads, running statistics), then eval with the running
+    statistics, batched or not."""
+    c = case
+    ours, theirs = make_pair(f"InstanceNorm{c['dim']}d", c["C"], eps=c["eps"], momentum=c["momentum"],
+                             affine=c["affine"], track_running_stats=c["track"], seed=c["seed"], device=device)
+    shape = ((c["N"],) if c["batched"] else ()) + (c["C"],) + c["spatial"]
+    gn = math.prod(c["spatial"])
+    for step in range(c["steps"]):
+        x = random_input(shape, c["seed"] + 10 * step, device, group_numel=gn)
+        compare_step(ours, theirs, x, c["seed"] + 10 * step + 1)
+    ours.eval()
+    theirs.eval()
+    x = random_input(shape, c["seed"] + 100, device, group_numel=gn)
+    compare_step(ours, theirs, x, c["seed"] + 101)
+    assert_same_tensors({k: v for k, v in ours.state_dict().items() if k == "num_batches_tracked"},
+                        {k: v for k, v in theirs.state_dict().items() if k == "num_batches_tracked"})
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_running_stats_update_over_train_steps_then_eval(dim, device):
+    """Running statistics actually move in training (so the comparison is not vacuous) and equal
+    torch's after every step; eval then uses them."""
+    ours, theirs = make_pair(f"InstanceNorm{dim}d", 3, momentum=0.3, affine=True, track_running_stats=True,
+                             seed=dim, device=device)
+    shape = (4, 3) + (5,) * dim
+    for step in range(4):
+        before = ours.running_mean.clone()
+        x = random_input(shape, 100 * dim + step, device) * (step + 1) + step
+        compare_step(ours, theirs, x, step)
+        assert not torch.allclose(ours.running_mean, before)
+        torch.testing.assert_close(ours.running_mean, theirs.running_mean, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours.running_var, theirs.running_var, atol=1e-6, rtol=1e-6)
+    ours.eval()
+    theirs.eval()
+    x = random_input(shape, 999, device)
+    compare_step(ours, theirs, x, 5)
+    # eval normalizes with the running statistics, not the input's
+    y = ours(x)
+    stats = F.instance_norm(x, None, None, ours.weight, ours.bias)
+    assert not torch.allclose(y, stats, atol=1e-3)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_momentum_none_leaves_running_stats_untouched(dim, device):
+    ours, theirs = make_pair(f"InstanceNorm{dim}d", 3, momentum=None, affine=True, track_running_stats=True,
+                             seed=dim, device=device)
+    # a fresh (default) state, as in REFERENCE.md, plus the random one loaded above
+    for fresh in (False, True):
+        if fresh:
+            ours, theirs = (cls(3, momentum=None, affine=True, track_running_stats=True).to(device)
+                            for cls in INSTANCE_NORMS[dim])
+        rm0, rv0 = ours.running_mean.clone(), ours.running_var.clone()
+        nbt0 = int(ours.num_batches_tracked)
+        for step in range(3):
+            compare_step(ours, theirs, random_input((2, 3) + (4,) * dim, step, device) + 3, step)
+        for m in (ours, theirs):
+            assert torch.equal(m.running_mean, rm0) and torch.equal(m.running_var, rv0)
+            assert int(m.num_batches_tracked) == nbt0
+        if fresh:
+            assert nbt0 == 0
+        ours.eval()
+        theirs.eval()
+        compare_step(ours, theirs, random_input((2, 3) + (4,) * dim, 9, device), 9)
+        ours.train()
+        theirs.train()
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("track", [False, True])
+def test_unbatched_input(dim, track, device):
+    ours, theirs = make_pair(f"InstanceNorm{dim}d", 4, affine=True, track_running_stats=track, seed=3, device=device)
+    x = random_input((4,) + (3,) * dim, 11, device, group_numel=3**dim)
+    compare_step(ours, theirs, x, 1)
+    with torch.no_grad():
+        assert ours(x).shape == theirs(x).shape == x.shape  # (both: a train step moves running stats)
+    if track:  # and in eval, with the running statistics
+        ours.eval()
+        theirs.eval()
+        compare_step(ours, theirs, x, 2)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_unbatched_equals_batch_of_one(dim, device):
+    ours = make_pair(f"InstanceNorm{dim}d", 4, affine=True, seed=5, device=device)[0]
+    x = random_input((4,) + (3,) * dim, 12, device, requires_grad=False, group_numel=3**dim)
+    torch.testing.assert_close(ours(x), ours(x.unsqueeze(0)).squeeze(0), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dim,rank", [(d, r) for d in (1, 2, 3) for r in range(1, 7) if r not in (d + 1, d + 2)])
+def test_wrong_rank_raises_torch_value_error(dim, rank):
+    ours_cls, torch_cls = INSTANCE_NORMS[dim]
+    x = torch.randn((2,) * rank)
+    with pytest.raises(ValueError) as theirs:
+        torch_cls(2)(x)
+    with pytest.raises(ValueError, match=re.escape(str(theirs.value))):
+        ours_cls(2)(x)
+    assert "input" in str(theirs.value)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("batched", [True, False])
+def test_num_features_mismatch(dim, batched, device):
+    ours_cls, torch_cls = INSTANCE_NORMS[dim]
+    shape = ((2,) if batched else ()) + (5,) + (3,) * dim
+    x = random_input(shape, 0, device, requires_grad=False, group_numel=3**dim)
+    # affine: ValueError with torch's message
+    with pytest.raises(ValueError) as theirs:
+        torch_cls(4, affine=True).to(device)(x)
+    with pytest.raises(ValueError, match=re.escape(str(theirs.value))):
+        ours_cls(4, affine=True).to(device)(x)
+    # not affine: a UserWarning, and the result is still torch's
+    with pytest.warns(UserWarning, match="does not match num_features"):
+        y = ours_cls(4).to(device)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y_t = torch_cls(4).to(device)(x)
+    torch.testing.assert_close(y, y_t, **TOL)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("batched", [True, False])
+def test_single_spatial_element_in_training_raises(dim, batched, device):
+    ours_cls, torch_cls = INSTANCE_NORMS[dim]
+    x = torch.randn(((3,) if batched else ()) + (4,) + (1,) * dim, device=device)
+    with pytest.raises(ValueError) as theirs:
+        torch_cls(4)(x)
+    with pytest.raises(ValueError, match="Expected more than 1 spatial element when training"):
+        ours_cls(4)(x)
+    assert "more than 1 spatial element" in str(theirs.value)
+    # eval with running statistics does not need input statistics: fine, and torch's result
+    ours, theirs_m = make_pair(f"InstanceNorm{dim}d", 4, track_running_stats=True, affine=True, seed=1, device=device)
+    ours.eval()
+    theirs_m.eval()
+    compare_step(ours, theirs_m, x, 0)
+
+
+# -- TorchScript -----------------------------------------------------------------------------------
+
+SCRIPT_CONFIGS = {
+    "GroupNorm": ((3, 6), dict(eps=1e-4), (2, 6, 5, 3)),
+    "GroupNorm_noaffine": ((2, 6), dict(affine=False), (2, 6, 7)),
+    "InstanceNorm1d": ((4,), dict(affine=True, track_running_stats=True, momentum=0.3), (3, 4, 7)),
+    "InstanceNorm2d": ((4,), dict(affine=True), (3, 4, 5, 3)),
+    "InstanceNorm2d_track": ((4,), dict(track_running_stats=True), (2, 4, 5, 3)),
+    "InstanceNorm3d": ((4,), dict(affine=True, track_running_stats=True), (2, 4, 3, 2, 3)),
+}
+
+
+def script_pair(key, device, seed=0):
+    name = key.split("_")[0]
+    args, kwargs, shape = SCRIPT_CONFIGS[key]
+    ours, _ = make_pair(name, *args, seed=seed, device=device, **kwargs)
+    scripted = torch.jit.script(make_pair(name, *args, seed=seed, device=device, **kwargs)[0])
+    return ours, scripted, shape
+
+
+@pytest.mark.parametrize("key", list(SCRIPT_CONFIGS))
+def test_scripted_module_equals_eager(key, device):
+    ours, scripted, shape = script_pair(key, device)
+    assert isinstance(scripted, torch.jit.ScriptModule)
+    for train in (True, True, False):
+        ours.train(train)
+        scripted.train(train)
+        x = random_input(shape, 3, device)
+        compare_step(scripted, ours, x, 4)
+    # unbatched through the scripted module
+    if not key.startswith("GroupNorm"):
+        x = random_input(shape[1:], 5, device, requires_grad=False, group_numel=math.prod(shape[2:]))
+        torch.testing.assert_close(scripted(x), ours(x), **TOL)
+
+
+CHECKSUM_CODE = r"""
+import torch, fusednorm
+m = torch.jit.load(PATH, map_location=DEVICE)
+import json
+x = torch.load(XPATH, weights_only=True).to(DEVICE)
+out = []
+for train in (True, False):
+    m.train(train)
+    xi = x.clone().requires_grad_()
+    y = m(xi)
+    w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
+    y.backward(w)
+    out.append(float((y * w).sum().detach()))
+    out.append(float((xi.grad * w).sum()))
+    for p in m.parameters():
+        out.append(float(p.grad.sum()))
+        p.grad = None
+    for name, b in m.named_buffers():
+        out.append(float(b.double().sum()))
+print(json.dumps(out))
+"""
+
+
+def checksums(module, x):
+    out = []
+    for train in (True, False):
+        module.train(train)
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
+        y.backward(w)
+        out.append(float((y * w).sum().detach()))
+        out.append(float((xi.grad * w).sum()))
+        for p in module.parameters():
+            out.append(float(p.grad.sum()))
+            p.grad = None
+        for name, b in module.named_buffers():
+            out.append(float(b.double().sum()))
+    return out
+
+
+@pytest.mark.parametrize("key", ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"])
+def test_scripted_module_saved_and_loaded_in_fresh_process(key, device, tmp_path):
+    ours, scripted, shape = script_pair(key, device, seed=11)
+    path, xpath = tmp_path / "m.pt", tmp_path / "x.pt"
+    torch.jit.save(scripted, str(path))
+    x = random_input(shape, 13, "cpu", requires_grad=False)
+    torch.save(x, str(xpath))
+
+    expected = checksums(ours, x.to(device))  # the in-process eager module
+    code = CHECKSUM_CODE.replace("PATH", repr(str(path)), 1).replace("XPATH", repr(str(xpath))).replace(
+        "DEVICE", repr(device))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got) == len(expected)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
+                               atol=1e-4, rtol=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def scripted_functions():
+    return torch.jit.script(fusednorm.group_norm), torch.jit.script(fusednorm.instance_norm)
+
+
+@settings(max_examples=10)
+@given(num_groups=st.integers(1, 3), per_group=st.integers(1, 3), N=st.integers(1, 3),
+       spatial=st.lists(st.integers(2, 4), min_size=0, max_size=2), affine=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_scripted_group_norm_function(num_groups, per_group, N, spatial, affine, seed, device):
+    gn, _ = scripted_functions()
+    C = num_groups * per_group
+    assume(per_group * math.prod(spatial) > 1)
+    x = random_input((N, C) + tuple(spatial), seed, device, requires_grad=False,
+                     group_numel=per_group * math.prod(spatial))
+    w = torch.randn(C, device=device) if affine else None
+    b = torch.randn(C, device=device) if affine else None
+    torch.testing.assert_close(gn(x, num_groups, w, b, 1e-3), fusednorm.group_norm(x, num_groups, w, b, 1e-3),
+                               atol=0, rtol=0)
+    torch.testing.assert_close(gn(x, num_groups), F.group_norm(x, num_groups), **TOL)
+    with pytest.raises(Exception, match="num_groups"):
+        gn(x, 0)
+
+
+@settings(max_examples=10)
+@given(C=st.integers(1, 4), N=st.integers(1, 3), spatial=st.lists(st.integers(2, 4), min_size=1, max_size=3),
+       use_input_stats=st.booleans(), momentum=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
+def test_scripted_instance_norm_function(C, N, spatial, use_input_stats, momentum, seed, device):
+    _, inn = scripted_functions()
+    x = random_input((N, C) + tuple(spatial), seed, device, requires_grad=False)
+    w, b = torch.randn(C, device=device), torch.randn(C, device=device)
+    rm1, rv1 = torch.randn(C, device=device), torch.rand(C, device=device) + 0.5
+    rm2, rv2 = rm1.clone(), rv1.clone()
+    y1 = inn(x, rm1, rv1, w, b, use_input_stats, momentum, 1e-5)
+    y2 = fusednorm.instance_norm(x, rm2, rv2, w, b, use_input_stats, momentum, 1e-5)
+    torch.testing.assert_close(y1, y2, atol=0, rtol=0)
+    torch.testing.assert_close(rm1, rm2, atol=0, rtol=0)
+    torch.testing.assert_close(rv1, rv2, atol=0, rtol=0)
+    torch.testing.assert_close(inn(x), F.instance_norm(x), **TOL)
