@@ -5,7 +5,8 @@
 # sees that torch through --system-site-packages and nothing is downloaded. Elsewhere torch is
 # installed from the package index: FUSEDNORM_TORCH (default torch==2.14.1) says which.
 #
-# Knobs: FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, MAX_JOBS (default: all cores),
+# Knobs: FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, FUSEDNORM_EXTRA_PIP (more packages to
+# install beside torch), MAX_JOBS (default: all cores),
 # TORCH_CUDA_ARCH_LIST, FUSEDNORM_CUDA (0: CPU-only build).
 set -euo pipefail
 
@@ -21,8 +22,9 @@ fi
 source "$VENV/bin/activate"
 
 if ! python -c "import torch" 2>/dev/null; then
-  echo "== installing ${FUSEDNORM_TORCH:-torch==2.14.1}"
-  python -m pip install -q "${FUSEDNORM_TORCH:-torch==2.14.1}"
+  echo "== installing ${FUSEDNORM_TORCH:-torch==2.14.1} ${FUSEDNORM_EXTRA_PIP:-}"
+  # shellcheck disable=SC2086
+  python -m pip install -q "${FUSEDNORM_TORCH:-torch==2.14.1}" ${FUSEDNORM_EXTRA_PIP:-}
 fi
 missing=$(python - <<'PY'
 import importlib.util
