@@ -234,3 +234,20 @@ def test_opcheck(device, requires_grad, layout, dtype):
     dy = torch.randn_like(y)
     opcheck(torch.ops.fusednorm.group_norm_backward, (dy, x.detach(), mean, rstd, w.detach(), 3, [True, True, True]))
     opcheck(torch.ops.fusednorm.group_norm_backward, (dy, x.detach(), mean, rstd, None, 3, [True, False, True]))
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_runs_in_the_input_dtype(device, input_dtype):
+    # Documented in the README: no cast to float32 as PyTorch's group_norm gets under autocast;
+    # a model's float32 parameters go in beside a bf16 activation.
+    x = torch.randn(2, 8, 5, 5, device=device).to(input_dtype)
+    w = torch.randn(8, device=device)
+    b = torch.randn(8, device=device)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y = fusednorm.group_norm(x, 4, w, b)
+        z = fusednorm.instance_norm(x, weight=w, bias=b)
+    assert y.dtype == input_dtype and z.dtype == input_dtype
+    ref, _, _, _ = group_norm_reference_with_grads(x, 4, w, b, 1e-5, torch.zeros_like(x))
+    assert_close(y, ref, input_dtype)
+    ref, _, _, _ = group_norm_reference_with_grads(x, 8, w, b, 1e-5, torch.zeros_like(x))
+    assert_close(z, ref, input_dtype)
