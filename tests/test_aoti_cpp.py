@@ -1,0 +1,95 @@
+"""Python-free deployment: a C++ program (export_examples/cpp, CMake with torch's CMake config)
+loads the fusednorm library and an AOTInductor package, runs it, and matches eager PyTorch."""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusednorm
+from fusednorm import _library
+
+CPP_DIR = os.path.join(os.path.dirname(__file__), "..", "export_examples", "cpp")
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(torch._inductor, "aoti_compile_and_package"), reason="AOTInductor packaging needs torch >= 2.6"),
+    pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed"),
+    pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler"),
+]
+
+
+def cuda_cmake_hints():
+    """torch's CMake config insists on finding CUDA when torch is a CUDA build, even for a CPU
+    program: point it at the toolkit (and at pip's NVRTC where the toolkit lacks it)."""
+    if torch.version.cuda is None:
+        return []
+    hints = []
+    toolkit = os.environ.get("CUDA_HOME")
+    nvcc = shutil.which("nvcc")
+    if toolkit is None and nvcc:
+        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull], capture_output=True, text=True)
+        m = re.search(r"^#\$ TOP=(.*)$", out.stdout + out.stderr, re.M)
+        toolkit = os.path.realpath(m.group(1).strip()) if m else None
+    if toolkit:
+        hints += [f"-DCUDA_TOOLKIT_ROOT_DIR={toolkit}", f"-DCUDAToolkit_ROOT={toolkit}"]
+        if not glob.glob(os.path.join(toolkit, "lib*", "libnvrtc.so*")):
+            nvrtc = sorted(glob.glob(os.path.join(sys.prefix, "lib", "python*", "site-packages", "nvidia", "*", "lib", "libnvrtc.so.*")))
+            nvrtc = [p for p in nvrtc if re.search(r"libnvrtc\.so\.\d+$", p)]
+            if nvrtc:
+                hints.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc[0]}")
+    return hints + ["-DTORCH_CUDA_ARCH_LIST=9.0"]
+
+
+def write_tensor(path, t):
+    t = t.detach().cpu().float().contiguous()
+    with open(path, "wb") as f:
+        f.write(torch.tensor([t.dim()] + list(t.shape), dtype=torch.int64).numpy().tobytes())
+        f.write(t.numpy().tobytes())
+
+
+def read_tensor(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    rank = int.from_bytes(data[:8], "little")
+    shape = torch.frombuffer(bytearray(data[8:8 + 8 * rank]), dtype=torch.int64).tolist()
+    return torch.frombuffer(bytearray(data[8 + 8 * rank:]), dtype=torch.float32).reshape(shape)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+        self.gn = fusednorm.nn.GroupNorm(2, 8)
+        self.inorm = fusednorm.nn.InstanceNorm2d(8, affine=True)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.inorm(self.gn(self.conv(x))))
+
+
+def test_cpp_program_runs_aoti_package(tmp_path):
+    build = tmp_path / "build"
+    configure = subprocess.run(
+        ["cmake", "-S", CPP_DIR, "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"] + cuda_cmake_hints(),
+        capture_output=True, text=True)
+    assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
+    compiled = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(2, 4, 10, 10)
+    ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "net.pt2"))
+    other = torch.randn(3, 4, 10, 10)
+    write_tensor(tmp_path / "in.bin", other)
+
+    run = subprocess.run([str(build / "run_aoti_package"), _library.library_path(), package,
+                          str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    with torch.no_grad():
+        torch.testing.assert_close(read_tensor(tmp_path / "out.bin"), model(other), atol=1e-5, rtol=1e-5)
