@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-for example in export_examples/*.py; do
+for example in export_examples/[!_]*.py; do
   echo "== $example"
   python "$example"
 done
