@@ -1,9 +1,10 @@
 # Sourced by scripts/test.sh and scripts/main.sh: makes a virtual environment with torch, the test
-# dependencies and fusednorm built into it, then activates it.
+# dependencies and fusednorm built into it, then activates it (so `python` is that environment's).
 #
-# On a machine whose python3 already has torch (the GPU machine, which has no network), the venv
-# sees that torch through --system-site-packages and nothing is downloaded. Elsewhere torch is
-# installed from the package index: FUSEDNORM_TORCH (default torch==2.14.1) says which.
+# On a machine whose python3 already has torch (the GPU machine, which has no network), that
+# python and its torch are used as they are and nothing is downloaded. Elsewhere torch is
+# installed into the venv from the package index: FUSEDNORM_TORCH (default torch==2.14.1) says
+# which.
 #
 # Knobs: FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, FUSEDNORM_EXTRA_PIP (more packages to
 # install beside torch), MAX_JOBS (default: all cores),
@@ -11,15 +12,26 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${FUSEDNORM_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
-  "$PYTHON" -m venv --system-site-packages "$VENV"
+if [ -z "${FUSEDNORM_VENV:-}" ] && "$PYTHON" -c "import torch" 2>/dev/null; then
+  # This machine's python already has torch (the GPU machine): build against it, offline.
+  echo "== using $(command -v "$PYTHON") and its torch"
+  mkdir -p "$ROOT/build/bin"
+  ln -sf "$(command -v "$PYTHON")" "$ROOT/build/bin/python"
+  export PATH="$ROOT/build/bin:$PATH"
+  # fusednorm is installed (editable) beside that torch, even where the system marks its python
+  # as externally managed.
+  export PIP_BREAK_SYSTEM_PACKAGES=1
+else
+  VENV="${FUSEDNORM_VENV:-$ROOT/.venv}"
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "== creating $VENV"
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+  fi
+  # shellcheck disable=SC1091
+  source "$VENV/bin/activate"
 fi
-# shellcheck disable=SC1091
-source "$VENV/bin/activate"
 
 if ! python -c "import torch" 2>/dev/null; then
   echo "== installing ${FUSEDNORM_TORCH:-torch==2.14.1} ${FUSEDNORM_EXTRA_PIP:-}"
