@@ -6,13 +6,13 @@
 # installed into the venv from the package index: FUSEDNORM_TORCH (default torch==2.14.1) says
 # which.
 #
-# Knobs: FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, FUSEDNORM_EXTRA_PIP (more packages to
+# Knobs: FUSEDNORM_PYTHON (default python3), FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, FUSEDNORM_EXTRA_PIP (more packages to
 # install beside torch), MAX_JOBS (default: all cores),
 # TORCH_CUDA_ARCH_LIST, FUSEDNORM_CUDA (0: CPU-only build).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+PYTHON="${FUSEDNORM_PYTHON:-python3}"
 
 if [ -z "${FUSEDNORM_VENV:-}" ] && "$PYTHON" -c "import torch" 2>/dev/null; then
   # This machine's python already has torch (the GPU machine): build against it, offline.
