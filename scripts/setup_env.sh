@@ -18,7 +18,9 @@ if [ -z "${FUSEDNORM_VENV:-}" ] && "$PYTHON" -c "import torch" 2>/dev/null; then
   # This machine's python already has torch (the GPU machine): build against it, offline.
   echo "== using $(command -v "$PYTHON") and its torch"
   mkdir -p "$ROOT/build/bin"
-  ln -sf "$(command -v "$PYTHON")" "$ROOT/build/bin/python"
+  # A wrapper, not a symlink: a venv's python moved elsewhere by a link no longer finds its venv.
+  printf '#!/bin/sh\nexec "%s" "$@"\n' "$(command -v "$PYTHON")" > "$ROOT/build/bin/python"
+  chmod +x "$ROOT/build/bin/python"
   export PATH="$ROOT/build/bin:$PATH"
   # fusednorm is installed (editable) beside that torch, even where the system marks its python
   # as externally managed.
