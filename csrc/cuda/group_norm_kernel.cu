@@ -1,0 +1,1335 @@
+// CUDA kernels of fusednorm::group_norm_forward and fusednorm::group_norm_backward.
+//
+// The input is viewed as (N, C, S) with G groups of D = C / G channels (group_norm.h), stored in
+// one of two layouts that the kernels read and write in place, as a contiguous matrix:
+//   ChannelsFirst: rows (n, c) of S elements;  ChannelsLast: rows (n, s) of C elements.
+//
+// Forward (2 reads of x, 1 write of y; three launches):
+//   1. reduce:   tiles of the tensor write partial moments (count, mean, M2) of x - K, K being the
+//                first element of the group (so the mean of a group at 1e4 with std 1 keeps its
+//                digits, and a constant group gives exactly M2 = 0). ChannelsFirst: a group is one
+//                contiguous run of D*S elements, split into chunks. ChannelsLast: a tile is
+//                (sample, chunk of rows, block of channels); each channel column is reduced over
+//                the rows, then neighbouring columns of one group are merged into a "piece".
+//   2. finalize: one warp or one CTA per (n, g) merges its partials in a fixed order.
+//   3. apply:    y = ((x - K) - mean') * (rstd * w[c]) + b[c], coefficients hoisted out of the
+//                element loops (per row in ChannelsFirst, per column in ChannelsLast).
+// Backward (2 reads of x and dy, 1 write of dx; up to four launches):
+//   1. reduce:   per (n, c, chunk) sums of dy and dy * (x - m) (for the weight/bias gradients), and
+//                per (n, piece, chunk) the same weighted by w[c] plus sum(x - m) (for dx).
+//   2. finalize per (n, g): the dx coefficients. m is the saved mean, rounded to the stats dtype;
+//                delta = mean(x - m) recentres the sums on the true mean, as the CPU kernel does.
+//   3. finalize per channel: grad_weight, grad_bias.
+//   4. apply:    dx = w[c]*rstd*dy + b1 * ((x - m) - delta) + b2.
+//
+// Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
+// grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an
+// order fixed by the shape (no atomics), so results are reproducible run to run. Temporaries come
+// from the caching allocator and nothing synchronises with the host, so the ops can be captured
+// in CUDA graphs.
+
+#include "group_norm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+
+namespace fusednorm {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+constexpr int kThreads = 256;
+constexpr int kLogThreads = 8;
+constexpr int kWarp = 32;
+constexpr int kLogWarp = 5;
+// Packs (16-byte vectors, or single elements on the scalar path) each thread loads before using
+// any of them: memory-level parallelism.
+constexpr int kUnroll = 4;
+// The most partial results one finalize item merges. Bounds how finely the reduce passes split a
+// group (and so the finalize's latency); the reduce passes still get enough CTAs for large inputs.
+constexpr int64_t kMaxEntries = 4096;
+// The same for the per-channel parameter gradients, reduced by few CTAs when C is small.
+constexpr int64_t kMaxParamEntries = 512;
+constexpr int kBlocksPerSM = 2048 / kThreads;
+// Register cap (65536 / (kThreads * kMinBlocks) = 128) for the kernels that hold a pack of
+// channels' worth of state per thread: at least 512 threads per SM keep enough loads in flight.
+constexpr int kMinBlocks = 2;
+// Values per (n, g) record consumed by the apply pass: hi, lo, rstd, b1, b2 (see Coef).
+constexpr int kRec = 5;
+
+template <typename scalar_t>
+using acc_type = at::opmath_type<scalar_t>;  // float, or double for double
+
+__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// a / b for a >= 0, b > 0. GPUs have no 64-bit divider (it is a long software sequence); take
+// the 32-bit path whenever both operands fit, which is nearly always.
+__device__ __forceinline__ int64_t div_nn(int64_t a, int64_t b) {
+  if (((a | b) >> 32) == 0) {
+    return static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b));
+  }
+  return a / b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parameters and parameter gradients. Their dtype is the input's or float32 (mixed precision),
+// chosen at run time so that kernels are not instantiated once per parameter dtype: they are
+// read once per row or column, never per element, so the switch costs nothing.
+
+struct ParamRef {
+  const void* ptr;  // null: absent
+  at::ScalarType dtype;
+};
+
+struct GradRef {
+  void* ptr;  // null: not requested
+  at::ScalarType dtype;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t load_param(const ParamRef& p, int64_t c, acc_t absent) {
+  if (p.ptr == nullptr) return absent;
+  switch (p.dtype) {
+    case at::ScalarType::Double:
+      return static_cast<acc_t>(static_cast<const double*>(p.ptr)[c]);
+    case at::ScalarType::Half:
+      return static_cast<acc_t>(static_cast<float>(static_cast<const at::Half*>(p.ptr)[c]));
+    case at::ScalarType::BFloat16:
+      return static_cast<acc_t>(static_cast<float>(static_cast<const at::BFloat16*>(p.ptr)[c]));
+    default:
+      return static_cast<acc_t>(static_cast<const float*>(p.ptr)[c]);
+  }
+}
+
+template <typename acc_t>
+__device__ __forceinline__ void store_grad(const GradRef& p, int64_t c, acc_t v) {
+  if (p.ptr == nullptr) return;
+  switch (p.dtype) {
+    case at::ScalarType::Double:
+      static_cast<double*>(p.ptr)[c] = static_cast<double>(v);
+      break;
+    case at::ScalarType::Half:
+      static_cast<at::Half*>(p.ptr)[c] = static_cast<at::Half>(static_cast<float>(v));
+      break;
+    case at::ScalarType::BFloat16:
+      static_cast<at::BFloat16*>(p.ptr)[c] = static_cast<at::BFloat16>(static_cast<float>(v));
+      break;
+    default:
+      static_cast<float*>(p.ptr)[c] = static_cast<float>(v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vectorised access. A pack is V consecutive elements, 16 bytes on the vector path (V = 1 on the
+// scalar path, taken when a pointer is not 16-byte aligned or the row length is not a multiple of
+// V: storage offsets and odd sizes).
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+template <typename scalar_t>
+constexpr int pack_width() {
+  // 2 doubles per pack buy little over scalar 8-byte loads: doubles take the scalar path only,
+  // which saves instantiations.
+  return sizeof(scalar_t) >= 8 ? 1 : 16 / static_cast<int>(sizeof(scalar_t));
+}
+
+// Loads packs first + u * step for u < nvalid into registers, converted to acc_t; the others
+// read as zero. All loads are issued before any is used.
+template <int U, int V, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void load_packs(
+    const scalar_t* base, int64_t first, int64_t step, int nvalid, acc_t (&out)[U][V]) {
+  const Pack<scalar_t, V>* p = reinterpret_cast<const Pack<scalar_t, V>*>(base);
+  Pack<scalar_t, V> raw[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u < nvalid) raw[u] = p[first + u * step];
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      out[u][j] = u < nvalid ? static_cast<acc_t>(raw[u].v[j]) : acc_t(0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduction states. L lanes: L == 1 folds a whole pack into one state (ChannelsFirst rows, where
+// a thread's elements all belong to one row), L == V keeps one state per element of the pack
+// (ChannelsLast, where element j of a pack is channel c0 + j).
+
+// Moments of x - K: count, mean and sum of squared deviations (M2). All lanes share one count.
+template <typename acc_t, int L>
+struct Moments {
+  acc_t n;
+  acc_t mean[L];
+  acc_t m2[L];
+};
+
+// Backward sums: dy, dy * (x - m), x - m.
+template <typename acc_t, int L>
+struct Sums {
+  acc_t dy[L];
+  acc_t dyxc[L];
+  acc_t xc[L];
+};
+
+template <typename acc_t, int L>
+__device__ __forceinline__ void clear(Moments<acc_t, L>& s) {
+  s.n = acc_t(0);
+#pragma unroll
+  for (int l = 0; l < L; ++l) s.mean[l] = s.m2[l] = acc_t(0);
+}
+
+template <typename acc_t, int L>
+__device__ __forceinline__ void clear(Sums<acc_t, L>& s) {
+#pragma unroll
+  for (int l = 0; l < L; ++l) s.dy[l] = s.dyxc[l] = s.xc[l] = acc_t(0);
+}
+
+// Chan et al.'s parallel update: exact for empty operands (an empty state has mean 0), no
+// cancellation (M2 only accumulates non-negative terms).
+template <typename acc_t, int L>
+__device__ __forceinline__ Moments<acc_t, L> merge(const Moments<acc_t, L>& a, const Moments<acc_t, L>& b) {
+  Moments<acc_t, L> r;
+  r.n = a.n + b.n;
+  const acc_t wb = r.n > acc_t(0) ? b.n / r.n : acc_t(0);
+  const acc_t cross = a.n * wb;
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    const acc_t d = b.mean[l] - a.mean[l];
+    r.mean[l] = a.mean[l] + d * wb;
+    r.m2[l] = a.m2[l] + b.m2[l] + d * d * cross;
+  }
+  return r;
+}
+
+template <typename acc_t, int L>
+__device__ __forceinline__ Sums<acc_t, L> merge(const Sums<acc_t, L>& a, const Sums<acc_t, L>& b) {
+  Sums<acc_t, L> r;
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    r.dy[l] = a.dy[l] + b.dy[l];
+    r.dyxc[l] = a.dyxc[l] + b.dyxc[l];
+    r.xc[l] = a.xc[l] + b.xc[l];
+  }
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+
+template <typename acc_t, int L>
+__device__ __forceinline__ Moments<acc_t, L> shfl_xor(const Moments<acc_t, L>& v, int mask) {
+  Moments<acc_t, L> r;
+  r.n = shfl_xor(v.n, mask);
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    r.mean[l] = shfl_xor(v.mean[l], mask);
+    r.m2[l] = shfl_xor(v.m2[l], mask);
+  }
+  return r;
+}
+
+template <typename acc_t, int L>
+__device__ __forceinline__ Sums<acc_t, L> shfl_xor(const Sums<acc_t, L>& v, int mask) {
+  Sums<acc_t, L> r;
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    r.dy[l] = shfl_xor(v.dy[l], mask);
+    r.dyxc[l] = shfl_xor(v.dyxc[l], mask);
+    r.xc[l] = shfl_xor(v.xc[l], mask);
+  }
+  return r;
+}
+
+// Combines `v` over each aligned segment of 2^log_width consecutive threads (log_width <=
+// kLogThreads) in a fixed order; the segment's first thread gets the total. Every thread of the
+// block must call it (it synchronises when a segment spans several warps). `smem` holds
+// kThreads / kWarp states.
+template <typename State>
+__device__ __forceinline__ State segment_reduce(State v, int log_width, State* smem) {
+  const int in_warp = log_width < kLogWarp ? log_width : kLogWarp;
+  for (int off = (1 << in_warp) >> 1; off > 0; off >>= 1) v = merge(v, shfl_xor(v, off));
+  if (log_width > kLogWarp) {
+    const int warp = threadIdx.x >> kLogWarp;
+    if ((threadIdx.x & (kWarp - 1)) == 0) smem[warp] = v;
+    __syncthreads();
+    if ((threadIdx.x & ((1 << log_width) - 1)) == 0) {
+      // This thread's warp is the first of its segment.
+      for (int w = 1; w < (1 << (log_width - kLogWarp)); ++w) v = merge(v, smem[warp + w]);
+    }
+    __syncthreads();  // smem is reused by the next call
+  }
+  return v;
+}
+
+template <int L, int V>
+__device__ __forceinline__ constexpr int lane_of(int j) {
+  return L == 1 ? 0 : j;
+}
+
+// Folds a batch (the first `nvalid` of U packs) of x - shift into `st`: the batch's own mean and
+// M2 are computed from registers in two passes, then merged with Chan's formula. Few divisions
+// per element, no E[x^2] - E[x]^2.
+template <int U, int V, int L, typename acc_t>
+__device__ __forceinline__ void accumulate(
+    Moments<acc_t, L>& st, const acc_t (&x)[U][V], const acc_t (&shift)[L], int nvalid) {
+  static_assert(L == 1 || L == V, "lanes");
+  if (nvalid <= 0) return;
+  Moments<acc_t, L> b;
+  clear(b);
+  b.n = static_cast<acc_t>(nvalid * (V / L));
+  const acc_t inv = acc_t(1) / b.n;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (u < nvalid) b.mean[lane_of<L, V>(j)] += x[u][j] - shift[lane_of<L, V>(j)];
+    }
+  }
+#pragma unroll
+  for (int l = 0; l < L; ++l) b.mean[l] *= inv;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int l = lane_of<L, V>(j);
+      const acc_t d = (x[u][j] - shift[l]) - b.mean[l];
+      if (u < nvalid) b.m2[l] += d * d;
+    }
+  }
+  st = merge(st, b);
+}
+
+template <int U, int V, int L, typename acc_t>
+__device__ __forceinline__ void accumulate(
+    Sums<acc_t, L>& st, const acc_t (&x)[U][V], const acc_t (&dy)[U][V], const acc_t (&mean)[L],
+    int nvalid) {
+  static_assert(L == 1 || L == V, "lanes");
+  Sums<acc_t, L> b;  // per-batch sums first: shorter addition chains
+  clear(b);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int l = lane_of<L, V>(j);
+      if (u < nvalid) {
+        const acc_t xc = x[u][j] - mean[l];
+        b.dy[l] += dy[u][j];
+        b.dyxc[l] += dy[u][j] * xc;
+        b.xc[l] += xc;
+      }
+    }
+  }
+  st = merge(st, b);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 1 in ChannelsFirst: rows of `len` contiguous elements, reduced along the row.
+//   forward:  rows are groups (n, g), len = D * S; partial (r, k) = Moments of chunk k of row r.
+//   backward: rows are (n, c), len = S; partial (r, k) = w[c] * (db, dsc) and dev, and
+//             part_c (n, k, c) = (db, dsc).
+// A tile is TY = kThreads / TX rows x one chunk of packs; the TX threads of a row stride over
+// the chunk, then combine with warp shuffles (and shared memory when TX > 32).
+
+template <typename scalar_t>
+struct RowsArgs {
+  using acc_t = acc_type<scalar_t>;
+  const scalar_t* x;
+  const scalar_t* dy;    // backward
+  const acc_t* mean;     // backward: saved mean (N, G)
+  ParamRef weight;       // backward
+  acc_t* part;           // forward: 3 per (r, k); backward: 3 per (r, k)
+  acc_t* part_c;         // backward: 2 per (n, k, c)
+  int64_t rows, len;     // len: elements per row, a multiple of V
+  int64_t C, D;          // backward: rows are (n, c)
+  int64_t split, chunk;  // chunks per row, packs per chunk
+  int64_t tiles;
+  int log_tx;
+};
+
+template <typename scalar_t, int V, bool GRADS>
+__global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const RowsArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using State = std::conditional_t<GRADS, Sums<acc_t, 1>, Moments<acc_t, 1>>;
+  __shared__ State smem[kThreads / kWarp];
+  const int log_ty = kLogThreads - a.log_tx;
+  const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
+  const int ty = threadIdx.x >> a.log_tx;
+  const int64_t lenv = a.len / V;
+  const int64_t step = static_cast<int64_t>(kUnroll) << a.log_tx;
+  for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const int64_t rb = t / a.split;
+    const int64_t k = t - rb * a.split;
+    const int64_t r = (rb << log_ty) + ty;
+    const bool valid = r < a.rows;
+    const int64_t row_off = (valid ? r : 0) * a.len;
+    const int64_t v_begin = k * a.chunk + tx;
+    const int64_t v_end = valid ? imin(lenv, (k + 1) * a.chunk) : 0;
+    State st;
+    clear(st);
+    // Forward: the shift K of group r is its first element. Backward: the saved mean.
+    acc_t center[1] = {acc_t(0)};
+    if (valid) {
+      if constexpr (GRADS) {
+        center[0] = a.mean[div_nn(r, a.D)];  // (n * C + c) / D == n * G + g
+      } else {
+        center[0] = static_cast<acc_t>(a.x[row_off]);
+      }
+    }
+    for (int64_t v0 = v_begin; v0 < v_end; v0 += step) {
+      const int nvalid = static_cast<int>(imin(kUnroll, (v_end - v0 + (1 << a.log_tx) - 1) >> a.log_tx));
+      acc_t xs[kUnroll][V];
+      load_packs<kUnroll, V>(a.x + row_off, v0, int64_t(1) << a.log_tx, nvalid, xs);
+      if constexpr (GRADS) {
+        acc_t ds[kUnroll][V];
+        load_packs<kUnroll, V>(a.dy + row_off, v0, int64_t(1) << a.log_tx, nvalid, ds);
+        accumulate<kUnroll, V, 1>(st, xs, ds, center, nvalid);
+      } else {
+        accumulate<kUnroll, V, 1>(st, xs, center, nvalid);
+      }
+    }
+    st = segment_reduce(st, a.log_tx, smem);
+    if (tx == 0 && valid) {
+      acc_t* out = a.part + (r * a.split + k) * 3;
+      if constexpr (GRADS) {
+        const int64_t n = div_nn(r, a.C);
+        const int64_t c = r - n * a.C;
+        const acc_t w = load_param(a.weight, c, acc_t(1));
+        out[0] = w * st.dy[0];
+        out[1] = w * st.dyxc[0];
+        out[2] = st.xc[0];
+        acc_t* out_c = a.part_c + ((n * a.split + k) * a.C + c) * 2;
+        out_c[0] = st.dy[0];
+        out_c[1] = st.dyxc[0];
+      } else {
+        out[0] = st.n;
+        out[1] = st.mean[0];
+        out[2] = st.m2[0];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 1 in ChannelsLast: per sample n, S rows of C contiguous channels, reduced over the rows.
+// A tile is (n, chunk k of rows, block cb of TX packs of channels); TX threads span the channels
+// of a row (coalesced), TY = kThreads / TX threads go down the rows. Per-column states are
+// combined over the TY threads by a shared-memory tree, then Q = 2^log_q neighbouring channels
+// (Q divides D and the block width, so a piece never straddles a group or a block) are merged
+// into one piece:
+//   forward:  part (n, piece, k) = Moments;
+//   backward: part (n, piece, k) = (sum w*dy, sum w*dy*(x - m), sum (x - m)), and
+//             part_c (n, k, c) = (db, dsc) per channel.
+
+template <typename scalar_t>
+struct ColsArgs {
+  using acc_t = acc_type<scalar_t>;
+  const scalar_t* x;
+  const scalar_t* dy;  // backward
+  const acc_t* mean;   // backward
+  ParamRef weight;     // backward
+  acc_t* part;         // 3 per (n, piece, k)
+  acc_t* part_c;       // backward: 2 per (n, k, c)
+  int64_t S, C, G, D;
+  int64_t split, chunk, ncb;  // chunks of rows, rows per chunk, blocks of channels
+  int64_t tiles;
+  int log_tx, log_q;
+};
+
+template <typename scalar_t, int V, bool GRADS>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(const ColsArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using State = std::conditional_t<GRADS, Sums<acc_t, V>, Moments<acc_t, V>>;
+  using Piece = std::conditional_t<GRADS, Sums<acc_t, 1>, Moments<acc_t, 1>>;
+  __shared__ State tree[kThreads / 2];
+  __shared__ Piece smem[kThreads / kWarp];
+  constexpr int kLogV = V == 1 ? 0 : V == 2 ? 1 : V == 4 ? 2 : 3;
+  static_assert((1 << kLogV) == V, "V must be 1, 2, 4 or 8");
+  const int log_ty = kLogThreads - a.log_tx;
+  const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
+  const int ty = threadIdx.x >> a.log_tx;
+  const int64_t cvn = a.C / V;  // packs per row
+  const int Q = 1 << a.log_q;
+  const int64_t pieces = a.C >> a.log_q;  // per sample
+  // Per-lane states of 8-wide packs take many registers: fewer packs in flight then.
+  constexpr int U = V >= 8 ? 2 : kUnroll;
+  for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const int64_t t2 = t / a.ncb;
+    const int64_t cb = t - t2 * a.ncb;
+    const int64_t n = t2 / a.split;
+    const int64_t k = t2 - n * a.split;
+    const int64_t cv = (cb << a.log_tx) + tx;
+    const bool valid = cv < cvn;
+    const int64_t c0 = (valid ? cv : 0) * V;
+    const int64_t s_begin = k * a.chunk + ty;
+    const int64_t s_end = valid ? imin(a.S, (k + 1) * a.chunk) : 0;
+    const int64_t sample = n * a.S * a.C;  // element offset of sample n
+
+    // Per-lane group constants: the shift K (forward) or the saved mean (backward), and w[c].
+    acc_t center[V];
+    acc_t w[V];
+    {
+      int64_t g = div_nn(c0, a.D);
+      int64_t rem = c0 - g * a.D;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        center[j] = acc_t(0);
+        w[j] = acc_t(1);
+        if (valid) {
+          if constexpr (GRADS) {
+            center[j] = a.mean[n * a.G + g];
+            w[j] = load_param(a.weight, c0 + j, acc_t(1));
+          } else {
+            center[j] = static_cast<acc_t>(a.x[sample + g * a.D]);
+          }
+        }
+        if (++rem == a.D) {
+          rem = 0;
+          ++g;
+        }
+      }
+    }
+
+    State st;
+    clear(st);
+    const int64_t step = static_cast<int64_t>(U) << log_ty;
+    for (int64_t s0 = s_begin; s0 < s_end; s0 += step) {
+      const int nvalid = static_cast<int>(imin(U, (s_end - s0 + (1 << log_ty) - 1) >> log_ty));
+      const int64_t first = (n * a.S + s0) * cvn + cv;
+      const int64_t stride = cvn << log_ty;
+      acc_t xs[U][V];
+      load_packs<U, V>(a.x, first, stride, nvalid, xs);
+      if constexpr (GRADS) {
+        acc_t ds[U][V];
+        load_packs<U, V>(a.dy, first, stride, nvalid, ds);
+        accumulate<U, V, V>(st, xs, ds, center, nvalid);
+      } else {
+        accumulate<U, V, V>(st, xs, center, nvalid);
+      }
+    }
+
+    // Combine the TY threads of each column: a fixed tree over shared memory.
+    for (int off = (1 << log_ty) >> 1; off > 0; off >>= 1) {
+      if (ty >= off && ty < 2 * off) tree[((ty - off) << a.log_tx) + tx] = st;
+      __syncthreads();
+      if (ty < off) st = merge(st, tree[(ty << a.log_tx) + tx]);
+      __syncthreads();
+    }
+    // Row ty == 0 now holds the column totals of the tile.
+
+    if constexpr (GRADS) {
+      if (ty == 0 && valid) {
+        acc_t* out_c = a.part_c + ((n * a.split + k) * a.C + c0) * 2;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          out_c[2 * j] = st.dy[j];
+          out_c[2 * j + 1] = st.dyxc[j];
+        }
+      }
+    }
+
+    auto lane = [&](int j) {
+      Piece p;
+      if constexpr (GRADS) {
+        p.dy[0] = w[j] * st.dy[j];
+        p.dyxc[0] = w[j] * st.dyxc[j];
+        p.xc[0] = st.xc[j];
+      } else {
+        p.n = st.n;
+        p.mean[0] = st.mean[j];
+        p.m2[0] = st.m2[j];
+      }
+      return p;
+    };
+    auto write_piece = [&](const Piece& p, int64_t piece) {
+      acc_t* out = a.part + ((n * pieces + piece) * a.split + k) * 3;
+      if constexpr (GRADS) {
+        out[0] = p.dy[0];
+        out[1] = p.dyxc[0];
+        out[2] = p.xc[0];
+      } else {
+        out[0] = p.n;
+        out[1] = p.mean[0];
+        out[2] = p.m2[0];
+      }
+    };
+    if (Q <= V) {
+      // Each pack holds V / Q whole pieces.
+      if (ty == 0 && valid) {
+        Piece p = lane(0);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (j > 0) p = (j & (Q - 1)) == 0 ? lane(j) : merge(p, lane(j));
+          if ((j & (Q - 1)) == Q - 1) write_piece(p, (c0 + j) >> a.log_q);
+        }
+      }
+    } else {
+      // A piece spans Q / V neighbouring threads of row ty == 0.
+      Piece p = lane(0);
+#pragma unroll
+      for (int j = 1; j < V; ++j) p = merge(p, lane(j));
+      p = segment_reduce(p, a.log_q - kLogV, smem);
+      if (ty == 0 && valid && (tx & ((Q >> kLogV) - 1)) == 0) write_piece(p, c0 >> a.log_q);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 2, forward: per (n, g), merge the partial moments [item * entries, (item + 1) * entries)
+// (contiguous in both layouts), with 2^log_iw threads per item.
+
+template <typename scalar_t>
+struct MomentsFinalizeArgs {
+  using acc_t = acc_type<scalar_t>;
+  const acc_t* part;
+  const scalar_t* x;        // to read the shift K, the first element of each group
+  int64_t items, entries;   // items = N * G
+  int64_t G, sample_stride, group_stride;  // element offset of group (n, g)'s first element
+  acc_t eps;
+  acc_t* mean;              // (N, G) outputs
+  acc_t* rstd;
+  acc_t* rec;               // kRec per (n, g) for the apply pass
+  int log_iw;
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const MomentsFinalizeArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  __shared__ Moments<acc_t, 1> smem[kThreads / kWarp];
+  const int lane = threadIdx.x & ((1 << a.log_iw) - 1);
+  const int per_block = kThreads >> a.log_iw;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * per_block; base < a.items;
+       base += static_cast<int64_t>(gridDim.x) * per_block) {
+    const int64_t item = base + (threadIdx.x >> a.log_iw);
+    Moments<acc_t, 1> st;
+    clear(st);
+    if (item < a.items) {
+      const acc_t* p = a.part + item * a.entries * 3;
+      for (int64_t e = lane; e < a.entries; e += (1 << a.log_iw)) {
+        Moments<acc_t, 1> b;
+        b.n = p[e * 3];
+        b.mean[0] = p[e * 3 + 1];
+        b.m2[0] = p[e * 3 + 2];
+        st = merge(st, b);
+      }
+    }
+    st = segment_reduce(st, a.log_iw, smem);
+    if (lane == 0 && item < a.items) {
+      const int64_t n = div_nn(item, a.G);
+      const int64_t g = item - n * a.G;
+      const acc_t K = static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]);
+      const acc_t var = st.n > acc_t(0) && st.m2[0] > acc_t(0) ? st.m2[0] / st.n : acc_t(0);
+      const acc_t rs = acc_t(1) / sqrt(var + a.eps);
+      a.mean[item] = K + st.mean[0];
+      a.rstd[item] = rs;
+      acc_t* rec = a.rec + item * kRec;
+      rec[0] = K;
+      rec[1] = st.mean[0];
+      rec[2] = rs;
+      rec[3] = acc_t(0);
+      rec[4] = acc_t(0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 2, backward: per (n, g), the dx coefficients. With w = weight (or 1), M = D * S, m the
+// saved mean, delta = mean(x - m), A = sum w*dy, B = sum w*dy*(x - m - delta):
+//   dx = w*rstd*dy - rstd/M * A - rstd^3/M * B * ((x - m) - delta).
+
+template <typename acc_t>
+struct GradCoefArgs {
+  const acc_t* part;   // 3 per (n, piece, k): sum w*dy, sum w*dy*(x - m), sum (x - m)
+  const acc_t* mean;
+  const acc_t* rstd;
+  acc_t* rec;          // kRec per (n, g)
+  int64_t items, entries;
+  acc_t M;             // elements per group
+  int log_iw;
+};
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) finalize_grad_coefs_kernel(const GradCoefArgs<acc_t> a) {
+  __shared__ Sums<acc_t, 1> smem[kThreads / kWarp];
+  const int lane = threadIdx.x & ((1 << a.log_iw) - 1);
+  const int per_block = kThreads >> a.log_iw;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * per_block; base < a.items;
+       base += static_cast<int64_t>(gridDim.x) * per_block) {
+    const int64_t item = base + (threadIdx.x >> a.log_iw);
+    Sums<acc_t, 1> s;
+    clear(s);
+    if (item < a.items) {
+      const acc_t* p = a.part + item * a.entries * 3;
+      for (int64_t e = lane; e < a.entries; e += (1 << a.log_iw)) {
+        s.dy[0] += p[e * 3];
+        s.dyxc[0] += p[e * 3 + 1];
+        s.xc[0] += p[e * 3 + 2];
+      }
+    }
+    s = segment_reduce(s, a.log_iw, smem);
+    if (lane == 0 && item < a.items) {
+      const acc_t r = a.rstd[item];
+      const acc_t delta = s.xc[0] / a.M;
+      const acc_t A = s.dy[0];
+      const acc_t B = s.dyxc[0] - delta * A;
+      acc_t* rec = a.rec + item * kRec;
+      rec[0] = a.mean[item];
+      rec[1] = delta;
+      rec[2] = r;
+      rec[3] = -r * r * r * B / a.M;
+      rec[4] = -r * A / a.M;
+    }
+  }
+}
+
+// Pass 3, backward: grad_weight[c] = sum_n rstd * (dsc - delta * db), grad_bias[c] = sum_n db,
+// from the per-(n, k, c) partials. A block takes 32 channels (lanes, coalesced) and spreads the
+// (n, k) entries over its 8 warps; the warps' sums are added in a fixed order.
+
+template <typename acc_t>
+struct ParamGradArgs {
+  const acc_t* part_c;  // 2 per (n, k, c)
+  const acc_t* rec;     // kRec per (n, g): delta at 1, rstd at 2
+  GradRef dweight, dbias;
+  int64_t C, G, D, split, entries;  // entries = N * split
+};
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const ParamGradArgs<acc_t> a) {
+  constexpr int kWarps = kThreads / kWarp;
+  __shared__ acc_t sw[kThreads];
+  __shared__ acc_t sb[kThreads];
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x >> kLogWarp;
+  for (int64_t c_base = static_cast<int64_t>(blockIdx.x) * kWarp; c_base < a.C;
+       c_base += static_cast<int64_t>(gridDim.x) * kWarp) {
+    const int64_t c = c_base + lane;
+    acc_t dw = acc_t(0), db = acc_t(0);
+    if (c < a.C) {
+      const int64_t g = div_nn(c, a.D);
+#pragma unroll 4
+      for (int64_t e = warp; e < a.entries; e += kWarps) {
+        const int64_t n = div_nn(e, a.split);
+        const acc_t* p = a.part_c + (e * a.C + c) * 2;  // e = n * split + k
+        const acc_t* rec = a.rec + (n * a.G + g) * kRec;
+        db += p[0];
+        dw += rec[2] * (p[1] - rec[1] * p[0]);
+      }
+    }
+    sw[threadIdx.x] = dw;
+    sb[threadIdx.x] = db;
+    __syncthreads();
+    if (warp == 0 && c < a.C) {
+      for (int w = 1; w < kWarps; ++w) {
+        dw += sw[w * kWarp + lane];
+        db += sb[w * kWarp + lane];
+      }
+      store_grad(a.dweight, c, dw);
+      store_grad(a.dbias, c, db);
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Apply pass (forward y and backward dx): out = a*dy + b*((x - hi) - lo) + c per element, with
+//   forward:  hi = K, lo = mean - K, a = 0, b = rstd * w[c], c = bias[c];
+//   backward: hi = m, lo = delta,    a = rstd * w[c], b = b1, c = b2.
+// Centring on hi then lo keeps (x - mean) accurate when |mean| >> std.
+
+template <typename acc_t>
+struct Coef {
+  acc_t a, b, hi, lo, c;
+};
+
+template <typename scalar_t>
+struct ApplyArgs {
+  using acc_t = acc_type<scalar_t>;
+  const scalar_t* x;
+  const scalar_t* dy;  // null in the forward
+  scalar_t* out;
+  const acc_t* rec;    // kRec per (n, g)
+  ParamRef weight, bias;
+  int64_t rows, len;   // by rows: (n, c) rows of S; by columns: (n, s) rows of C
+  int64_t C, S, G, D;
+  int64_t split, chunk;  // by rows: chunks per row, packs per chunk; by columns: ncb, rows per tile
+  int64_t tiles;
+  int log_tx;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ Coef<acc_t> make_coef(const acc_t* rec, bool backward, acc_t w, acc_t bias) {
+  Coef<acc_t> k;
+  k.hi = rec[0];
+  k.lo = rec[1];
+  if (backward) {
+    k.a = rec[2] * w;
+    k.b = rec[3];
+    k.c = rec[4];
+  } else {
+    k.a = acc_t(0);
+    k.b = rec[2] * w;
+    k.c = bias;
+  }
+  return k;
+}
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ scalar_t apply_one(const Coef<acc_t>& k, acc_t x, acc_t dy) {
+  return static_cast<scalar_t>(k.a * dy + (k.b * ((x - k.hi) - k.lo) + k.c));
+}
+
+// ChannelsFirst with S > 1: a row (n, c) has one coefficient set.
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(const ApplyArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  const bool backward = a.dy != nullptr;
+  const int log_ty = kLogThreads - a.log_tx;
+  const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
+  const int ty = threadIdx.x >> a.log_tx;
+  const int64_t lenv = a.len / V;
+  const int64_t tx_count = int64_t(1) << a.log_tx;
+  for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const int64_t rb = t / a.split;
+    const int64_t k = t - rb * a.split;
+    const int64_t r = (rb << log_ty) + ty;
+    if (r >= a.rows) continue;
+    const int64_t c = r - div_nn(r, a.C) * a.C;
+    const Coef<acc_t> coef = make_coef(a.rec + div_nn(r, a.D) * kRec, backward,
+        load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+    const P* xr = reinterpret_cast<const P*>(a.x + r * a.len);
+    const P* dyr = reinterpret_cast<const P*>(backward ? a.dy + r * a.len : a.x);
+    P* outr = reinterpret_cast<P*>(a.out + r * a.len);
+    const int64_t v_end = imin(lenv, (k + 1) * a.chunk);
+    for (int64_t v0 = k * a.chunk + tx; v0 < v_end; v0 += kUnroll * tx_count) {
+      P xp[kUnroll], dp[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * tx_count;
+        if (v < v_end) {
+          xp[u] = xr[v];
+          if (backward) dp[u] = dyr[v];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * tx_count;
+        if (v < v_end) {
+          P o;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            o.v[j] = apply_one<scalar_t>(coef, static_cast<acc_t>(xp[u].v[j]),
+                backward ? static_cast<acc_t>(dp[u].v[j]) : acc_t(0));
+          }
+          outr[v] = o;
+        }
+      }
+    }
+  }
+}
+
+// ChannelsLast (and ChannelsFirst with S == 1, the same memory): a thread keeps one pack of
+// channels for a whole tile of rows, so w[c], b[c] and the group of each lane are loaded once per
+// tile; the per-(n, g) coefficients are reloaded only when the row enters another sample.
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(const ApplyArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  const bool backward = a.dy != nullptr;
+  const int log_ty = kLogThreads - a.log_tx;
+  const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
+  const int ty = threadIdx.x >> a.log_tx;
+  const int64_t cvn = a.C / V;
+  const int64_t ncb = a.split;
+  const P* xp = reinterpret_cast<const P*>(a.x);
+  const P* dyp = reinterpret_cast<const P*>(backward ? a.dy : a.x);
+  P* outp = reinterpret_cast<P*>(a.out);
+  for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const int64_t rt = t / ncb;
+    const int64_t cb = t - rt * ncb;
+    const int64_t cv = (cb << a.log_tx) + tx;
+    if (cv >= cvn) continue;
+    const int64_t c0 = cv * V;
+    const int64_t g0 = div_nn(c0, a.D);
+    // Coefficients of the sample being written. Reloading w[c] and b[c] with them (rather than
+    // keeping them in registers for the whole tile) keeps the register count, and so the
+    // occupancy, reasonable; the reload happens once per sample and tile.
+    Coef<acc_t> coef[V];
+    int64_t sample_end = 0;  // rows [.., sample_end) use the cached coefficients
+    const int64_t r_end = imin(a.rows, (rt + 1) * a.chunk);
+    const int64_t step = static_cast<int64_t>(kUnroll) << log_ty;
+    for (int64_t r0 = rt * a.chunk + ty; r0 < r_end; r0 += step) {
+      P xv[kUnroll], dv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = r0 + (static_cast<int64_t>(u) << log_ty);
+        if (r < r_end) {
+          xv[u] = xp[r * cvn + cv];
+          if (backward) dv[u] = dyp[r * cvn + cv];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = r0 + (static_cast<int64_t>(u) << log_ty);
+        if (r < r_end) {
+          if (r >= sample_end) {  // rows only increase: a new sample
+            const int64_t n = div_nn(r, a.S);
+            sample_end = (n + 1) * a.S;
+            int64_t g = g0;
+            int64_t rem = c0 - g0 * a.D;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+              coef[j] = make_coef(a.rec + (n * a.G + g) * kRec, backward,
+                  load_param(a.weight, c0 + j, acc_t(1)), load_param(a.bias, c0 + j, acc_t(0)));
+              if (++rem == a.D) {
+                rem = 0;
+                ++g;
+              }
+            }
+          }
+          P o;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            o.v[j] = apply_one<scalar_t>(coef[j], static_cast<acc_t>(xv[u].v[j]),
+                backward ? static_cast<acc_t>(dv[u].v[j]) : acc_t(0));
+          }
+          outp[r * cvn + cv] = o;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: tiling plans and launches.
+
+int num_sms() {
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+// Tiles wanted per pass: two waves of full-occupancy CTAs, so that even N * G = 8 fills the GPU.
+int64_t target_tiles() {
+  return static_cast<int64_t>(num_sms()) * kBlocksPerSM * 2;
+}
+
+// CTAs launched for `tiles` tiles; the kernels stride over the rest.
+int grid_for(int64_t tiles) {
+  return static_cast<int>(imax(1, imin(tiles, static_cast<int64_t>(num_sms()) * kBlocksPerSM * 4)));
+}
+
+int ceil_log2(int64_t v) {
+  int l = 0;
+  while ((int64_t(1) << l) < v) ++l;
+  return l;
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+struct Tiling {
+  int log_tx = 0;
+  int64_t split = 1, chunk = 1, ncb = 1, tiles = 1;
+};
+
+// Rows of `lenv` packs: 2^log_tx threads per row (the smallest power of two covering a row, up to
+// kThreads), kThreads >> log_tx rows per tile, and each row cut into `split` chunks so that there
+// are about target_tiles() tiles, each thread keeping at least two batches of packs.
+Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(lenv, kThreads));
+  const int64_t tx = int64_t(1) << t.log_tx;
+  const int64_t row_blocks = ceil_div(rows, kThreads / tx);
+  int64_t split = ceil_div(target_tiles(), row_blocks);
+  split = imin(split, imax(1, lenv / (tx * kUnroll * 2)));
+  split = imax(1, imin(split, max_split));
+  t.chunk = ceil_div(lenv, split);
+  t.split = ceil_div(lenv, t.chunk);
+  t.tiles = row_blocks * t.split;
+  return t;
+}
+
+// ChannelsLast reduction over N samples of S rows of `cvn` packs: tiles (n, chunk of rows, block
+// of 2^log_tx packs), rows chunked as in tile_rows.
+Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(cvn, kThreads));
+  const int64_t ty = kThreads >> t.log_tx;
+  t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
+  int64_t split = ceil_div(target_tiles(), N * t.ncb);
+  split = imin(split, imax(1, S / (ty * kUnroll * 2)));
+  split = imax(1, imin(split, max_split));
+  t.chunk = ceil_div(S, split);
+  t.split = ceil_div(S, t.chunk);
+  t.tiles = N * t.ncb * t.split;
+  return t;
+}
+
+// ChannelsLast elementwise pass over `rows` rows of `cvn` packs: tiles of `chunk` rows x one block
+// of 2^log_tx packs.
+Tiling tile_apply_cols(int64_t rows, int64_t cvn) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(cvn, kThreads));
+  const int64_t ty = kThreads >> t.log_tx;
+  t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
+  t.chunk = imax(ty * kUnroll * 2, ceil_div(rows, ceil_div(target_tiles(), t.ncb)));
+  t.split = ceil_div(rows, t.chunk);
+  t.tiles = t.split * t.ncb;
+  return t;
+}
+
+// Pieces of the ChannelsLast reduction: Q = the largest power of two dividing D, capped at the
+// channel block width, so that pieces tile both groups and blocks.
+int log_piece(int64_t D, int log_tx, int V) {
+  const int64_t q = imin(D & -D, (int64_t(1) << log_tx) * V);
+  return ceil_log2(q);
+}
+
+// Threads per finalize item: a warp, or the whole block for items with many partials.
+int log_item_width(int64_t entries) {
+  return entries > 4 * kWarp ? kLogThreads : kLogWarp;
+}
+
+template <typename scalar_t>
+ParamRef param_ref(const at::Tensor& t) {
+  return ParamRef{t.defined() ? t.data_ptr() : nullptr,
+      t.defined() ? t.scalar_type() : c10::CppTypeToScalarType<scalar_t>::value};
+}
+
+template <typename scalar_t, int V, bool GRADS>
+void launch_reduce_rows(const RowsArgs<scalar_t>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  reduce_rows_kernel<scalar_t, V, GRADS><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int V, bool GRADS>
+void launch_reduce_cols(const ColsArgs<scalar_t>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  reduce_cols_kernel<scalar_t, V, GRADS><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int V>
+void launch_apply_rows(const ApplyArgs<scalar_t>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  apply_rows_kernel<scalar_t, V><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int V>
+void launch_apply_cols(const ApplyArgs<scalar_t>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  apply_cols_kernel<scalar_t, V><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Pass 1 of either direction. Fills `part` (3 values per (n, piece, k), pieces of 2^log_q
+// channels) and, for GRADS, `part_c` (2 values per (n, k, c)); returns the number of partials
+// per group and the number of chunks.
+struct Partials {
+  at::Tensor part, part_c;
+  int64_t entries = 0;  // partials per (n, g) in `part`
+  int64_t split = 1;    // chunks of the reduced extent
+};
+
+template <typename scalar_t, bool GRADS>
+Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean,
+    const at::Tensor& weight, const GroupNormShape& sh, Layout layout) {
+  using acc_t = acc_type<scalar_t>;
+  constexpr int VW = pack_width<scalar_t>();
+  const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* dyp = GRADS ? dy.data_ptr<scalar_t>() : nullptr;
+  const bool ptrs_aligned = aligned16(xp) && (!GRADS || aligned16(dyp));
+  Partials out;
+  if (layout == Layout::ChannelsFirst) {
+    RowsArgs<scalar_t> a{};
+    a.x = xp;
+    a.dy = dyp;
+    a.C = sh.C;
+    a.D = sh.D;
+    // Forward: one row per group, the pieces are whole groups. Backward: one row per (n, c),
+    // pieces are channels.
+    a.rows = GRADS ? sh.N * sh.C : sh.N * sh.G;
+    a.len = GRADS ? sh.S : sh.D * sh.S;
+    const bool vec = VW > 1 && ptrs_aligned && a.len % VW == 0;
+    const int V = vec ? VW : 1;
+    // Backward: a group merges D * split partials, a channel's gradients N * split.
+    const int64_t max_split =
+        GRADS ? imax(1, imin(kMaxEntries / sh.D, kMaxParamEntries / sh.N)) : kMaxEntries;
+    const Tiling t = tile_rows(a.rows, a.len / V, max_split);
+    a.split = t.split;
+    a.chunk = t.chunk;
+    a.tiles = t.tiles;
+    a.log_tx = t.log_tx;
+    out.part = at::empty({a.rows * t.split * 3}, acc_opts);
+    a.part = out.part.data_ptr<acc_t>();
+    if (GRADS) {
+      out.part_c = at::empty({sh.N * t.split * sh.C * 2}, acc_opts);
+      a.part_c = out.part_c.data_ptr<acc_t>();
+      a.mean = mean.data_ptr<acc_t>();
+      a.weight = param_ref<scalar_t>(weight);
+    }
+    out.entries = GRADS ? sh.D * t.split : t.split;
+    out.split = t.split;
+    if (vec) {
+      launch_reduce_rows<scalar_t, VW, GRADS>(a);
+    } else {
+      launch_reduce_rows<scalar_t, 1, GRADS>(a);
+    }
+  } else {
+    ColsArgs<scalar_t> a{};
+    a.x = xp;
+    a.dy = dyp;
+    a.S = sh.S;
+    a.C = sh.C;
+    a.G = sh.G;
+    a.D = sh.D;
+    const bool vec = VW > 1 && ptrs_aligned && sh.C % VW == 0;
+    const int V = vec ? VW : 1;
+    const int64_t cvn = sh.C / V;
+    a.log_tx = ceil_log2(imin(cvn, kThreads));
+    a.log_q = log_piece(sh.D, a.log_tx, V);
+    const int64_t pieces_per_group = sh.D >> a.log_q;
+    const int64_t max_split =
+        GRADS ? imax(1, imin(kMaxEntries / pieces_per_group, kMaxParamEntries / sh.N))
+              : imax(1, kMaxEntries / pieces_per_group);
+    const Tiling t = tile_cols(sh.N, sh.S, cvn, max_split);
+    TORCH_INTERNAL_ASSERT(t.log_tx == a.log_tx);
+    a.split = t.split;
+    a.chunk = t.chunk;
+    a.ncb = t.ncb;
+    a.tiles = t.tiles;
+    out.part = at::empty({sh.N * (sh.C >> a.log_q) * t.split * 3}, acc_opts);
+    a.part = out.part.data_ptr<acc_t>();
+    if (GRADS) {
+      out.part_c = at::empty({sh.N * t.split * sh.C * 2}, acc_opts);
+      a.part_c = out.part_c.data_ptr<acc_t>();
+      a.mean = mean.data_ptr<acc_t>();
+      a.weight = param_ref<scalar_t>(weight);
+    }
+    out.entries = pieces_per_group * t.split;
+    out.split = t.split;
+    if (vec) {
+      launch_reduce_cols<scalar_t, VW, GRADS>(a);
+    } else {
+      launch_reduce_cols<scalar_t, 1, GRADS>(a);
+    }
+  }
+  return out;
+}
+
+// The elementwise pass: y (dy undefined) or dx.
+template <typename scalar_t>
+void apply_pass(const at::Tensor& x, const at::Tensor& dy, at::Tensor& out, const at::Tensor& rec,
+    const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout) {
+  using acc_t = acc_type<scalar_t>;
+  constexpr int VW = pack_width<scalar_t>();
+  ApplyArgs<scalar_t> a{};
+  a.x = x.data_ptr<scalar_t>();
+  a.dy = dy.defined() ? dy.data_ptr<scalar_t>() : nullptr;
+  a.out = out.data_ptr<scalar_t>();
+  a.rec = rec.data_ptr<acc_t>();
+  a.weight = param_ref<scalar_t>(weight);
+  a.bias = param_ref<scalar_t>(bias);
+  a.C = sh.C;
+  a.S = sh.S;
+  a.G = sh.G;
+  a.D = sh.D;
+  const bool ptrs_aligned = aligned16(a.x) && aligned16(a.out) && (a.dy == nullptr || aligned16(a.dy));
+  // With S == 1 both layouts are (N, C) rows; the column kernel then keeps whole rows busy.
+  if (layout == Layout::ChannelsFirst && sh.S != 1) {
+    a.rows = sh.N * sh.C;
+    a.len = sh.S;
+    const bool vec = VW > 1 && ptrs_aligned && sh.S % VW == 0;
+    const Tiling t = tile_rows(a.rows, vec ? sh.S / VW : sh.S, std::numeric_limits<int64_t>::max());
+    a.split = t.split;
+    a.chunk = t.chunk;
+    a.tiles = t.tiles;
+    a.log_tx = t.log_tx;
+    if (vec) {
+      launch_apply_rows<scalar_t, VW>(a);
+    } else {
+      launch_apply_rows<scalar_t, 1>(a);
+    }
+  } else {
+    a.rows = sh.N * sh.S;
+    a.len = sh.C;
+    const bool vec = VW > 1 && ptrs_aligned && sh.C % VW == 0;
+    const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / VW : sh.C);
+    a.split = t.ncb;
+    a.chunk = t.chunk;
+    a.tiles = t.tiles;
+    a.log_tx = t.log_tx;
+    if (vec) {
+      launch_apply_cols<scalar_t, VW>(a);
+    } else {
+      launch_apply_cols<scalar_t, 1>(a);
+    }
+  }
+}
+
+int finalize_grid(int64_t items, int log_iw) {
+  return grid_for(ceil_div(items, kThreads >> log_iw));
+}
+
+template <typename scalar_t>
+void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
+    const GroupNormShape& sh, Layout layout, at::Tensor& y, at::Tensor& mean, at::Tensor& rstd) {
+  using acc_t = acc_type<scalar_t>;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const Partials p = reduce_pass<scalar_t, false>(x, at::Tensor(), at::Tensor(), at::Tensor(), sh, layout);
+
+  at::Tensor rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+  MomentsFinalizeArgs<scalar_t> f{};
+  f.part = p.part.data_ptr<acc_t>();
+  f.x = x.data_ptr<scalar_t>();
+  f.items = sh.N * sh.G;
+  f.entries = p.entries;
+  f.G = sh.G;
+  f.sample_stride = sh.C * sh.S;
+  f.group_stride = layout == Layout::ChannelsFirst ? sh.D * sh.S : sh.D;
+  f.eps = static_cast<acc_t>(eps);
+  f.mean = mean.data_ptr<acc_t>();
+  f.rstd = rstd.data_ptr<acc_t>();
+  f.rec = rec.data_ptr<acc_t>();
+  f.log_iw = log_item_width(p.entries);
+  finalize_moments_kernel<scalar_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  apply_pass<scalar_t>(x, at::Tensor(), y, rec, weight, bias, sh, layout);
+}
+
+template <typename scalar_t>
+void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const GroupNormShape& sh, Layout layout,
+    std::array<bool, 3> mask, at::Tensor& dx, at::Tensor& dweight, at::Tensor& dbias) {
+  using acc_t = acc_type<scalar_t>;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const Partials p = reduce_pass<scalar_t, true>(x, dy, mean, weight, sh, layout);
+
+  // The (n, g) records are needed by dx and by grad_weight (for delta).
+  at::Tensor rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+  GradCoefArgs<acc_t> f{};
+  f.part = p.part.data_ptr<acc_t>();
+  f.mean = mean.data_ptr<acc_t>();
+  f.rstd = rstd.data_ptr<acc_t>();
+  f.rec = rec.data_ptr<acc_t>();
+  f.items = sh.N * sh.G;
+  f.entries = p.entries;
+  f.M = static_cast<acc_t>(sh.D) * static_cast<acc_t>(sh.S);
+  f.log_iw = log_item_width(p.entries);
+  finalize_grad_coefs_kernel<acc_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  if (mask[1] || mask[2]) {
+    ParamGradArgs<acc_t> g{};
+    g.part_c = p.part_c.data_ptr<acc_t>();
+    g.rec = rec.data_ptr<acc_t>();
+    g.dweight = GradRef{mask[1] ? dweight.data_ptr() : nullptr, dweight.scalar_type()};
+    g.dbias = GradRef{mask[2] ? dbias.data_ptr() : nullptr, dbias.scalar_type()};
+    g.C = sh.C;
+    g.G = sh.G;
+    g.D = sh.D;
+    g.split = p.split;
+    g.entries = sh.N * p.split;
+    finalize_param_grads_kernel<acc_t><<<grid_for(ceil_div(sh.C, kWarp)), kThreads, 0, stream>>>(g);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  if (mask[0]) apply_pass<scalar_t>(x, dy, dx, rec, weight, at::Tensor(), sh, layout);
+}
+
+bool defined(const OptTensor& t) {
+  return t.has_value() && t->defined();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps) {
+  const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
+  const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
+  const Layout layout = layout_for(input);
+  const at::Tensor x = to_layout(input, layout);
+  at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
+  const auto stat_opts = x.options().dtype(stats_dtype(x.scalar_type()));
+  at::Tensor mean = at::empty({sh.N, sh.G}, stat_opts);
+  at::Tensor rstd = at::empty({sh.N, sh.G}, stat_opts);
+  if (sh.N == 0) return {y, mean, rstd};
+  if (x.numel() == 0) {
+    // Empty groups (S == 0 or C == 0): mean 0 and variance 0.
+    mean.zero_();
+    rstd.fill_(1.0 / std::sqrt(eps));
+    return {y, mean, rstd};
+  }
+  const at::Tensor w = defined(weight) ? weight->contiguous() : at::Tensor();
+  const at::Tensor b = defined(bias) ? bias->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fusednorm_group_norm_forward_cuda", [&] {
+    forward_impl<scalar_t>(x, w, b, eps, sh, layout, y, mean, rstd);
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& rstd, const OptTensor& weight, int64_t num_groups,
+    std::array<bool, 3> output_mask) {
+  const GroupNormShape sh =
+      check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
+  const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
+  const Layout layout = layout_for(input);
+  const at::Tensor x = to_layout(input, layout);
+  const auto param_opts = x.options().dtype(param_grad_dtype(input, weight));
+  at::Tensor dx = output_mask[0] ? empty_in_layout(x, layout, x.scalar_type()) : at::empty({0}, x.options());
+  at::Tensor dweight = at::empty({output_mask[1] ? sh.C : 0}, param_opts);
+  at::Tensor dbias = at::empty({output_mask[2] ? sh.C : 0}, param_opts);
+  if (!output_mask[0] && !output_mask[1] && !output_mask[2]) return {dx, dweight, dbias};
+  if (x.numel() == 0) {
+    // dx is empty too; the parameter gradients are sums over nothing.
+    dweight.zero_();
+    dbias.zero_();
+    return {dx, dweight, dbias};
+  }
+  const at::Tensor dy = to_layout(grad_out, layout);
+  const at::Tensor m = mean.contiguous();
+  const at::Tensor r = rstd.contiguous();
+  const at::Tensor w = defined(weight) ? weight->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fusednorm_group_norm_backward_cuda", [&] {
+    backward_impl<scalar_t>(dy, x, m, r, w, sh, layout, output_mask, dx, dweight, dbias);
+  });
+  return {dx, dweight, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusednorm, CUDA, m) {
+  m.impl("group_norm_forward", &group_norm_forward_cuda);
+  m.impl("group_norm_backward", &group_norm_backward_cuda);
+}
+
+}  // namespace fusednorm
