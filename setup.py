@@ -137,6 +137,68 @@ def _extension():
     return ext, cpp_extension.BuildExtension
 
 
+def _share_the_process_libstdcxx():
+    """Keeps the library on the process's libstdc++.
+
+    Every object file carries weak copies of the libstdc++ templates it uses (std::ostream's
+    number formatting among them), instantiated from the compiler's headers. Linked with
+    -Bsymbolic(-functions) (Debian's python puts it in LDSHARED) or -static-libstdc++, the library
+    calls its own copies instead of the process's libstdc++; when the compiler is newer than that
+    libstdc++ (the GPU machine builds with CXX=/opt/gcc/bin/g++), the copies misread the process's
+    locale and formatting any number into an error message crashed. The library trades streams,
+    locales and exceptions with libtorch, so it must bind to the same runtime.
+    """
+    import sysconfig
+
+    def clean(flags):
+        return " ".join(f for f in flags.split() if f not in (
+            "-static-libstdc++", "-static-libgcc", "-Wl,-Bsymbolic-functions", "-Wl,-Bsymbolic"))
+
+    # The link command comes from $LDSHARED when set, else from python's build configuration.
+    if "LDSHARED" not in os.environ and sysconfig.get_config_var("LDSHARED"):
+        os.environ["LDSHARED"] = sysconfig.get_config_var("LDSHARED")
+    for var in ("LDFLAGS", "LDSHARED", "CFLAGS", "CXXFLAGS", "CPPFLAGS"):
+        if var in os.environ:
+            os.environ[var] = clean(os.environ[var])
+
+
+def _compiler_matching_the_runtime():
+    """Builds with a C++ compiler whose libstdc++ is the one this process runs on.
+
+    A compiler newer than the process's libstdc++ (the GPU machine sets CXX=/opt/gcc/bin/g++ while
+    torch runs on the system's libstdc++) instantiates library internals from its own headers
+    that misread the process's locale state: formatting a number into an error message crashed.
+    When $CXX's libstdc++ is not the loaded one, fall back to the default compiler.
+    """
+    cxx = os.environ.get("CXX")
+    if not cxx or not os.path.exists("/proc/self/maps"):
+        return
+    import torch  # noqa: F401  (maps the libstdc++ torch runs on)
+
+    with open("/proc/self/maps") as f:
+        loaded = {os.path.realpath(line.split()[-1]) for line in f if "libstdc++.so" in line}
+
+    def runtime_of(compiler):
+        try:
+            out = subprocess.run([compiler, "-print-file-name=libstdc++.so.6"], capture_output=True,
+                                 text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return os.path.realpath(out) if os.path.isabs(out) else None
+
+    if not loaded or runtime_of(cxx) in loaded or runtime_of(cxx) is None:
+        return
+    for candidate in ("/usr/bin/g++", "/usr/bin/c++", shutil.which("g++"), shutil.which("c++")):
+        if candidate and runtime_of(candidate) in loaded:
+            print(f"fusednorm: CXX={cxx} links {runtime_of(cxx)}, but torch runs on "
+                  f"{', '.join(sorted(loaded))}: building with {candidate} instead")
+            os.environ["CXX"] = candidate
+            cc = candidate.replace("g++", "gcc").replace("c++", "cc")
+            if os.path.exists(cc):
+                os.environ["CC"] = cc
+            return
+
+
 def _write_build_info():
     """Records the torch the library is built against, so that importing fusednorm under
     another torch fails with a message naming both versions instead of a symbol error."""
@@ -148,6 +210,8 @@ def _write_build_info():
         f.write(f"CUDA_VERSION = {torch.version.cuda!r}\n")
 
 
+_share_the_process_libstdcxx()
+_compiler_matching_the_runtime()
 _write_build_info()
 ext, build_ext = _extension()
 setup(
