@@ -109,7 +109,9 @@ def _extension():
     with_cuda = _want_cuda(torch)
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     std = "-std=" + _cxx_standard(torch)
-    cxx_flags = ["-O3", std, "-fdiagnostics-color=always"] + _host_cpu_flags()
+    # ATen's at::parallel_for is an OpenMP region inlined into the caller: without -fopenmp the
+    # CPU kernels would silently run on one thread.
+    cxx_flags = ["-O3", std, "-fopenmp", "-fdiagnostics-color=always"] + _host_cpu_flags()
     extra = {"cxx": cxx_flags}
     include_dirs = [os.path.join(HERE, "csrc")]
     if with_cuda:
@@ -132,6 +134,7 @@ def _extension():
         sources=sources,
         include_dirs=include_dirs,
         extra_compile_args=extra,
+        extra_link_args=["-fopenmp"],
         py_limited_api=True,
     )
     return ext, cpp_extension.BuildExtension
