@@ -102,8 +102,4 @@ at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dt
   return at::empty(t.movedim(1, -1).sizes(), options).movedim(-1, 1);
 }
 
-at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& /*weight*/) {
-  return stats_dtype(input.scalar_type());
-}
-
 }  // namespace fusednorm

@@ -56,13 +56,11 @@ at::Tensor to_layout(const at::Tensor& t, Layout layout);
 // An uninitialised tensor of `t`'s shape in `layout`, with the given dtype.
 at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dtype);
 
-// dtype of the saved mean and rstd: float32, or float64 for float64 inputs.
+// dtype of the saved mean and rstd, and of the weight and bias gradients the backward op returns
+// (so that nothing is rounded to bf16/fp16 before autograd casts them to the parameters' dtypes):
+// float32, or float64 for float64 inputs.
 inline at::ScalarType stats_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
-
-// dtype of the weight and bias gradients the backward op returns: that of the statistics, so
-// that nothing is rounded to bf16/fp16 before autograd casts them to the parameters' dtypes.
-at::ScalarType param_grad_dtype(const at::Tensor& input, const c10::optional<at::Tensor>& weight);
 
 }  // namespace fusednorm

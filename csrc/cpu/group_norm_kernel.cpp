@@ -580,7 +580,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
     }
   });
 
-  const at::ScalarType param_dtype = param_grad_dtype(input, weight);
+  const at::ScalarType param_dtype = stats_dtype(input.scalar_type());
   const auto param_options = x.options().dtype(param_dtype);
   at::Tensor dweight = at::empty({0}, param_options), dbias = at::empty({0}, param_options);
   if (output_mask[1] || output_mask[2]) {

@@ -1304,7 +1304,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
   const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
   const Layout layout = layout_for(input);
   const at::Tensor x = to_layout(input, layout);
-  const auto param_opts = x.options().dtype(param_grad_dtype(input, weight));
+  const auto param_opts = x.options().dtype(stats_dtype(input.scalar_type()));
   at::Tensor dx = output_mask[0] ? empty_in_layout(x, layout, x.scalar_type()) : at::empty({0}, x.options());
   at::Tensor dweight = at::empty({output_mask[1] ? sh.C : 0}, param_opts);
   at::Tensor dbias = at::empty({output_mask[2] ? sh.C : 0}, param_opts);
