@@ -251,22 +251,22 @@ void reduce_channels(const T* x, const T* y, int64_t r0, int64_t r1, int64_t C, 
     for (int64_t c = 0; c < C; ++c) out[k * C + c] = acc_buf[k * padded + c];
 }
 
+int64_t num_chunks(const GroupNormShape& sh) {
+  const int64_t rows = rows_per_chunk(sh.C);
+  return (sh.S + rows - 1) / rows;
+}
+
 // Runs body(n, chunk, r0, r1) over every chunk of rows of every sample, in parallel.
 template <typename F>
 void for_each_chunk(const GroupNormShape& sh, F body) {
   const int64_t rows = rows_per_chunk(sh.C);
-  const int64_t chunks = (sh.S + rows - 1) / rows;
+  const int64_t chunks = num_chunks(sh);
   at::parallel_for(0, sh.N * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i / chunks, k = i % chunks;
       body(n, k, k * rows, std::min(sh.S, (k + 1) * rows));
     }
   });
-}
-
-int64_t num_chunks(const GroupNormShape& sh) {
-  const int64_t rows = rows_per_chunk(sh.C);
-  return (sh.S + rows - 1) / rows;
 }
 
 // Sums per-chunk partials [N][chunks][K][C] over chunks, in order: per-channel totals [K][N][C].
