@@ -140,31 +140,6 @@ def _extension():
     return ext, cpp_extension.BuildExtension
 
 
-def _share_the_process_libstdcxx():
-    """Keeps the library on the process's libstdc++.
-
-    Every object file carries weak copies of the libstdc++ templates it uses (std::ostream's
-    number formatting among them), instantiated from the compiler's headers. Linked with
-    -Bsymbolic(-functions) (Debian's python puts it in LDSHARED) or -static-libstdc++, the library
-    calls its own copies instead of the process's libstdc++; when the compiler is newer than that
-    libstdc++ (the GPU machine builds with CXX=/opt/gcc/bin/g++), the copies misread the process's
-    locale and formatting any number into an error message crashed. The library trades streams,
-    locales and exceptions with libtorch, so it must bind to the same runtime.
-    """
-    import sysconfig
-
-    def clean(flags):
-        return " ".join(f for f in flags.split() if f not in (
-            "-static-libstdc++", "-static-libgcc", "-Wl,-Bsymbolic-functions", "-Wl,-Bsymbolic"))
-
-    # The link command comes from $LDSHARED when set, else from python's build configuration.
-    if "LDSHARED" not in os.environ and sysconfig.get_config_var("LDSHARED"):
-        os.environ["LDSHARED"] = sysconfig.get_config_var("LDSHARED")
-    for var in ("LDFLAGS", "LDSHARED", "CFLAGS", "CXXFLAGS", "CPPFLAGS"):
-        if var in os.environ:
-            os.environ[var] = clean(os.environ[var])
-
-
 def _compiler_matching_the_runtime():
     """Builds with a C++ compiler whose libstdc++ is the one this process runs on.
 
@@ -213,7 +188,6 @@ def _write_build_info():
         f.write(f"CUDA_VERSION = {torch.version.cuda!r}\n")
 
 
-_share_the_process_libstdcxx()
 _compiler_matching_the_runtime()
 _write_build_info()
 ext, build_ext = _extension()
