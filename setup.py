@@ -141,12 +141,13 @@ def _extension():
 
 
 def _compiler_matching_the_runtime():
-    """Builds with a C++ compiler whose libstdc++ is the one this process runs on.
+    """Builds with a C++ compiler that links the libstdc++ this process runs on, dynamically.
 
-    A compiler newer than the process's libstdc++ (the GPU machine sets CXX=/opt/gcc/bin/g++ while
-    torch runs on the system's libstdc++) instantiates library internals from its own headers
-    that misread the process's locale state: formatting a number into an error message crashed.
-    When $CXX's libstdc++ is not the loaded one, fall back to the default compiler.
+    The GPU machine sets CXX=/opt/gcc/bin/g++, a wrapper that links libstdc++ statically: the
+    library then carries a second, uninitialised copy of the C++ runtime (its locale state is
+    empty), and formatting a number into an error message crashed the process.  A compiler
+    whose libstdc++ is another build than the loaded one has the same hazard.  When $CXX is such
+    a compiler, fall back to the system's.
     """
     cxx = os.environ.get("CXX")
     if not cxx or not os.path.exists("/proc/self/maps"):
@@ -156,25 +157,48 @@ def _compiler_matching_the_runtime():
     with open("/proc/self/maps") as f:
         loaded = {os.path.realpath(line.split()[-1]) for line in f if "libstdc++.so" in line}
 
-    def runtime_of(compiler):
+    def run(compiler, *args):
         try:
-            out = subprocess.run([compiler, "-print-file-name=libstdc++.so.6"], capture_output=True,
-                                 text=True, timeout=60).stdout.strip()
+            return subprocess.run([compiler, *args], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
             return None
+
+    def links_runtime_statically(compiler):
+        # The driver's link line (-###) names libstdc++ after -Bstatic under -static-libstdc++.
+        res = run(compiler, "-###", "-shared", "-x", "c++", os.devnull, "-o", os.devnull)
+        if res is None:
+            return False
+        words = [w.strip('"') for w in res.stderr.split()]
+        static = False
+        for w in words:
+            if w in ("-Bstatic", "-Bdynamic"):
+                static = w == "-Bstatic"
+            elif w == "-lstdc++" and static or w.endswith("libstdc++.a"):
+                return True
+        return False
+
+    def runtime_of(compiler):
+        res = run(compiler, "-print-file-name=libstdc++.so.6")
+        out = res.stdout.strip() if res is not None else ""
         return os.path.realpath(out) if os.path.isabs(out) else None
 
-    if not loaded or runtime_of(cxx) in loaded or runtime_of(cxx) is None:
+    def suitable(compiler):
+        return not links_runtime_statically(compiler) and (not loaded or runtime_of(compiler) in loaded)
+
+    if suitable(cxx):
         return
     for candidate in ("/usr/bin/g++", "/usr/bin/c++", shutil.which("g++"), shutil.which("c++")):
-        if candidate and runtime_of(candidate) in loaded:
-            print(f"fusednorm: CXX={cxx} links {runtime_of(cxx)}, but torch runs on "
-                  f"{', '.join(sorted(loaded))}: building with {candidate} instead")
+        if candidate and os.path.realpath(candidate) != os.path.realpath(cxx) and suitable(candidate):
+            print(f"fusednorm: CXX={cxx} does not link the C++ runtime torch runs on "
+                  f"({', '.join(sorted(loaded))}) dynamically: building with {candidate} instead")
             os.environ["CXX"] = candidate
             cc = candidate.replace("g++", "gcc").replace("c++", "cc")
             if os.path.exists(cc):
                 os.environ["CC"] = cc
             return
+    print(f"fusednorm: warning: CXX={cxx} links the C++ runtime statically or links another "
+          "libstdc++ than torch's, and no other compiler was found; errors raised by the library "
+          "may crash the process")
 
 
 def _write_build_info():
