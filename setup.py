@@ -143,9 +143,9 @@ def _extension():
 def _compiler_matching_the_runtime():
     """Builds with a C++ compiler that links the libstdc++ this process runs on, dynamically.
 
-    The GPU machine sets CXX=/opt/gcc/bin/g++, a wrapper that links libstdc++ statically: the
-    library then carries a second, uninitialised copy of the C++ runtime (its locale state is
-    empty), and formatting a number into an error message crashed the process.  A compiler
+    The GPU machine sets CXX=/opt/gcc/bin/g++, a wrapper whose library path finds a libstdc++.a
+    first: the library then carries a second, uninitialised copy of parts of the C++ runtime,
+    and formatting a number into an error message crashed the process.  A compiler
     whose libstdc++ is another build than the loaded one has the same hazard.  When $CXX is such
     a compiler, fall back to the system's.
     """
@@ -164,18 +164,19 @@ def _compiler_matching_the_runtime():
             return None
 
     def links_runtime_statically(compiler):
-        # The driver's link line (-###) names libstdc++ after -Bstatic under -static-libstdc++.
-        res = run(compiler, "-###", "-shared", "-x", "c++", os.devnull, "-o", os.devnull)
-        if res is None:
-            return False
-        words = [w.strip('"') for w in res.stderr.split()]
-        static = False
-        for w in words:
-            if w in ("-Bstatic", "-Bdynamic"):
-                static = w == "-Bstatic"
-            elif w == "-lstdc++" and static or w.endswith("libstdc++.a"):
-                return True
-        return False
+        # Link a tiny shared library that formats a number and ask whether the library itself
+        # defines the stream inserter (copied in from a libstdc++.a) instead of importing it.
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+            with open(src, "w") as f:
+                f.write("#include <sstream>\n#include <string>\n"
+                        "std::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+            built = run(compiler, "-shared", "-fPIC", "-O1", src, "-o", lib)
+            if built is None or built.returncode != 0:
+                return False
+            symbols = run(shutil.which("nm") or "nm", "-D", "--defined-only", lib)
+            return symbols is not None and "_ZNSo9_M_insertIlEERSoT_" in symbols.stdout
 
     def runtime_of(compiler):
         res = run(compiler, "-print-file-name=libstdc++.so.6")
