@@ -103,3 +103,120 @@ at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dt
 }
 
 }  // namespace fusednorm
+
+namespace fusednorm {
+
+Activation parse_activation(c10::string_view name) {
+  for (int i = 0; i < kNumActivations; ++i) {
+    const auto a = static_cast<Activation>(i);
+    if (name == activation_name(a)) return a;
+  }
+  std::string valid;
+  for (int i = 0; i < kNumActivations; ++i) {
+    valid += std::string(i ? ", " : "") + "'" + activation_name(static_cast<Activation>(i)) + "'";
+  }
+  TORCH_CHECK_VALUE(false, "Unknown activation '", std::string(name.data(), name.size()),
+      "': expected one of ", valid);
+}
+
+namespace {
+
+void check_same_device(const char* name, const at::Tensor& t, const at::Tensor& input) {
+  TORCH_CHECK(t.device() == input.device(),
+      "Expected all tensors to be on the same device, but found input on ", input.device(),
+      " and ", name, " on ", t.device());
+}
+
+// scale / shift: (N, C) or (N, C, 1, ..., 1) -> (N, C) contiguous in the stats dtype.
+at::Tensor per_sample_channel(const char* name, const at::Tensor& t, const at::Tensor& input,
+    const GroupNormShape& sh) {
+  check_same_device(name, t, input);
+  bool ok = t.dim() >= 2 && t.size(0) == sh.N && t.size(1) == sh.C;
+  for (int64_t d = 2; ok && d < t.dim(); ++d) ok = t.size(d) == 1;
+  TORCH_CHECK(ok, "Expected ", name, " of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = (",
+      sh.N, ", ", sh.C, "), but got ", name, " of shape ", t.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()),
+      "Expected ", name, " to be a floating-point tensor, but got ", t.scalar_type());
+  return t.reshape({sh.N, sh.C}).to(stats_dtype(input.scalar_type())).contiguous();
+}
+
+// residual / multiplier: the input's shape and dtype, in the kernels' layout.
+at::Tensor like_input(const char* name, const at::Tensor& t, const at::Tensor& input, Layout layout) {
+  check_same_device(name, t, input);
+  TORCH_CHECK(t.sizes() == input.sizes(), "Expected ", name, " of the input's shape ",
+      input.sizes(), ", but got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == input.scalar_type(), "Expected ", name,
+      " to have the input's dtype (", input.scalar_type(), "), but got ", t.scalar_type());
+  return to_layout(t, layout);
+}
+
+bool defined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined();
+}
+
+}  // namespace
+
+Epilogue make_epilogue(
+    const at::Tensor& input,
+    const GroupNormShape& shape,
+    Layout layout,
+    const c10::optional<at::Tensor>& scale,
+    const c10::optional<at::Tensor>& shift,
+    const c10::optional<at::Tensor>& residual,
+    c10::string_view activation,
+    double negative_slope,
+    const c10::optional<at::Tensor>& multiplier) {
+  Epilogue ep;
+  ep.activation = parse_activation(activation);
+  ep.negative_slope = negative_slope;
+  if (defined(scale)) ep.scale = per_sample_channel("scale", *scale, input, shape);
+  if (defined(shift)) ep.shift = per_sample_channel("shift", *shift, input, shape);
+  if (defined(residual)) ep.residual = like_input("residual", *residual, input, layout);
+  if (defined(multiplier)) ep.multiplier = like_input("multiplier", *multiplier, input, layout);
+  return ep;
+}
+
+FusedGrads empty_fused_grads(
+    const at::Tensor& x, const GroupNormShape& sh, Layout layout, const FusedGradMask& mask) {
+  const auto none = at::empty({0}, x.options());
+  const auto stats = x.options().dtype(stats_dtype(x.scalar_type()));
+  auto like_x = [&](bool wanted) { return wanted ? empty_in_layout(x, layout, x.scalar_type()) : none; };
+  FusedGrads g;
+  g.input = like_x(mask[0]);
+  g.weight = at::empty({mask[1] ? sh.C : 0}, stats);
+  g.bias = at::empty({mask[2] ? sh.C : 0}, stats);
+  g.scale = mask[3] ? at::empty({sh.N, sh.C}, stats) : at::empty({0}, stats);
+  g.shift = mask[4] ? at::empty({sh.N, sh.C}, stats) : at::empty({0}, stats);
+  g.residual = like_x(mask[5]);
+  g.multiplier = like_x(mask[6]);
+  return g;
+}
+
+void param_grads_from_channel_sums(
+    const at::Tensor& db,
+    const at::Tensor& dsc,
+    const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias,
+    const Epilogue& ep,
+    const GroupNormShape& sh,
+    FusedGrads& grads) {
+  const auto f64 = at::kDouble;
+  // sum_s dp * xhat per (n, c): rstd of the channel's group times the centred sum.
+  const at::Tensor rstd_c =
+      rstd.to(f64).reshape({sh.N, sh.G, 1}).expand({sh.N, sh.G, sh.D}).reshape({sh.N, sh.C});
+  const at::Tensor xhat_sum = rstd_c * dsc;
+  const at::Tensor gain = ep.scale.defined() ? ep.scale.to(f64) + 1 : at::Tensor();
+  if (grads.weight.numel() > 0) {
+    grads.weight.copy_((gain.defined() ? gain * xhat_sum : xhat_sum).sum(0));
+  }
+  if (grads.bias.numel() > 0) grads.bias.copy_((gain.defined() ? gain * db : db).sum(0));
+  if (grads.shift.numel() > 0) grads.shift.copy_(db);
+  if (grads.scale.numel() > 0) {
+    at::Tensor g = defined(weight) ? xhat_sum * weight->to(f64) : xhat_sum;
+    if (defined(bias)) g = g + db * bias->to(f64);
+    grads.scale.copy_(g);
+  }
+}
+
+}  // namespace fusednorm

@@ -4,6 +4,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+
+#include <array>
+
+#include "epilogue.h"
 
 namespace fusednorm {
 
@@ -62,5 +67,68 @@ at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dt
 inline at::ScalarType stats_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
+
+// The activation named `name` ("none", "silu", "gelu", "gelu_tanh", "relu", "leaky_relu",
+// "mish"); anything else raises ValueError listing the valid names.
+Activation parse_activation(c10::string_view name);
+
+// Operands of the fused epilogue (epilogue.h), checked against the input and put in the form the
+// kernels read.
+struct Epilogue {
+  at::Tensor scale, shift;          // undefined, or (N, C) contiguous in stats_dtype(input)
+  at::Tensor residual, multiplier;  // undefined, or the input's shape and dtype in its kernel layout
+  Activation activation = Activation::None;
+  double negative_slope = 0.01;
+
+  bool modulated() const { return scale.defined() || shift.defined(); }
+  // True when some operand works per element (the kernels then need p or q, see epilogue.h).
+  bool elementwise() const {
+    return residual.defined() || multiplier.defined() || activation != Activation::None;
+  }
+  bool empty() const { return !modulated() && !elementwise(); }
+};
+
+// Validates the epilogue operands of the fused ops:
+//   scale, shift: shape (N, C) or (N, C, 1, ..., 1), any floating dtype, the input's device;
+//   residual, multiplier: the input's shape, dtype and device (any strides: copied to `layout`).
+Epilogue make_epilogue(
+    const at::Tensor& input,
+    const GroupNormShape& shape,
+    Layout layout,
+    const c10::optional<at::Tensor>& scale,
+    const c10::optional<at::Tensor>& shift,
+    const c10::optional<at::Tensor>& residual,
+    c10::string_view activation,
+    double negative_slope,
+    const c10::optional<at::Tensor>& multiplier);
+
+// Outputs of fused_group_norm_backward, in schema order. An output whose output_mask entry is
+// false is an empty tensor of shape (0,).
+//   grad_input, grad_residual, grad_multiplier: the input's shape and dtype, in its kernel layout;
+//   grad_weight, grad_bias: (C,) in stats_dtype;  grad_scale, grad_shift: (N, C) in stats_dtype.
+struct FusedGrads {
+  at::Tensor input, weight, bias, scale, shift, residual, multiplier;
+};
+constexpr int kNumFusedGrads = 7;
+using FusedGradMask = std::array<bool, kNumFusedGrads>;
+
+// Allocates the requested gradients (uninitialised) for an input laid out as `x`.
+FusedGrads empty_fused_grads(
+    const at::Tensor& x, const GroupNormShape& shape, Layout layout, const FusedGradMask& mask);
+
+// The per-(n, c) gradients of the parameters, from the per-(n, c) sums over s of dp and of
+// dp * (x - mean) (the latter centred on the true mean, see the kernels), all in float64 (N, C):
+//   grad_weight[c] = sum_n (1 + scale) * rstd * dsc,   grad_bias[c] = sum_n (1 + scale) * db,
+//   grad_scale = weight * rstd * dsc + bias * db,      grad_shift = db.
+// Fills those of `grads` that are defined and non-empty. Deterministic (fixed-order sums).
+void param_grads_from_channel_sums(
+    const at::Tensor& db,
+    const at::Tensor& dsc,
+    const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias,
+    const Epilogue& epilogue,
+    const GroupNormShape& shape,
+    FusedGrads& grads);
 
 }  // namespace fusednorm

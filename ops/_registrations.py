@@ -125,3 +125,104 @@ def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, o
     grad_weight = input.new_empty((C,) if output_mask[1] else (0,), dtype=stats_dtype)
     grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=stats_dtype)
     return grad_input, grad_weight, grad_bias
+
+
+# -- fused_group_norm_forward / fused_group_norm_backward ------------------------------------------
+
+_ACTIVATION_NAMES = ("none", "silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
+
+
+def _check_epilogue_args(input, scale, shift, residual, activation, multiplier) -> None:
+    # As make_epilogue in csrc/group_norm.cpp.
+    if activation not in _ACTIVATION_NAMES:
+        raise ValueError(
+            f"Unknown activation '{activation}': expected one of " + ", ".join(f"'{a}'" for a in _ACTIVATION_NAMES)
+        )
+    N, C = input.shape[0], input.shape[1]
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t is None:
+            continue
+        torch._check(
+            t.device == input.device,
+            lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {t.device}",
+        )
+        torch._check(
+            t.dim() >= 2 and t.shape[0] == N and t.shape[1] == C and all(s == 1 for s in t.shape[2:]),
+            lambda: f"Expected {name} of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = ({N}, {C}), but got {name} of shape {tuple(t.shape)}",
+        )
+        torch._check_type(t.dtype.is_floating_point, lambda: f"Expected {name} to be a floating-point tensor, but got {t.dtype}")
+    for name, t in (("residual", residual), ("multiplier", multiplier)):
+        if t is None:
+            continue
+        torch._check(
+            t.device == input.device,
+            lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {t.device}",
+        )
+        torch._check(t.shape == input.shape, lambda: f"Expected {name} of the input's shape {tuple(input.shape)}, but got {tuple(t.shape)}")
+        torch._check_type(t.dtype == input.dtype, lambda: f"Expected {name} to have the input's dtype ({input.dtype}), but got {t.dtype}")
+
+
+@register_fake("fused_group_norm_forward")
+def _fused_group_norm_forward_fake(input, num_groups, weight, bias, eps, scale, shift, residual, activation,
+                                   negative_slope, multiplier):
+    _check_group_norm_args(input, num_groups, weight, bias)
+    _check_epilogue_args(input, scale, shift, residual, activation, multiplier)
+    return _group_norm_forward_fake(input, num_groups, weight, bias, eps)
+
+
+def _fused_group_norm_forward_setup_context(ctx, inputs, output):
+    input, num_groups, weight, bias, _eps, scale, shift, residual, activation, negative_slope, multiplier = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(input, mean, rstd, weight, bias, scale, shift, residual, multiplier)
+    ctx.num_groups = num_groups
+    ctx.activation = activation
+    ctx.negative_slope = negative_slope
+
+
+def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    input, mean, rstd, weight, bias, scale, shift, residual, multiplier = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    # Differentiable inputs, in the order of the backward op's outputs.
+    mask = [needs[0], needs[2], needs[3], needs[5], needs[6], needs[7], needs[10]]
+    grads = torch.ops.fusednorm.fused_group_norm_backward(
+        grad_out, input, mean, rstd, weight, bias, ctx.num_groups, scale, shift, residual,
+        ctx.activation, ctx.negative_slope, multiplier, mask,
+    )
+    # Parameter and modulation gradients come in the statistics' precision and (N, C) shape:
+    # shape and round them only now.
+    g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier = grads
+    return (
+        g_input if mask[0] else None,
+        None,
+        g_weight.to(weight.dtype) if mask[1] else None,
+        g_bias.to(bias.dtype) if mask[2] else None,
+        None,
+        g_scale.reshape(scale.shape).to(scale.dtype) if mask[3] else None,
+        g_shift.reshape(shift.shape).to(shift.dtype) if mask[4] else None,
+        g_residual if mask[5] else None,
+        None,
+        None,
+        g_multiplier if mask[6] else None,
+    )
+
+
+register_autograd("fused_group_norm_forward", _fused_group_norm_forward_backward,
+                  _fused_group_norm_forward_setup_context)
+
+
+@register_fake("fused_group_norm_backward")
+def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, num_groups, scale, shift, residual,
+                                    activation, negative_slope, multiplier, output_mask: List[bool]):
+    _check_group_norm_args(input, num_groups, weight, bias)
+    _check_epilogue_args(input, scale, shift, residual, activation, multiplier)
+    grad_input, grad_weight, grad_bias = _group_norm_backward_fake(
+        grad_out, input, mean, rstd, weight, num_groups, output_mask[:3]
+    )
+    stats_dtype = _stats_dtype(input.dtype)
+    N, C = input.shape[0], input.shape[1]
+    grad_scale = input.new_empty((N, C) if output_mask[3] else (0,), dtype=stats_dtype)
+    grad_shift = input.new_empty((N, C) if output_mask[4] else (0,), dtype=stats_dtype)
+    grad_residual = _empty_like_kernel_output(input, input.dtype) if output_mask[5] else input.new_empty((0,))
+    grad_multiplier = _empty_like_kernel_output(input, input.dtype) if output_mask[6] else input.new_empty((0,))
+    return grad_input, grad_weight, grad_bias, grad_scale, grad_shift, grad_residual, grad_multiplier

@@ -1,12 +1,19 @@
-"""F-style functions with the signatures, defaults and argument checks of torch.nn.functional.
+"""F-style functions with the signatures, defaults and argument checks of torch.nn.functional,
+plus keyword-only epilogue operands fused into the same pass over memory.
 
-Scriptable with torch.jit.script; they call the ops in torch.ops.fusednorm.
+They call the composite ops torch.ops.fusednorm.group_norm / instance_norm, whose schemas have the
+same arguments. TorchScript cannot compile keyword-only parameters, so each function is registered
+as a TorchScript builtin of its op: scripted code that calls ``fusednorm.group_norm(...)`` (with
+the same keywords) compiles to the op itself, which performs the same checks.
 """
 
 from typing import List, Optional
 
 import torch
 from torch import Tensor
+
+# Accepted values of `activation` (None: no activation). Mirrors csrc/epilogue.h.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
 
 
 def _verify_batch_size(size: List[int]) -> None:
@@ -27,25 +34,60 @@ def _verify_spatial_size(size: List[int]) -> None:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size {size}")
 
 
+_EPILOGUE_DOC = """
+    The optional keyword-only epilogue is applied in the same pass, in this order::
+
+        z = normalize(input) * weight + bias
+        z = z * (1 + scale) + shift      # scale, shift: (N, C) or (N, C, 1, ..., 1)
+        z = z + residual                 # input's shape
+        z = act(z)                       # activation: None, "silu", "gelu", "gelu_tanh",
+                                         #   "relu", "leaky_relu" (negative_slope), "mish"
+        z = z * multiplier               # input's shape
+
+    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
+    input's dtype (the output keeps the input's dtype and memory format); ``scale`` and ``shift``
+    are used in float32 (float64 for float64 input).
+"""
+
+
+def _same_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    if t is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
 def group_norm(
     input: Tensor,
     num_groups: int,
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
     eps: float = 1e-5,
+    *,
+    activation: Optional[str] = None,
+    negative_slope: float = 0.01,
+    scale: Optional[Tensor] = None,
+    shift: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    multiplier: Optional[Tensor] = None,
 ) -> Tensor:
-    """Group normalization, as :func:`torch.nn.functional.group_norm`.
-
-    Statistics over (C / num_groups) channels x all spatial positions per sample and group, biased
-    variance, optional per-channel ``weight`` and ``bias``. Any rank >= 2; contiguous,
-    channels_last and channels_last_3d inputs keep their memory format.
-    """
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     if num_groups <= 0:
         raise RuntimeError(f"Expected num_groups to be positive, but got num_groups={num_groups}")
     _verify_batch_size([input.size(0) * input.size(1) // num_groups, num_groups] + list(input.size()[2:]))
-    return torch.ops.fusednorm.group_norm(input, num_groups, weight, bias, eps)
+    return torch.ops.fusednorm.group_norm(
+        input, num_groups, weight, bias, eps,
+        activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
+    )
+
+
+group_norm.__doc__ = """Group normalization, as :func:`torch.nn.functional.group_norm`.
+
+    Statistics over (C / num_groups) channels x all spatial positions per sample and group, biased
+    variance, optional per-channel ``weight`` and ``bias``. Any rank >= 2; contiguous,
+    channels_last and channels_last_3d inputs keep their memory format.
+""" + _EPILOGUE_DOC
 
 
 def instance_norm(
@@ -57,16 +99,38 @@ def instance_norm(
     use_input_stats: bool = True,
     momentum: float = 0.1,
     eps: float = 1e-5,
+    *,
+    activation: Optional[str] = None,
+    negative_slope: float = 0.01,
+    scale: Optional[Tensor] = None,
+    shift: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    multiplier: Optional[Tensor] = None,
 ) -> Tensor:
-    """Instance normalization, as :func:`torch.nn.functional.instance_norm`.
+    if use_input_stats:
+        _verify_spatial_size(input.size())
+    return torch.ops.fusednorm.instance_norm(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+        activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
+    )
+
+
+instance_norm.__doc__ = """Instance normalization, as :func:`torch.nn.functional.instance_norm`.
 
     With ``use_input_stats`` each (sample, channel) is normalized by its own statistics and the
     running statistics, when given, are updated in place:
     ``running = (1 - momentum) * running + momentum * batch_mean(statistic)``, the variance unbiased.
     Without it, the running statistics normalize the input.
-    """
-    if use_input_stats:
-        _verify_spatial_size(input.size())
-    return torch.ops.fusednorm.instance_norm(
-        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
-    )
+""" + _EPILOGUE_DOC
+
+
+def _register_torchscript_builtins() -> None:
+    # Private but long-stable TorchScript hook (torch.nn.functional's own functions use it).
+    from torch.jit._builtins import _register_builtin
+
+    _register_builtin(group_norm, "fusednorm::group_norm")
+    _register_builtin(instance_norm, "fusednorm::instance_norm")
+
+
+_register_torchscript_builtins()

@@ -1,6 +1,7 @@
 """Float64 references of the formulas, written from the definitions (not from torch.nn.functional),
 and helpers shared by the tests."""
 
+import math
 from typing import Optional
 
 import torch
@@ -70,3 +71,38 @@ def to_layout(t: Tensor, layout: str) -> Tensor:
         view.copy_(t)
         return view
     raise ValueError(layout)
+
+
+def activation_reference(z: Tensor, activation: Optional[str], negative_slope: float) -> Tensor:
+    """act(z) written from the definitions (float64)."""
+    if activation is None:
+        return z
+    if activation == "silu":
+        return z * torch.sigmoid(z)
+    if activation == "gelu":
+        return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+    if activation == "gelu_tanh":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+    if activation == "relu":
+        return torch.where(z > 0, z, torch.zeros_like(z))
+    if activation == "leaky_relu":
+        return torch.where(z > 0, z, z * negative_slope)
+    if activation == "mish":
+        return z * torch.tanh(torch.log1p(torch.exp(z)))
+    raise ValueError(activation)
+
+
+def epilogue_reference(y: Tensor, scale=None, shift=None, residual=None, activation=None, negative_slope=0.01,
+                       multiplier=None) -> Tensor:
+    """The fused epilogue on a normalized y: ((y * (1 + scale) + shift) + residual) -> act -> * multiplier."""
+    shape = y.shape[:2] + (1,) * (y.dim() - 2)
+    if scale is not None:
+        y = y * (1 + scale.reshape(shape))
+    if shift is not None:
+        y = y + shift.reshape(shape)
+    if residual is not None:
+        y = y + residual
+    y = activation_reference(y, activation, negative_slope)
+    if multiplier is not None:
+        y = y * multiplier
+    return y

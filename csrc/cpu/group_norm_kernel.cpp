@@ -1,4 +1,6 @@
-// CPU kernels of group_norm_forward / group_norm_backward.
+// CPU kernels of group_norm_forward / group_norm_backward and their fused variants
+// (fused_group_norm_forward / fused_group_norm_backward, the epilogue of epilogue.h). The plain
+// ops are the fused ones with an empty epilogue.
 //
 // Two layouts are handled in place (see Layout in group_norm.h):
 //   ChannelsFirst: group (n, g) is one contiguous run of D * S elements, D rows of S.
@@ -75,10 +77,12 @@ double horizontal_sum(const Vec& v) {
 constexpr int kUnroll = 4;
 
 // Sums f(x[i], y[i]) over a contiguous row for each of K outputs. `f(acc, xv, yv, count)` adds
-// one vector's contribution to the K accumulators; lanes past `count` hold zeros. `y` may be null.
-template <int K, typename T, typename F>
-std::array<double, K> reduce_row(const T* x, const T* y, int64_t n, F f) {
+// one vector's contribution to the K accumulators; lanes past `count` hold zeros. `y` may be null;
+// it is of the input's type or already opmath (a buffer of computed gradients).
+template <int K, typename T, typename Y = T, typename F>
+std::array<double, K> reduce_row(const T* x, const Y* y, int64_t n, F f) {
   using IO = VecIO<T>;
+  using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
   constexpr int64_t kSize = IO::kSize;
   std::array<double, K> total{};
@@ -90,12 +94,12 @@ std::array<double, K> reduce_row(const T* x, const T* y, int64_t n, F f) {
     for (; i + kUnroll * kSize <= end; i += kUnroll * kSize) {
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t j = i + u * kSize;
-        f(acc[u], IO::load(x + j), y ? IO::load(y + j) : Vec(0), kSize);
+        f(acc[u], IO::load(x + j), y ? YIO::load(y + j) : Vec(0), kSize);
       }
     }
     for (; i < end; i += kSize) {
       const int64_t count = std::min(kSize, end - i);
-      f(acc[0], IO::load(x + i, count), y ? IO::load(y + i, count) : Vec(0), count);
+      f(acc[0], IO::load(x + i, count), y ? YIO::load(y + i, count) : Vec(0), count);
     }
     for (int k = 0; k < K; ++k) {
       Vec sum = acc[0][k];
@@ -106,16 +110,17 @@ std::array<double, K> reduce_row(const T* x, const T* y, int64_t n, F f) {
   return total;
 }
 
-// Applies out[i] = f(x[i], y[i]) over a contiguous row.
-template <typename T, typename F>
-void map_row(const T* x, const T* y, T* out, int64_t n, F f) {
+// Applies out[i] = f(x[i], y[i], i) over a contiguous row.
+template <typename T, typename Y = T, typename F>
+void map_row(const T* x, const Y* y, T* out, int64_t n, F f) {
   using IO = VecIO<T>;
+  using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
   int64_t i = 0;
   for (; i + IO::kSize <= n; i += IO::kSize) {
-    IO::store(out + i, f(IO::load(x + i), y ? IO::load(y + i) : Vec(0), i));
+    IO::store(out + i, f(IO::load(x + i), y ? YIO::load(y + i) : Vec(0), i));
   }
-  if (i < n) IO::store(out + i, f(IO::load(x + i, n - i), y ? IO::load(y + i, n - i) : Vec(0), i), n - i);
+  if (i < n) IO::store(out + i, f(IO::load(x + i, n - i), y ? YIO::load(y + i, n - i) : Vec(0), i), n - i);
 }
 
 // Weight / bias as opmath values, 1 and 0 where absent.
@@ -137,6 +142,146 @@ std::vector<acc_t> param_or(const OptTensor& p, int64_t C, acc_t fill) {
 int64_t rows_per_chunk(int64_t C) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue (epilogue.h) on vectors of opmath values: the same formulas as the scalar versions,
+// with Sleef's vector exp / erf / tanh / log1p.
+
+template <typename Vec>
+Vec vec_sigmoid(const Vec& p) {
+  return Vec(1) / (Vec(1) + p.neg().exp());
+}
+
+template <typename Vec>
+Vec vec_activation(Activation a, const Vec& p, typename Vec::value_type slope) {
+  switch (a) {
+    case Activation::SiLU:
+      return p / (Vec(1) + p.neg().exp());
+    case Activation::GELU:
+      return Vec(0.5) * p * (Vec(1) + (p * Vec(0.70710678118654752440)).erf());
+    case Activation::GELUTanh: {
+      const Vec inner = Vec(0.79788456080286535588) * (p + Vec(0.044715) * p * p * p);
+      return Vec(0.5) * p * (Vec(1) + inner.tanh());
+    }
+    case Activation::ReLU:
+      return at::vec::clamp_min(p, Vec(0));  // NaN stays NaN
+    case Activation::LeakyReLU:
+      return Vec::blendv(p * Vec(slope), p, p > Vec(0));
+    case Activation::Mish:
+      return p * p.exp().log1p().tanh();
+    default:
+      return p;
+  }
+}
+
+template <typename Vec>
+Vec vec_activation_derivative(Activation a, const Vec& p, typename Vec::value_type slope) {
+  switch (a) {
+    case Activation::SiLU: {
+      const Vec s = vec_sigmoid(p);
+      return s * (Vec(1) + p * (Vec(1) - s));
+    }
+    case Activation::GELU: {
+      const Vec cdf = Vec(0.5) * (Vec(1) + (p * Vec(0.70710678118654752440)).erf());
+      const Vec pdf = (Vec(-0.5) * p * p).exp() * Vec(0.39894228040143267794);
+      return cdf + p * pdf;
+    }
+    case Activation::GELUTanh: {
+      const Vec beta(0.79788456080286535588), kappa(0.044715);
+      const Vec t = (beta * (p + kappa * p * p * p)).tanh();
+      const Vec inner_derivative = beta * (Vec(1) + Vec(3) * kappa * p * p);
+      return Vec(0.5) * (Vec(1) + t) + Vec(0.5) * p * (Vec(1) - t * t) * inner_derivative;
+    }
+    case Activation::ReLU:
+      return Vec::blendv(Vec(0), Vec(1), p > Vec(0));
+    case Activation::LeakyReLU:
+      return Vec::blendv(Vec(slope), Vec(1), p > Vec(0));
+    case Activation::Mish: {
+      const Vec tsp = p.exp().log1p().tanh();
+      return tsp + p * vec_sigmoid(p) * (Vec(1) - tsp * tsp);
+    }
+    default:
+      return Vec(1);
+  }
+}
+
+// The per-element side of an epilogue: residual and multiplier share x's offsets (make_epilogue
+// puts them in x's layout). The per-(n, c) side (scale, shift) is folded into the affine
+// coefficients by the callers.
+template <typename T>
+struct ElementwiseOperands {
+  using acc_t = at::opmath_type<T>;
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+
+  const T* residual = nullptr;
+  const T* multiplier = nullptr;
+  Activation activation = Activation::None;
+  acc_t slope = 0;
+  // Backward outputs (null: not requested).
+  T* grad_residual = nullptr;
+  T* grad_multiplier = nullptr;
+
+  ElementwiseOperands() = default;
+  ElementwiseOperands(const Epilogue& ep, bool need_multiplier_grad = false)
+      : residual(ep.residual.defined() ? ep.residual.data_ptr<T>() : nullptr),
+        multiplier(ep.multiplier.defined() ? ep.multiplier.data_ptr<T>() : nullptr),
+        activation(ep.activation),
+        slope(static_cast<acc_t>(ep.negative_slope)),
+        needs_p_(ep.activation != Activation::None || (multiplier && need_multiplier_grad)) {}
+
+  bool active() const { return residual || multiplier || activation != Activation::None; }
+
+  // z = act(v + residual) * multiplier at elements [off, off + count).
+  Vec forward(Vec v, int64_t off, int64_t count) const {
+    if (residual) v = v + IO::load(residual + off, count);
+    v = vec_activation(activation, v, slope);
+    if (multiplier) v = v * IO::load(multiplier + off, count);
+    return v;
+  }
+
+  // The gradient dp at the pre-activation p = (x - centre) * pa + pc + residual of elements
+  // [off, off + count), from dz; writes grad_residual (= dp) and grad_multiplier (= dz * act(p))
+  // when `write` and requested. Padding lanes (dz = 0) give dp = 0.
+  Vec backward(const Vec& dz, const Vec& x, const Vec& centre, const Vec& pa, const Vec& pc,
+      int64_t off, int64_t count, bool write) const {
+    Vec g = dz;
+    if (needs_p_) {
+      Vec p = at::vec::fmadd(x - centre, pa, pc);
+      if (residual) p = p + IO::load(residual + off, count);
+      if (write && grad_multiplier) IO::store(grad_multiplier + off, dz * vec_activation(activation, p, slope), count);
+      if (activation != Activation::None) g = g * vec_activation_derivative(activation, p, slope);
+    }
+    if (multiplier) g = g * IO::load(multiplier + off, count);
+    if (write && grad_residual) IO::store(grad_residual + off, g, count);
+    return g;
+  }
+
+ private:
+  bool needs_p_ = false;
+};
+
+// Per-(n, c) values of the modulation, 1 + scale and shift (empty when absent).
+template <typename acc_t>
+std::vector<acc_t> per_sample_channel_or_empty(const at::Tensor& t, acc_t add) {
+  std::vector<acc_t> out;
+  if (!t.defined()) return out;
+  const acc_t* p = t.data_ptr<acc_t>();  // (N, C) contiguous in the stats dtype
+  out.resize(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i) out[i] = p[i] + add;
+  return out;
+}
+
+// The modulation of channel c of sample n: v = u * gain + shift.
+template <typename acc_t>
+struct Modulation {
+  std::vector<acc_t> gain, shift;  // (N * C) each, or empty: 1 and 0
+  explicit Modulation(const Epilogue& ep)
+      : gain(per_sample_channel_or_empty(ep.scale, acc_t(1))),
+        shift(per_sample_channel_or_empty(ep.shift, acc_t(0))) {}
+  acc_t gain_at(int64_t nc) const { return gain.empty() ? acc_t(1) : gain[nc]; }
+  acc_t shift_at(int64_t nc) const { return shift.empty() ? acc_t(0) : shift[nc]; }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -197,8 +342,8 @@ double rstd_of(const Moments& m, double eps) {
 template <typename T>
 void forward_channels_first(
     const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
-    const std::vector<at::opmath_type<T>>& b, double eps, at::opmath_type<T>* mean_out,
-    at::opmath_type<T>* rstd_out) {
+    const std::vector<at::opmath_type<T>>& b, double eps, const Modulation<at::opmath_type<T>>& mod,
+    const ElementwiseOperands<T>& ep, at::opmath_type<T>* mean_out, at::opmath_type<T>* rstd_out) {
   using acc_t = at::opmath_type<T>;
   using Vec = typename VecIO<T>::Vec;
   const int64_t M = sh.D * sh.S;
@@ -215,12 +360,18 @@ void forward_channels_first(
       rstd_out[ng] = static_cast<acc_t>(rstd);
       const SplitMean<acc_t> m(stats.mean);
       const int64_t g = ng % sh.G;
+      const int64_t n = ng / sh.G;
       for (int64_t d = 0; d < sh.D; ++d) {
         const int64_t c = g * sh.D + d;
-        const acc_t scale = static_cast<acc_t>(rstd) * w[c];
-        const Vec scale_v(scale), hi(m.hi), shift(b[c] - m.lo * scale);
-        map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + ng * M + d * sh.S, sh.S,
-            [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); });
+        const int64_t row = ng * M + d * sh.S;
+        const acc_t gain = mod.gain_at(n * sh.C + c);
+        const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
+        const Vec scale_v(scale), hi(m.hi), shift(b[c] * gain + mod.shift_at(n * sh.C + c) - m.lo * scale);
+        map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S,
+            [&](const Vec& xv, const Vec&, int64_t i) {
+              const Vec v = at::vec::fmadd(xv - hi, scale_v, shift);
+              return ep.active() ? ep.forward(v, row + i, std::min<int64_t>(Vec::size(), sh.S - i)) : v;
+            });
       }
     }
   });
@@ -230,9 +381,10 @@ void forward_channels_first(
 // accumulators. `f(acc, xv, yv, c0, count)` updates the accumulators of channels
 // [c0, c0 + count); lanes past `count` load as zeros and are never stored. Rows are walked in
 // memory order with the C running sums held in a small (L1-resident) buffer.
-template <int K, typename T, typename F>
-void reduce_channels(const T* x, const T* y, int64_t r0, int64_t r1, int64_t C, double* out, F f) {
+template <int K, typename T, typename Y = T, typename F>
+void reduce_channels(const T* x, const Y* y, int64_t r0, int64_t r1, int64_t C, double* out, F f) {
   using IO = VecIO<T>;
+  using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
   using acc_t = typename IO::acc_t;
   const int64_t padded = (C + IO::kSize - 1) / IO::kSize * IO::kSize;
@@ -243,7 +395,7 @@ void reduce_channels(const T* x, const T* y, int64_t r0, int64_t r1, int64_t C, 
       const int64_t off = r * C + c0;
       std::array<Vec, K> acc;
       for (int k = 0; k < K; ++k) acc[k] = Vec::loadu(&acc_buf[k * padded + c0]);
-      f(acc, IO::load(x + off, count), y ? IO::load(y + off, count) : Vec(0), c0, count);
+      f(acc, IO::load(x + off, count), y ? YIO::load(y + off, count) : Vec(0), c0, count);
       for (int k = 0; k < K; ++k) acc[k].store(&acc_buf[k * padded + c0]);
     }
   }
@@ -316,8 +468,8 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
 template <typename T>
 void forward_channels_last(
     const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
-    const std::vector<at::opmath_type<T>>& b, double eps, at::opmath_type<T>* mean_out,
-    at::opmath_type<T>* rstd_out) {
+    const std::vector<at::opmath_type<T>>& b, double eps, const Modulation<at::opmath_type<T>>& mod,
+    const ElementwiseOperands<T>& ep, at::opmath_type<T>* mean_out, at::opmath_type<T>* rstd_out) {
   using acc_t = at::opmath_type<T>;
   using Vec = typename VecIO<T>::Vec;
   const int64_t C = sh.C, chunks = num_chunks(sh);
@@ -340,9 +492,11 @@ void forward_channels_last(
       rstd_out[ng] = static_cast<acc_t>(rstd);
       const SplitMean<acc_t> m(stats.mean);
       for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        mean_hi[n * C + c] = m.hi;
-        scale[n * C + c] = static_cast<acc_t>(rstd) * w[c];
-        shift[n * C + c] = b[c] - m.lo * scale[n * C + c];
+        const int64_t nc = n * C + c;
+        const acc_t gain = mod.gain_at(nc);
+        mean_hi[nc] = m.hi;
+        scale[nc] = static_cast<acc_t>(rstd) * w[c] * gain;
+        shift[nc] = b[c] * gain + mod.shift_at(nc) - m.lo * scale[nc];
       }
     }
   }
@@ -355,19 +509,18 @@ void forward_channels_last(
           [&](const Vec& xv, const Vec&, int64_t c0) {
             const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
             const int64_t nc = n * C + c0;
-            return at::vec::fmadd(xv - Vec::loadu(&mean_hi[nc], count), Vec::loadu(&scale[nc], count),
-                Vec::loadu(&shift[nc], count));
+            const Vec v = at::vec::fmadd(xv - Vec::loadu(&mean_hi[nc], count),
+                Vec::loadu(&scale[nc], count), Vec::loadu(&shift[nc], count));
+            return ep.active() ? ep.forward(v, off + c0, count) : v;
           });
     }
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_forward_cpu(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
-    double eps) {
-  const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
-  const Layout layout = layout_for(input);
-  const at::Tensor x = to_layout(input, layout);
+    double eps, const GroupNormShape& sh, const Layout layout, const at::Tensor& x,
+    const Epilogue& epilogue) {
   at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
   at::Tensor mean = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
   at::Tensor rstd = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
@@ -375,41 +528,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cpu(
     using acc_t = at::opmath_type<scalar_t>;
     const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
     const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
+    const Modulation<acc_t> mod(epilogue);
+    const ElementwiseOperands<scalar_t> ep(epilogue);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     acc_t* mp = mean.data_ptr<acc_t>();
     acc_t* rp = rstd.data_ptr<acc_t>();
     if (layout == Layout::ChannelsFirst) {
-      forward_channels_first(xp, yp, sh, w, b, eps, mp, rp);
+      forward_channels_first(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
     } else {
-      forward_channels_last(xp, yp, sh, w, b, eps, mp, rp);
+      forward_channels_last(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
     }
   });
   return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cpu(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps) {
+  const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
+  const Layout layout = layout_for(input);
+  return fused_forward_cpu(input, num_groups, weight, bias, eps, sh, layout, to_layout(input, layout), Epilogue{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cpu(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier) {
+  const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
+  const Layout layout = layout_for(input);
+  const at::Tensor x = to_layout(input, layout);
+  const Epilogue ep =
+      make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+  return fused_forward_cpu(input, num_groups, weight, bias, eps, sh, layout, x, ep);
 }
 
 
 // ---------------------------------------------------------------------------------------------
 // Backward
 //
-// Per (n, c): db = sum_s dy and dsc = sum_s dy * (x - mean). With w = weight (or 1), M = D * S and
-// per group A = sum_c w * db, B = sum_c w * dsc:
-//   dx = w * rstd * dy - rstd^3 / M * B * (x - mean) - rstd / M * A
-//   grad_weight[c] = sum_n dsc * rstd,  grad_bias[c] = sum_n db.
+// The plain group-norm backward runs on dp, the gradient at the epilogue's pre-activation
+// (epilogue.h; dp = dy without an elementwise epilogue), with the per-(n, c) weight
+// w = weight * (1 + scale). Per (n, c): db = sum_s dp and dsc = sum_s dp * (x - mean). With
+// M = D * S and per group A = sum_c w * db, B = sum_c w * dsc:
+//   dx = w * rstd * dp - rstd^3 / M * B * (x - mean) - rstd / M * A
+//   grad_weight[c] = sum_n (1 + scale) * dsc * rstd,  grad_bias[c] = sum_n (1 + scale) * db,
+//   grad_scale = weight * rstd * dsc + bias * db,      grad_shift = db.
 //
 // The saved mean m is the true mean rounded to float32, off by up to half an ulp of |mean| (5e-4 at
 // 1e4), which would shift dsc by that much times db. The first pass also sums x - m, whose group
 // average is exactly that rounding error delta; dsc and dx are then centred on m + delta.
+//
+// With an elementwise epilogue, dp is computed block by block into a small buffer (it stays in
+// cache) from dy, x and the epilogue's operands, in each of the two passes.
 
 struct GradSums {
-  std::vector<double> db, dsc, dev;  // [N][C] each: sum dy, sum dy * (x - m), sum (x - m)
+  std::vector<double> db, dsc, dev;  // [N][C] each: sum dp, sum dp * (x - m), sum (x - m)
   explicit GradSums(int64_t n) : db(n), dsc(n), dev(n) {}
 };
 
-// Per-(n, c) coefficients of dx = a * dy + b * (x - m) + e.
+// Per-(n, c) coefficients of dx = a * dp + b * (x - m) + e; also those of the recomputed
+// pre-activation p = (x - m) * a + pc + residual.
 template <typename acc_t>
 struct GradInputCoeffs {
-  std::vector<acc_t> a, b, e, mean;
+  std::vector<acc_t> a, b, e, mean, pc;
 };
 
 // Recentres the sums on the true mean; returns delta per (n, g).
@@ -423,56 +605,128 @@ std::vector<double> recentre(const GroupNormShape& sh, GradSums& sums) {
   return delta;
 }
 
+// The coefficients that do not depend on the sums (a, mean, pc): what the first pass needs to
+// recompute p. `w_eff` is weight * (1 + scale) per (n, c).
 template <typename acc_t>
-GradInputCoeffs<acc_t> grad_input_coeffs(
-    const GroupNormShape& sh, const std::vector<acc_t>& w, const acc_t* mean, const acc_t* rstd,
-    const GradSums& sums, const std::vector<double>& delta) {
+GradInputCoeffs<acc_t> pre_activation_coeffs(
+    const GroupNormShape& sh, const std::vector<acc_t>& w_eff, const std::vector<acc_t>& b,
+    const Modulation<acc_t>& mod, const acc_t* mean, const acc_t* rstd) {
   GradInputCoeffs<acc_t> k;
-  for (auto* v : {&k.a, &k.b, &k.e, &k.mean}) v->assign(sh.N * sh.C, acc_t(0));
+  for (auto* v : {&k.a, &k.b, &k.e, &k.mean, &k.pc}) v->assign(sh.N * sh.C, acc_t(0));
+  for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) {
+    const int64_t ng = nc / sh.D, c = nc % sh.C;
+    k.a[nc] = w_eff[nc] * rstd[ng];
+    k.mean[nc] = mean[ng];
+    k.pc[nc] = b[c] * mod.gain_at(nc) + mod.shift_at(nc);
+  }
+  return k;
+}
+
+// Fills b and e of `k` from the recentred sums.
+template <typename acc_t>
+void grad_input_coeffs(
+    const GroupNormShape& sh, const std::vector<acc_t>& w_eff, const acc_t* rstd,
+    const GradSums& sums, const std::vector<double>& delta, GradInputCoeffs<acc_t>& k) {
   const double M = static_cast<double>(sh.D * sh.S);
-  if (M == 0) return k;
+  if (M == 0) return;
   for (int64_t n = 0; n < sh.N; ++n) {
     for (int64_t g = 0; g < sh.G; ++g) {
       double A = 0, B = 0;
       for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        A += w[c] * sums.db[n * sh.C + c];
-        B += w[c] * sums.dsc[n * sh.C + c];
+        A += w_eff[n * sh.C + c] * sums.db[n * sh.C + c];
+        B += w_eff[n * sh.C + c] * sums.dsc[n * sh.C + c];
       }
       const int64_t ng = n * sh.G + g;
       const double r = rstd[ng];
       const double b = -r * r * r / M * B;
       for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        k.a[n * sh.C + c] = static_cast<acc_t>(w[c] * r);
         k.b[n * sh.C + c] = static_cast<acc_t>(b);
         k.e[n * sh.C + c] = static_cast<acc_t>(-r / M * A - b * delta[ng]);
-        k.mean[n * sh.C + c] = mean[ng];
       }
     }
   }
-  return k;
 }
 
-// Accumulates dy, dy * (x - m) and x - m.
+// Accumulates dp, dp * (x - m) and x - m.
 template <typename Vec>
-void accumulate_grad_sums(std::array<Vec, 3>& acc, const Vec& dy, const Vec& centred) {
-  acc[0] += dy;
-  acc[1] = at::vec::fmadd(dy, centred, acc[1]);
+void accumulate_grad_sums(std::array<Vec, 3>& acc, const Vec& dp, const Vec& centred) {
+  acc[0] += dp;
+  acc[1] = at::vec::fmadd(dp, centred, acc[1]);
   acc[2] += centred;
 }
 
+// Calls body(dp, x_run, len) over a contiguous run of `len` elements starting at element `off`
+// of a ChannelsFirst row (n, c): dp is dy itself, or the epilogue's gradient computed into a
+// buffer block by block (blocks aligned as reduce_row's, so sums do not depend on the path).
+template <typename T, typename Body>
+void for_each_dp_run(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t off,
+    int64_t len, at::opmath_type<T> centre, at::opmath_type<T> pa, at::opmath_type<T> pc,
+    bool write, Body body) {
+  using acc_t = at::opmath_type<T>;
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  if (!ep.active()) {
+    body(dy + off, x + off, len);
+    return;
+  }
+  acc_t buf[kBlock];
+  const Vec centre_v(centre), pa_v(pa), pc_v(pc);
+  for (int64_t start = 0; start < len; start += kBlock) {
+    const int64_t block = std::min(kBlock, len - start);
+    for (int64_t i = 0; i < block; i += IO::kSize) {
+      const int64_t count = std::min<int64_t>(IO::kSize, block - i);
+      const int64_t o = off + start + i;
+      ep.backward(IO::load(dy + o, count), IO::load(x + o, count), centre_v, pa_v, pc_v, o, count, write)
+          .store(buf + i, count);
+    }
+    body(static_cast<const acc_t*>(buf), x + off + start, block);
+  }
+}
+
+// The same for rows [r0, r1) of a ChannelsLast sample starting at element `base`: body(dp, x,
+// rows) with dp and x pointing at row r0 (rows of C elements).
+template <typename T, typename Body>
+void for_each_dp_chunk(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t base,
+    int64_t r0, int64_t r1, int64_t C, const GradInputCoeffs<at::opmath_type<T>>& k, int64_t n,
+    bool write, std::vector<at::opmath_type<T>>& buf, Body body) {
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  const int64_t first = base + r0 * C;
+  if (!ep.active()) {
+    body(dy + first, x + first, r1 - r0);
+    return;
+  }
+  buf.resize((r1 - r0) * C);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c0 = 0; c0 < C; c0 += IO::kSize) {
+      const int64_t count = std::min<int64_t>(IO::kSize, C - c0);
+      const int64_t o = base + r * C + c0, nc = n * C + c0;
+      ep.backward(IO::load(dy + o, count), IO::load(x + o, count), Vec::loadu(&k.mean[nc], count),
+            Vec::loadu(&k.a[nc], count), Vec::loadu(&k.pc[nc], count), o, count, write)
+          .store(&buf[(r - r0) * C + c0], count);
+    }
+  }
+  body(static_cast<const at::opmath_type<T>*>(buf.data()), x + first, r1 - r0);
+}
+
 template <typename T>
-void grad_sums_channels_first(
-    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, GradSums& out) {
+void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
   using Vec = typename VecIO<T>::Vec;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
     for (int64_t nc = begin; nc < end; ++nc) {
-      const Vec m(mean[nc / sh.D]);  // (n * C + c) / D == n * G + g
-      const auto sums = reduce_row<3>(dy + nc * sh.S, x + nc * sh.S, sh.S,
-          [&m](auto& acc, const Vec& dyv, const Vec& xv, int64_t count) {
-            // Padding lanes hold dy = x = 0: only x - m needs masking.
-            const Vec centred = xv - m;
-            accumulate_grad_sums(acc, dyv, count == Vec::size() ? centred : Vec::set(Vec(0), centred, count));
+      const Vec m(k.mean[nc]);
+      std::array<double, 3> sums{};
+      for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/true,
+          [&](const auto* dp, const T* xr, int64_t len) {
+            const auto part = reduce_row<3>(xr, dp, len,
+                [&m](auto& acc, const Vec& xv, const Vec& dpv, int64_t count) {
+                  // Padding lanes hold dp = x = 0: only x - m needs masking.
+                  const Vec centred = xv - m;
+                  accumulate_grad_sums(acc, dpv, count == Vec::size() ? centred : Vec::set(Vec(0), centred, count));
+                });
+            for (int i = 0; i < 3; ++i) sums[i] += part[i];
           });
       out.db[nc] = sums[0];
       out.dsc[nc] = sums[1];
@@ -482,20 +736,21 @@ void grad_sums_channels_first(
 }
 
 template <typename T>
-void grad_sums_channels_last(
-    const T* dy, const T* x, const GroupNormShape& sh, const at::opmath_type<T>* mean, GradSums& out) {
+void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
   using Vec = typename VecIO<T>::Vec;
   using acc_t = at::opmath_type<T>;
   const int64_t C = sh.C, chunks = num_chunks(sh);
-  std::vector<acc_t> mean_c(sh.N * C);
-  for (int64_t nc = 0; nc < sh.N * C; ++nc) mean_c[nc] = mean[nc / sh.D];
   std::vector<double> partial(sh.N * chunks * 3 * C);
-  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
-    const acc_t* mc = &mean_c[n * C];
-    reduce_channels<3>(dy + n * sh.S * C, x + n * sh.S * C, r0, r1, C,
-        &partial[(n * chunks + k) * 3 * C],
-        [mc](auto& acc, const Vec& dyv, const Vec& xv, int64_t c0, int64_t count) {
-          accumulate_grad_sums(acc, dyv, xv - Vec::loadu(mc + c0, count));
+  for_each_chunk(sh, [&](int64_t n, int64_t kk, int64_t r0, int64_t r1) {
+    const acc_t* mc = &k.mean[n * C];
+    std::vector<acc_t> buf;
+    for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/true, buf,
+        [&](const auto* dp, const T* xr, int64_t rows) {
+          reduce_channels<3>(xr, dp, 0, rows, C, &partial[(n * chunks + kk) * 3 * C],
+              [mc](auto& acc, const Vec& xv, const Vec& dpv, int64_t c0, int64_t count) {
+                accumulate_grad_sums(acc, dpv, xv - Vec::loadu(mc + c0, count));
+              });
         });
   });
   const std::vector<double> totals = channel_totals(partial, sh, 3);
@@ -506,40 +761,120 @@ void grad_sums_channels_last(
 }
 
 template <typename T>
-void grad_input_channels_first(
-    const T* dy, const T* x, T* dx, const GroupNormShape& sh,
-    const GradInputCoeffs<at::opmath_type<T>>& k) {
+void grad_input_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep) {
   using Vec = typename VecIO<T>::Vec;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
     for (int64_t nc = begin; nc < end; ++nc) {
       const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
-      map_row(dy + nc * sh.S, x + nc * sh.S, dx + nc * sh.S, sh.S,
-          [&](const Vec& dyv, const Vec& xv, int64_t) {
-            return at::vec::fmadd(a, dyv, at::vec::fmadd(b, xv - m, e));
+      for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/false,
+          [&](const auto* dp, const T* xr, int64_t len) {
+            map_row(xr, dp, dx + (xr - x), len, [&](const Vec& xv, const Vec& dpv, int64_t) {
+              return at::vec::fmadd(a, dpv, at::vec::fmadd(b, xv - m, e));
+            });
           });
     }
   });
 }
 
 template <typename T>
-void grad_input_channels_last(
-    const T* dy, const T* x, T* dx, const GroupNormShape& sh,
-    const GradInputCoeffs<at::opmath_type<T>>& k) {
+void grad_input_channels_last(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep) {
   using Vec = typename VecIO<T>::Vec;
+  using acc_t = at::opmath_type<T>;
   const int64_t C = sh.C;
   for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t off = (n * sh.S + r) * C;
-      map_row(dy + off, x + off, dx + off, C, [&](const Vec& dyv, const Vec& xv, int64_t c0) {
-        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
-        const int64_t nc = n * C + c0;
-        return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dyv,
-            at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
-                Vec::loadu(&k.e[nc], count)));
-      });
-    }
+    std::vector<acc_t> buf;
+    const int64_t first = (n * sh.S + r0) * C;
+    for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/false, buf,
+        [&](const auto* dp, const T* xr, int64_t rows) {
+          for (int64_t r = 0; r < rows; ++r) {
+            map_row(xr + r * C, dp + r * C, dx + first + r * C, C,
+                [&](const Vec& xv, const Vec& dpv, int64_t c0) {
+                  const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+                  const int64_t nc = n * C + c0;
+                  return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dpv,
+                      at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
+                          Vec::loadu(&k.e[nc], count)));
+                });
+          }
+        });
   });
+}
+
+// Parameter and modulation gradients from the recentred per-(n, c) sums, summed over the batch
+// in a fixed order, in double.
+template <typename acc_t>
+void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rstd,
+    const std::vector<acc_t>& w, const std::vector<acc_t>& b, const Modulation<acc_t>& mod,
+    FusedGrads& grads) {
+  std::vector<double> dw(sh.C, 0.0), dbias(sh.C, 0.0);
+  std::vector<double> dscale(grads.scale.numel() > 0 ? sh.N * sh.C : 0);
+  std::vector<double> dshift(grads.shift.numel() > 0 ? sh.N * sh.C : 0);
+  for (int64_t n = 0; n < sh.N; ++n) {
+    for (int64_t c = 0; c < sh.C; ++c) {
+      const int64_t nc = n * sh.C + c;
+      const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[nc / sh.D]);
+      const double gain = mod.gain_at(nc);
+      dw[c] += gain * xhat_sum;
+      dbias[c] += gain * sums.db[nc];
+      if (!dscale.empty()) dscale[nc] = w[c] * xhat_sum + b[c] * sums.db[nc];
+      if (!dshift.empty()) dshift[nc] = sums.db[nc];
+    }
+  }
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  auto fill = [&](at::Tensor& out, std::vector<double>& v) {
+    if (out.numel() > 0) out.copy_(at::from_blob(v.data(), out.sizes(), f64));
+  };
+  fill(grads.weight, dw);
+  fill(grads.bias, dbias);
+  fill(grads.scale, dscale);
+  fill(grads.shift, dshift);
+}
+
+FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& input,
+    const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
+    const GroupNormShape& sh, Layout layout, const at::Tensor& x, const Epilogue& epilogue,
+    const FusedGradMask& mask) {
+  const at::Tensor dy = to_layout(grad_out, layout);
+  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  FusedGrads grads = empty_fused_grads(x, sh, layout, mask);
+  GradSums sums(sh.N * sh.C);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const acc_t* mp = mean_c.data_ptr<acc_t>();
+    const acc_t* rp = rstd_c.data_ptr<acc_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dyp = dy.data_ptr<scalar_t>();
+    const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
+    const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
+    const Modulation<acc_t> mod(epilogue);
+    std::vector<acc_t> w_eff(sh.N * sh.C);
+    for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) w_eff[nc] = w[nc % sh.C] * mod.gain_at(nc);
+    ElementwiseOperands<scalar_t> ep(epilogue, mask[6]);
+    if (mask[5]) ep.grad_residual = grads.residual.data_ptr<scalar_t>();
+    if (mask[6]) ep.grad_multiplier = grads.multiplier.data_ptr<scalar_t>();
+
+    GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
+    if (layout == Layout::ChannelsFirst) {
+      grad_sums_channels_first(dyp, xp, sh, k, ep, sums);
+    } else {
+      grad_sums_channels_last(dyp, xp, sh, k, ep, sums);
+    }
+    const std::vector<double> delta = recentre(sh, sums);
+    if (mask[0]) {
+      grad_input_coeffs<acc_t>(sh, w_eff, rp, sums, delta, k);
+      scalar_t* dxp = grads.input.data_ptr<scalar_t>();
+      if (layout == Layout::ChannelsFirst) {
+        grad_input_channels_first(dyp, xp, dxp, sh, k, ep);
+      } else {
+        grad_input_channels_last(dyp, xp, dxp, sh, k, ep);
+      }
+    }
+    param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
+  });
+  return grads;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
@@ -549,58 +884,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
   const GroupNormShape sh =
       check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
   const Layout layout = layout_for(input);
+  const FusedGradMask mask{output_mask[0], output_mask[1], output_mask[2], false, false, false, false};
+  FusedGrads g = fused_backward_cpu(grad_out, input, mean, rstd, weight, c10::nullopt, sh, layout,
+      to_layout(input, layout), Epilogue{}, mask);
+  return {g.input, g.weight, g.bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+fused_group_norm_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, int64_t num_groups,
+    const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier,
+    std::array<bool, 7> output_mask) {
+  const GroupNormShape sh =
+      check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
+  check_group_norm_args(input, num_groups, weight, bias);
+  const Layout layout = layout_for(input);
   const at::Tensor x = to_layout(input, layout);
-  const at::Tensor dy = to_layout(grad_out, layout);
-  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
-
-  GradSums sums(sh.N * sh.C);
-  std::vector<double> delta;
-  at::Tensor dx = output_mask[0] ? empty_in_layout(x, layout, x.scalar_type())
-                                 : at::empty({0}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const acc_t* mp = mean_c.data_ptr<acc_t>();
-    const acc_t* rp = rstd_c.data_ptr<acc_t>();
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* dyp = dy.data_ptr<scalar_t>();
-    if (layout == Layout::ChannelsFirst) {
-      grad_sums_channels_first(dyp, xp, sh, mp, sums);
-    } else {
-      grad_sums_channels_last(dyp, xp, sh, mp, sums);
-    }
-    delta = recentre(sh, sums);
-    if (!output_mask[0]) return;
-    const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
-    const auto k = grad_input_coeffs<acc_t>(sh, w, mp, rp, sums, delta);
-    scalar_t* dxp = dx.data_ptr<scalar_t>();
-    if (layout == Layout::ChannelsFirst) {
-      grad_input_channels_first(dyp, xp, dxp, sh, k);
-    } else {
-      grad_input_channels_last(dyp, xp, dxp, sh, k);
-    }
-  });
-
-  const at::ScalarType param_dtype = stats_dtype(input.scalar_type());
-  const auto param_options = x.options().dtype(param_dtype);
-  at::Tensor dweight = at::empty({0}, param_options), dbias = at::empty({0}, param_options);
-  if (output_mask[1] || output_mask[2]) {
-    // Summed over the batch in a fixed order, in double.
-    const at::Tensor rstd_d = rstd_c.to(at::kDouble);
-    const double* rp = rstd_d.data_ptr<double>();
-    at::Tensor dw = at::zeros({sh.C}, x.options().dtype(at::kDouble));
-    at::Tensor dbs = at::zeros({sh.C}, x.options().dtype(at::kDouble));
-    double* dwp = dw.data_ptr<double>();
-    double* dbp = dbs.data_ptr<double>();
-    for (int64_t n = 0; n < sh.N; ++n) {
-      for (int64_t c = 0; c < sh.C; ++c) {
-        dwp[c] += sums.dsc[n * sh.C + c] * rp[n * sh.G + c / sh.D];
-        dbp[c] += sums.db[n * sh.C + c];
-      }
-    }
-    if (output_mask[1]) dweight = dw.to(param_dtype);
-    if (output_mask[2]) dbias = dbs.to(param_dtype);
-  }
-  return {dx, dweight, dbias};
+  const Epilogue ep =
+      make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+  FusedGrads g = fused_backward_cpu(grad_out, input, mean, rstd, weight, bias, sh, layout, x, ep, output_mask);
+  return {g.input, g.weight, g.bias, g.scale, g.shift, g.residual, g.multiplier};
 }
 
 }  // namespace
@@ -608,6 +913,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
 TORCH_LIBRARY_IMPL(fusednorm, CPU, m) {
   m.impl("group_norm_forward", &group_norm_forward_cpu);
   m.impl("group_norm_backward", &group_norm_backward_cpu);
+  m.impl("fused_group_norm_forward", &fused_group_norm_forward_cpu);
+  m.impl("fused_group_norm_backward", &fused_group_norm_backward_cpu);
 }
 
 }  // namespace fusednorm

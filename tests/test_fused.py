@@ -1,0 +1,278 @@
+"""The fused epilogue (scale / shift / residual / activation / multiplier) of group_norm and
+instance_norm: every combination against the composed float64 reference, forward and backward,
+on every dtype and layout; the ops under opcheck; the modules; argument errors."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fusednorm
+import fusednorm.nn as fnn
+from reference import assert_close, epilogue_reference, group_norm_reference, to_layout
+from test_group_norm import group_norm_cases
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
+
+ACTIVATIONS = [None, "silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish"]
+OPERANDS = ["scale", "shift", "residual", "multiplier"]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+LAYOUTS = ["contiguous", "channels_last", "strided"]
+
+
+def make_operands(x, names, device, dtype, per_sample_shape="flat"):
+    """Random epilogue operands: scale / shift per (N, C) ((N, C) or (N, C, 1, ...)), residual and
+    multiplier of x's shape and dtype, in x's layout family."""
+    N, C = x.shape[:2]
+    ops = {}
+    for name in names:
+        if name in ("scale", "shift"):
+            shape = (N, C) if per_sample_shape == "flat" else (N, C) + (1,) * (x.dim() - 2)
+            ops[name] = (0.5 * torch.randn(shape, dtype=torch.float64)).to(device=device, dtype=dtype)
+        else:
+            ops[name] = torch.randn(x.shape, dtype=torch.float64).to(device=device, dtype=dtype)
+    return ops
+
+
+def reference_with_grads(x, G, w, b, eps, operands, activation, slope, grad_out):
+    """Composed float64 reference output and gradients of every tensor argument (a dict)."""
+    leaves = {"input": x, "weight": w, "bias": b, **operands}
+    f64 = {k: v.detach().cpu().double().requires_grad_() for k, v in leaves.items() if v is not None}
+    y = group_norm_reference(f64["input"], G, f64.get("weight"), f64.get("bias"), eps)
+    z = epilogue_reference(y, f64.get("scale"), f64.get("shift"), f64.get("residual"), activation, slope,
+                           f64.get("multiplier"))
+    names = list(f64)
+    grads = torch.autograd.grad(z, [f64[k] for k in names], grad_out.detach().cpu().double())
+    return z.detach(), dict(zip(names, grads))
+
+
+def check_fused(shape, G, dtype, layout, names, activation, device, affine=True, slope=0.2, eps=1e-5,
+                per_sample_shape="flat", param_dtype=None):
+    x = to_layout(torch.randn(shape, dtype=torch.float64).to(dtype).to(device), layout).requires_grad_()
+    C = shape[1]
+    param_dtype = param_dtype or dtype
+    w = torch.randn(C, dtype=param_dtype, device=device).requires_grad_() if affine else None
+    b = torch.randn(C, dtype=param_dtype, device=device).requires_grad_() if affine else None
+    ops = make_operands(x, names, device, dtype, per_sample_shape)
+    ops = {k: (to_layout(v, layout) if v.shape == x.shape else v).requires_grad_() for k, v in ops.items()}
+
+    z = fusednorm.group_norm(x, G, w, b, eps, activation=activation, negative_slope=slope, **ops)
+    assert z.dtype == dtype and z.shape == x.shape
+    if layout == "channels_last" and x.dim() >= 3:
+        assert z.movedim(1, -1).is_contiguous(), "output must keep the channels-last layout"
+
+    grad_out = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
+    z_ref, grads_ref = reference_with_grads(x, G, w, b, eps, ops, activation, slope, grad_out)
+    magnitude = max(1.0, z_ref.abs().max().item())
+    assert_close(z, z_ref, dtype, scale=magnitude, msg=f"output ({activation}, {names})")
+
+    leaves = {"input": x, "weight": w, "bias": b, **ops}
+    leaves = {k: v for k, v in leaves.items() if v is not None}
+    grads = dict(zip(leaves, torch.autograd.grad(z, list(leaves.values()), grad_out)))
+    M = x.numel() // (shape[0] * G)
+    for name, g in grads.items():
+        assert g.dtype == leaves[name].dtype and g.shape == leaves[name].shape, name
+        ref = grads_ref[name]
+        gmag = max(1.0, ref.abs().max().item())
+        # Per-channel and per-(n, c) gradients are sums over many elements.
+        summed = {"weight": M * shape[0], "bias": M * shape[0], "scale": M, "shift": M}.get(name, 1)
+        assert_close(g, ref, dtype, scale=4 * gmag * math.sqrt(summed) * (2 if activation else 1),
+                     msg=f"grad of {name} ({activation}, {names})")
+
+
+# Every combination of operands and activation, small shapes, both kernel layouts, float64
+# (tight) and float32.
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_combination(activation, layout, dtype, device):
+    torch.manual_seed(0)
+    for k in range(len(OPERANDS) + 1):
+        for names in itertools.combinations(OPERANDS, k):
+            check_fused((2, 6, 5, 3), 3, dtype, layout, list(names), activation, device)
+
+
+@given(case=group_norm_cases(max_numel=20_000), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(LAYOUTS),
+       names=st.lists(st.sampled_from(OPERANDS), unique=True), activation=st.sampled_from(ACTIVATIONS),
+       affine=st.booleans(), per_sample_shape=st.sampled_from(["flat", "broadcast"]),
+       mixed=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_fused_hypothesis(case, dtype, layout, names, activation, affine, per_sample_shape, mixed, seed, device):
+    torch.manual_seed(seed)
+    shape, G = case
+    param_dtype = torch.float32 if mixed and dtype in (torch.bfloat16, torch.float16) else dtype
+    check_fused(shape, G, dtype, layout, names, activation, device, affine=affine,
+                per_sample_shape=per_sample_shape, param_dtype=param_dtype)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_instance_norm_fused_train_and_eval(activation, device):
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 6, 5, dtype=torch.float64, device=device)
+    w, b = torch.randn(4, dtype=torch.float64, device=device), torch.randn(4, dtype=torch.float64, device=device)
+    ops = make_operands(x, OPERANDS, device, torch.float64)
+    # Training: instance norm is group norm with one channel per group.
+    z = fusednorm.instance_norm(x, None, None, w, b, activation=activation, **ops)
+    want = epilogue_reference(group_norm_reference(x, 4, w, b, 1e-5), activation=activation, **ops)
+    torch.testing.assert_close(z, want, atol=1e-10, rtol=1e-8)
+    # Eval with running statistics: the epilogue after the per-channel affine map.
+    rm, rv = torch.randn(4, dtype=torch.float64, device=device), torch.rand(4, dtype=torch.float64, device=device) + 0.5
+    z = fusednorm.instance_norm(x, rm, rv, w, b, False, activation=activation, **ops)
+    shape = (1, 4, 1, 1)
+    y = (x - rm.reshape(shape)) / torch.sqrt(rv.reshape(shape) + 1e-5) * w.reshape(shape) + b.reshape(shape)
+    torch.testing.assert_close(z, epilogue_reference(y, activation=activation, **ops), atol=1e-10, rtol=1e-8)
+
+
+def test_operands_of_another_dtype_are_cast_to_the_input_dtype(device):
+    x = torch.randn(2, 4, 8, device=device)
+    r = torch.randn(2, 4, 8, dtype=torch.float64, device=device, requires_grad=True)
+    m = torch.randn(2, 4, 8, dtype=torch.bfloat16, device=device, requires_grad=True)
+    s = torch.randn(2, 4, dtype=torch.float16, device=device, requires_grad=True)
+    z = fusednorm.group_norm(x, 2, residual=r, multiplier=m, scale=s)
+    assert z.dtype == torch.float32
+    want = epilogue_reference(F.group_norm(x, 2), residual=r.float(), multiplier=m.float(), scale=s.float())
+    torch.testing.assert_close(z, want, atol=1e-5, rtol=1e-5)
+    z.sum().backward()
+    assert r.grad.dtype == torch.float64 and m.grad.dtype == torch.bfloat16 and s.grad.dtype == torch.float16
+
+
+def test_plain_call_stays_on_the_plain_op():
+    # No epilogue: the composite dispatches the plain kernel op (graphs of plain calls are unchanged).
+    x = torch.randn(2, 4, 3)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda t: fusednorm.group_norm(t, 2))(x)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "fusednorm.group_norm_forward.default" in targets
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda t: fusednorm.group_norm(t, 2, activation="silu"))(x)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "fusednorm.fused_group_norm_forward.default" in targets
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_fused_ops(requires_grad, device):
+    torch.manual_seed(2)
+    x = torch.randn(2, 6, 4, 3, device=device, requires_grad=requires_grad)
+    w, b = torch.randn(6, device=device, requires_grad=requires_grad), torch.randn(6, device=device)
+    ops = {k: v.requires_grad_(requires_grad) for k, v in make_operands(x, OPERANDS, device, torch.float32).items()}
+    args = (x, 3, w, b, 1e-5, ops["scale"], ops["shift"], ops["residual"], "gelu", 0.01, ops["multiplier"])
+    torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_forward.default, args)
+    cl = x.detach().to(memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_forward.default,
+                          (cl, 3, None, None, 1e-5, None, ops["shift"], None, "leaky_relu", 0.3, None))
+    _, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    dz = torch.randn_like(x)
+    bw_args = (dz, x.detach(), mean, rstd, w.detach(), b, 3, ops["scale"].detach(), ops["shift"].detach(),
+               ops["residual"].detach(), "mish", 0.01, ops["multiplier"].detach(), [True] * 7)
+    torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_backward.default, bw_args)
+    bw_args = bw_args[:-1] + ([True, False, True, False, True, False, True],)
+    torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_backward.default, bw_args)
+
+
+def test_gradcheck_every_operand(device):
+    torch.manual_seed(3)
+    x = torch.randn(2, 4, 5, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
+    ops = {k: v.requires_grad_() for k, v in make_operands(x, OPERANDS, device, torch.float64).items()}
+    for activation in ACTIVATIONS:
+        fn = lambda x, w, b, s, t, r, m: fusednorm.group_norm(  # noqa: E731
+            x, 2, w, b, activation=activation, scale=s, shift=t, residual=r, multiplier=m)
+        assert torch.autograd.gradcheck(fn, (x, w, b, ops["scale"], ops["shift"], ops["residual"], ops["multiplier"]))
+
+
+def test_deterministic(device):
+    torch.manual_seed(4)
+    x = torch.randn(4, 8, 33, 17, device=device).to(memory_format=torch.channels_last).requires_grad_()
+    ops = {k: v.requires_grad_() for k, v in make_operands(x, OPERANDS, device, torch.float32).items()}
+    dz = torch.randn_like(x)
+
+    def run():
+        z = fusednorm.group_norm(x, 4, activation="silu", **ops)
+        return [z] + list(torch.autograd.grad(z, [x] + list(ops.values()), dz))
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def test_unknown_activation_is_a_value_error(device):
+    x = torch.randn(2, 4, 3, device=device)
+    with pytest.raises(ValueError, match="Unknown activation 'swish'"):
+        fusednorm.group_norm(x, 2, activation="swish")
+    with pytest.raises(ValueError, match="Unknown activation"):
+        fusednorm.instance_norm(x, activation="tanh")
+    with pytest.raises(ValueError, match="Unknown activation"):
+        fnn.GroupNorm(2, 4, activation="Silu")
+
+
+@pytest.mark.parametrize("name,shape", [("scale", (2, 3)), ("scale", (1, 4)), ("shift", (2, 4, 3)),
+                                        ("residual", (2, 4, 1)), ("multiplier", (4, 3))])
+def test_mis_shaped_operands_are_rejected(name, shape, device):
+    x = torch.randn(2, 4, 3, device=device)
+    with pytest.raises(RuntimeError, match=f"Expected {name} of"):
+        fusednorm.group_norm(x, 2, **{name: torch.randn(shape, device=device)})
+
+
+def test_operand_on_another_device_is_rejected():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x = torch.randn(2, 4, 3, device="cuda")
+    with pytest.raises(RuntimeError, match="same device"):
+        fusednorm.group_norm(x, 2, residual=torch.randn(2, 4, 3))
+    with pytest.raises(RuntimeError, match="same device"):
+        fusednorm.group_norm(x, 2, scale=torch.randn(2, 4))
+
+
+# -- modules -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_group_norm_module_with_activation(activation, device):
+    torch.manual_seed(5)
+    ref = torch.nn.GroupNorm(2, 6).to(device)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ours = fnn.GroupNorm(2, 6, activation=activation, negative_slope=0.3).to(device)
+    ours.load_state_dict(ref.state_dict())  # a plain torch.nn checkpoint
+    x = torch.randn(3, 6, 4, 4, device=device)
+    r = torch.randn_like(x)
+    want = activation_of(ref(x) + r, activation, 0.3)
+    torch.testing.assert_close(ours(x, residual=r), want, atol=1e-5, rtol=1e-5)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    if activation is not None:
+        assert f"activation='{activation}'" in repr(ours)
+    scripted = torch.jit.script(ours)
+    torch.testing.assert_close(scripted(x, residual=r), want, atol=1e-5, rtol=1e-5)
+
+
+def activation_of(z, activation, slope):
+    return {None: lambda t: t, "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+            "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, slope), "mish": F.mish}[activation](z)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_instance_norm_module_with_operands(dims, device):
+    torch.manual_seed(6)
+    torch_cls = {1: torch.nn.InstanceNorm1d, 2: torch.nn.InstanceNorm2d, 3: torch.nn.InstanceNorm3d}[dims]
+    ours_cls = {1: fnn.InstanceNorm1d, 2: fnn.InstanceNorm2d, 3: fnn.InstanceNorm3d}[dims]
+    ref = torch_cls(4, affine=True, track_running_stats=True).to(device)
+    ours = ours_cls(4, affine=True, track_running_stats=True, activation="silu").to(device)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn((2, 4) + (5,) * dims, device=device)
+    s, t = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)
+    shape = (2, 4) + (1,) * dims
+    for train in (True, False):
+        ref.train(train)
+        ours.train(train)
+        want = F.silu(ref(x) * (1 + s.reshape(shape)) + t.reshape(shape))
+        torch.testing.assert_close(ours(x, scale=s, shift=t), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    # An unbatched input: its operands are unbatched too.
+    xu, ru = x[0], torch.randn_like(x[0])
+    torch.testing.assert_close(ours(xu, residual=ru), F.silu(ref(xu) + ru), atol=1e-5, rtol=1e-5)
+    torch.jit.script(ours)
