@@ -64,11 +64,15 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
-        self.gn = fusednorm.nn.GroupNorm(2, 8)
-        self.inorm = fusednorm.nn.InstanceNorm2d(8, affine=True)
+        self.emb = torch.nn.Linear(4, 16)
+        self.gn = fusednorm.nn.GroupNorm(2, 8, activation="silu")
+        self.inorm = fusednorm.nn.InstanceNorm2d(8, affine=True, activation="leaky_relu", negative_slope=0.2)
 
     def forward(self, x):
-        return torch.nn.functional.silu(self.inorm(self.gn(self.conv(x))))
+        # Every epilogue argument kind: optional tensors given and omitted, a string, a float.
+        scale, shift = self.emb(x.mean(dim=(2, 3))).chunk(2, dim=1)
+        h = self.conv(x)
+        return self.inorm(self.gn(h, scale=scale, shift=shift), residual=h, multiplier=h)
 
 
 def test_cpp_program_runs_aoti_package(tmp_path):

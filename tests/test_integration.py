@@ -19,22 +19,28 @@ HAS_AOTI_PACKAGE = hasattr(torch._inductor, "aoti_compile_and_package")
 
 
 class Block(torch.nn.Module):
-    """A diffusion-style block: GroupNorm + SiLU, a conv, InstanceNorm with running stats."""
+    """A diffusion-style block: GroupNorm + scale/shift + SiLU fused, a conv, InstanceNorm with
+    running stats and a fused residual add, plain GroupNorm + SiLU."""
 
     def __init__(self, channels=8):
         super().__init__()
-        self.norm1 = fusednorm.nn.GroupNorm(4, channels)
+        self.norm1 = fusednorm.nn.GroupNorm(4, channels, activation="silu")
+        self.emb = torch.nn.Linear(channels, 2 * channels)
         self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
         self.norm2 = fusednorm.nn.InstanceNorm2d(channels, affine=True, track_running_stats=True)
+        self.norm3 = fusednorm.nn.GroupNorm(2, channels)
 
     def forward(self, x):
-        h = self.conv(F.silu(self.norm1(x)))
-        return self.norm2(h) + x
+        scale, shift = self.emb(x.mean(dim=(2, 3))).chunk(2, dim=1)
+        h = self.conv(self.norm1(x, scale=scale, shift=shift))
+        return F.silu(self.norm3(self.norm2(h, residual=x)))
 
 
 def functional_pipeline(x, w, b):
     y = fusednorm.group_norm(x, 4, w, b)
-    return fusednorm.instance_norm(y * 2, weight=w, bias=b) + y
+    z = fusednorm.group_norm(x, 2, w, None, activation="gelu", residual=y, scale=w[None].expand(x.shape[0], -1))
+    return fusednorm.instance_norm(y * 2, weight=w, bias=b, activation="leaky_relu", negative_slope=0.2,
+                                   multiplier=z) + y
 
 
 def run_fresh_process(code: str) -> str:
@@ -157,7 +163,16 @@ def test_export_every_argument_kind_survives_serialization(device, tmp_path):
             y, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, 2, w, w, 1e-4)
             c = torch.ops.fusednorm.instance_norm(x, rm, rv, w, None, False, 0.3, 1e-2)
             dx, dw, db = torch.ops.fusednorm.group_norm_backward(y, x, mean, rstd, w, 2, [True, False, True])
-            return a, b, y, c, dx, db
+            # The fused ops: str and float epilogue arguments, operands given and omitted.
+            s = w[None].expand(x.shape[0], -1)
+            d = torch.ops.fusednorm.group_norm(x, 2, w, None, 1e-3, activation="mish", negative_slope=0.2,
+                                               scale=s, residual=x)
+            e = torch.ops.fusednorm.instance_norm(x, None, None, w, None, True, 0.3, 1e-2, activation=None,
+                                                  shift=s, multiplier=x)
+            z, m2, r2 = torch.ops.fusednorm.fused_group_norm_forward(x, 4, w, w, 1e-4, s, None, x, "leaky_relu", 0.3, x)
+            grads = torch.ops.fusednorm.fused_group_norm_backward(
+                z, x, m2, r2, w, w, 4, s, None, x, "leaky_relu", 0.3, x, [True, True, False, True, False, True, True])
+            return (a, b, y, c, dx, db, d, e, z) + tuple(g for g in grads if g.numel() > 0)
 
     args = (torch.randn(2, 8, 5, device=device), torch.randn(8, device=device),
             torch.randn(8, device=device), torch.rand(8, device=device) + 0.5)
