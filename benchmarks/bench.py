@@ -33,7 +33,10 @@ class Case:
     groups: int = 32
     affine: bool = True
     channels_last: bool = False
-    activation: Optional[str] = None  # applied after the norm, eagerly, in every implementation
+    # The epilogue: fusednorm fuses it into the norm; eager and compile run the composed code.
+    activation: Optional[str] = None
+    operands: tuple = ()  # of "scale", "shift", "residual", "multiplier"
+    same_operand: bool = False  # residual and multiplier are one tensor (problem 3's (h + y) * y)
 
 
 def gpu_suite() -> List[Case]:
@@ -52,6 +55,14 @@ def gpu_suite() -> List[Case]:
     cases.append(Case("Attention GN", (16, 512, 4096), torch.bfloat16, "group"))
     for cl in (False, True):
         cases.append(Case("InstanceNorm3d affine", (2, 32, 128, 128, 128), torch.float32, "instance", channels_last=cl))
+    # Fused epilogues beyond SiLU.
+    for c, hw in ((320, 64), (1280, 16)):
+        cases.append(Case("SD AdaGN+SiLU b2", (2, c, hw, hw), torch.float16, "group", activation="silu",
+                          operands=("scale", "shift")))
+    cases.append(Case("ResNet GN+residual+ReLU", (16, 256, 56, 56), torch.bfloat16, "group", activation="relu",
+                      operands=("residual",), channels_last=True))
+    cases.append(Case("problem 3 tail (h+y)*y", (1024, 8192), torch.float32, "group", groups=1, affine=False,
+                      operands=("residual", "multiplier"), same_operand=True))
     return cases
 
 
@@ -60,27 +71,44 @@ def cpu_suite() -> List[Case]:
         Case("GN CPU", (8, 320, 32, 32), torch.float32, "group"),
         Case("GN CPU", (8, 320, 32, 32), torch.float32, "group", channels_last=True),
         Case("IN CPU", (4, 64, 64, 64), torch.float32, "instance", affine=False),
+        Case("GN+SiLU CPU", (8, 320, 32, 32), torch.float32, "group", activation="silu"),
+        Case("AdaGN+SiLU CPU", (8, 320, 32, 32), torch.float32, "group", activation="silu", operands=("scale", "shift")),
+        Case("problem 3 tail CPU", (256, 8192), torch.float32, "group", groups=1, affine=False,
+             operands=("residual", "multiplier"), same_operand=True),
     ]
 
 
-def activation(name: Optional[str]) -> Callable:
-    return {None: lambda t: t, "silu": F.silu}[name]
+ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "relu": F.relu, "gelu": F.gelu, "mish": F.mish}
+
+
+def composed_epilogue(z, case: Case, ops: Dict[str, torch.Tensor]):
+    """The epilogue as a model writes it: one elementwise op (one pass over memory) per step."""
+    shape = z.shape[:2] + (1,) * (z.dim() - 2)
+    if "scale" in ops:
+        z = z * (1 + ops["scale"].reshape(shape))
+    if "shift" in ops:
+        z = z + ops["shift"].reshape(shape)
+    if "residual" in ops:
+        z = z + ops["residual"]
+    z = ACTIVATIONS[case.activation](z)
+    if "multiplier" in ops:
+        z = z * ops["multiplier"]
+    return z
 
 
 def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
-    act = activation(case.activation)
     if case.kind == "group":
-        def eager(x, w, b):
-            return act(F.group_norm(x, case.groups, w, b, 1e-5))
+        def eager(x, w, b, ops):
+            return composed_epilogue(F.group_norm(x, case.groups, w, b, 1e-5), case, ops)
 
-        def ours(x, w, b):
-            return act(fusednorm.group_norm(x, case.groups, w, b, 1e-5))
+        def ours(x, w, b, ops):
+            return fusednorm.group_norm(x, case.groups, w, b, 1e-5, activation=case.activation, **ops)
     else:
-        def eager(x, w, b):
-            return act(F.instance_norm(x, weight=w, bias=b, eps=1e-5))
+        def eager(x, w, b, ops):
+            return composed_epilogue(F.instance_norm(x, weight=w, bias=b, eps=1e-5), case, ops)
 
-        def ours(x, w, b):
-            return act(fusednorm.instance_norm(x, weight=w, bias=b, eps=1e-5))
+        def ours(x, w, b, ops):
+            return fusednorm.instance_norm(x, weight=w, bias=b, eps=1e-5, activation=case.activation, **ops)
     impls = {"fusednorm": ours, "eager": eager}
     if with_compile:
         impls["compile"] = torch.compile(eager)
@@ -88,7 +116,8 @@ def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
         from liger_kernel.ops.group_norm import LigerGroupNormFunction  # type: ignore
 
         if case.kind == "group" and case.affine and not case.channels_last:
-            impls["liger"] = lambda x, w, b: act(LigerGroupNormFunction.apply(x, w, b, x.shape[1], case.groups, 1e-5))
+            impls["liger"] = lambda x, w, b, ops: composed_epilogue(
+                LigerGroupNormFunction.apply(x, w, b, x.shape[1], case.groups, 1e-5), case, ops)
     except Exception:
         pass
     return impls
@@ -162,8 +191,18 @@ def run_case(case: Case, device: str, measure, roofline: float, with_compile: bo
     C = case.shape[1]
     w = torch.randn(C, dtype=case.dtype, device=device) if case.affine else None
     b = torch.randn(C, dtype=case.dtype, device=device) if case.affine else None
+    ops = {}
+    for name in case.operands:
+        if name in ("scale", "shift"):
+            ops[name] = 0.1 * torch.randn(case.shape[0], C, dtype=case.dtype, device=device)
+        elif case.same_operand and ops.get("residual") is not None:
+            ops[name] = ops["residual"]
+        else:
+            ops[name] = torch.randn_like(x)
     elem = x.element_size()
     numel = x.numel()
+    # Tensor-sized operands read (forward) and, with their gradients, read and written (backward).
+    big = len({id(t) for k, t in ops.items() if k in ("residual", "multiplier")})
     rows = []
     layout = "channels_last" if case.channels_last else "contiguous"
     fwd = Row(case.name, str(tuple(case.shape)), str(case.dtype).replace("torch.", ""), layout, "forward")
@@ -171,18 +210,24 @@ def run_case(case: Case, device: str, measure, roofline: float, with_compile: bo
     for name, fn in implementations(case, with_compile).items():
         try:
             with torch.no_grad():
-                fwd.ms[name] = measure(lambda: fn(x, w, b))
+                fwd.ms[name] = measure(lambda: fn(x, w, b, ops))
             xg = x.detach().requires_grad_()
-            params = [p.detach().requires_grad_() for p in (w, b) if p is not None]
-            y = fn(xg, *(params if params else [None, None]))
+            wg, bg = (None if p is None else p.detach().requires_grad_() for p in (w, b))
+            opsg = {k: t.detach().requires_grad_() for k, t in ops.items()}
+            if case.same_operand and "multiplier" in opsg:
+                opsg["multiplier"] = opsg["residual"]
+            y = fn(xg, wg, bg, opsg)
             dy = torch.randn_like(y)
-            bwd.ms[name] = measure(lambda: torch.autograd.grad(y, [xg] + params, dy, retain_graph=True))
-            del y, dy, xg
+            leaves = [xg] + [p for p in (wg, bg) if p is not None] + list({id(t): t for t in opsg.values()}.values())
+            bwd.ms[name] = measure(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True))
+            del y, dy, xg, leaves
         except Exception as e:  # one implementation failing must not hide the others
             print(f"  {name} failed on {case.name} {case.shape}: {type(e).__name__}: {e}", file=sys.stderr)
         if device == "cuda":
             torch.cuda.empty_cache()
-    for row, passes in ((fwd, 2), (bwd, 3)):
+    # Floor: forward reads x and the operands and writes y; backward reads x, dy and the operands
+    # and writes dx and the operands' gradients.
+    for row, passes in ((fwd, 2 + big), (bwd, 3 + 2 * big)):
         if "fusednorm" in row.ms:
             row.gbps = passes * numel * elem / (row.ms["fusednorm"] * 1e-3) / 1e9
             row.roofline_pct = 100 * row.gbps / roofline

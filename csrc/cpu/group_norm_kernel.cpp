@@ -286,6 +286,12 @@ struct Modulation {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
+// The loop structure to use: with S == 1 both layouts are the same memory, rows of C, which the
+// channels-last loops walk in long runs (the channels-first ones would take rows of one element).
+Layout kernel_layout(Layout layout, const GroupNormShape& sh) {
+  return sh.S == 1 ? Layout::ChannelsLast : layout;
+}
+
 // Count, mean and sum of squared deviations of a set of values; merge() is Chan's formula.
 struct Moments {
   double n = 0, mean = 0, m2 = 0;
@@ -534,7 +540,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_forward_cpu(
     scalar_t* yp = y.data_ptr<scalar_t>();
     acc_t* mp = mean.data_ptr<acc_t>();
     acc_t* rp = rstd.data_ptr<acc_t>();
-    if (layout == Layout::ChannelsFirst) {
+    if (kernel_layout(layout, sh) == Layout::ChannelsFirst) {
       forward_channels_first(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
     } else {
       forward_channels_last(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
@@ -857,7 +863,8 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     if (mask[6]) ep.grad_multiplier = grads.multiplier.data_ptr<scalar_t>();
 
     GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
-    if (layout == Layout::ChannelsFirst) {
+    const Layout walk = kernel_layout(layout, sh);
+    if (walk == Layout::ChannelsFirst) {
       grad_sums_channels_first(dyp, xp, sh, k, ep, sums);
     } else {
       grad_sums_channels_last(dyp, xp, sh, k, ep, sums);
@@ -866,7 +873,7 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     if (mask[0]) {
       grad_input_coeffs<acc_t>(sh, w_eff, rp, sums, delta, k);
       scalar_t* dxp = grads.input.data_ptr<scalar_t>();
-      if (layout == Layout::ChannelsFirst) {
+      if (walk == Layout::ChannelsFirst) {
         grad_input_channels_first(dyp, xp, dxp, sh, k, ep);
       } else {
         grad_input_channels_last(dyp, xp, dxp, sh, k, ep);
