@@ -1,6 +1,7 @@
 """Runs each CUDA kernel path once on small inputs, for compute-sanitizer (scripts/sanitize.sh):
 both layouts, every dtype, with and without weight/bias, tails that are not multiples of the vector
-width, groups split over several CTAs, misaligned (offset) storage, and empty inputs."""
+width, groups split over several CTAs, misaligned (offset) storage, and empty inputs; the fused ops
+with every epilogue operand."""
 
 import torch
 
@@ -27,7 +28,34 @@ def run(x, groups, weight, bias):
     torch.ops.fusednorm.group_norm_backward(dy.contiguous(), x.detach(), mean, rstd, weight, groups, [True, False, False])
 
 
+def run_fused(x, groups, weight, bias, activation, operands):
+    """The fused ops with an epilogue: every elementwise operand (misaligned too when x is)."""
+    N, C = x.shape[:2]
+    scale = torch.randn(N, C, device=x.device, dtype=x.dtype) if "scale" in operands else None
+    shift = torch.randn(N, C, device=x.device, dtype=x.dtype) if "shift" in operands else None
+    like_x = lambda: torch.randn_like(x) if x.is_contiguous() else torch.randn_like(x).movedim(1, -1).contiguous().movedim(-1, 1)  # noqa: E731
+    residual = like_x() if "residual" in operands else None
+    multiplier = like_x() if "multiplier" in operands else None
+    y, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(
+        x, groups, weight, bias, 1e-5, scale, shift, residual, activation, 0.1, multiplier)
+    dy = torch.randn_like(y)
+    for mask in ([True] * 7, [True, False, False, False, False, True, False], [False] * 6 + [True]):
+        torch.ops.fusednorm.fused_group_norm_backward(
+            dy, x, mean, rstd, weight, bias, groups, scale, shift, residual, activation, 0.1, multiplier, mask)
+
+
 def main():
+    for shape, groups in CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            w = torch.randn(shape[1], device="cuda", dtype=dtype)
+            run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
+            run_fused(x, groups, None, None, "mish", ("residual",))
+            if x.dim() >= 3:
+                cl = x.movedim(1, -1).contiguous().movedim(-1, 1)
+                run_fused(cl, groups, w, None, "gelu", ("scale", "multiplier"))
+            flat = torch.randn(x.numel() + 1, device="cuda", dtype=dtype)
+            run_fused(flat[1:].view(shape), groups, None, w, "leaky_relu", ("shift", "residual", "multiplier"))
     for shape, groups in CASES:
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             x = torch.randn(shape, device="cuda", dtype=dtype)
