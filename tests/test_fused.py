@@ -314,3 +314,22 @@ def test_fused_cuda_matches_cpu():
         gpu = fusednorm.group_norm(x.cuda(), 4, w.cuda(), b.cuda(), activation="gelu_tanh",
                                    **{k: v.cuda() for k, v in ops.items()})
         torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_gradients_of_absent_operands_are_taken_at_their_neutral_values(activation, device):
+    # The backward op may be asked for the gradient of an operand that was not given: it is the
+    # gradient at scale = shift = residual = 0, multiplier = 1 (never uninitialised memory).
+    torch.manual_seed(9)
+    x = torch.randn(2, 8, 6, 5, dtype=torch.float64, device=device)
+    w, b = torch.randn(8, dtype=torch.float64, device=device), torch.randn(8, dtype=torch.float64, device=device)
+    act = activation or "none"
+    _, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(x, 4, w, b, 1e-5, None, None, None, act, 0.01, None)
+    dz = torch.randn_like(x)
+    absent = torch.ops.fusednorm.fused_group_norm_backward(
+        dz, x, mean, rstd, w, b, 4, None, None, None, act, 0.01, None, [True] * 7)
+    zero_nc = torch.zeros(2, 8, dtype=torch.float64, device=device)
+    neutral = torch.ops.fusednorm.fused_group_norm_backward(
+        dz, x, mean, rstd, w, b, 4, zero_nc, zero_nc, torch.zeros_like(x), act, 0.01, torch.ones_like(x), [True] * 7)
+    for got, want in zip(absent, neutral):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)

@@ -228,9 +228,13 @@ struct ElementwiseOperands {
         multiplier(ep.multiplier.defined() ? ep.multiplier.data_ptr<T>() : nullptr),
         activation(ep.activation),
         slope(static_cast<acc_t>(ep.negative_slope)),
-        needs_p_(ep.activation != Activation::None || (multiplier && need_multiplier_grad)) {}
+        needs_p_(ep.activation != Activation::None || need_multiplier_grad) {}
 
-  bool active() const { return residual || multiplier || activation != Activation::None; }
+  // Whether dp differs from dz or gradients are written per element. (grad_multiplier without a
+  // multiplier is the gradient at multiplier = 1; grad_residual without a residual is dp.)
+  bool active() const {
+    return residual || multiplier || activation != Activation::None || grad_residual || grad_multiplier;
+  }
 
   // z = act(v + residual) * multiplier at elements [off, off + count).
   Vec forward(Vec v, int64_t off, int64_t count) const {

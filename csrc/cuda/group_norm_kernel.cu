@@ -1,4 +1,5 @@
-// CUDA kernels of fusednorm::group_norm_forward and fusednorm::group_norm_backward.
+// CUDA kernels of fusednorm::group_norm_forward / group_norm_backward and of their fused variants
+// fused_group_norm_forward / fused_group_norm_backward (the epilogue of epilogue.h).
 //
 // The input is viewed as (N, C, S) with G groups of D = C / G channels (group_norm.h), stored in
 // one of two layouts that the kernels read and write in place, as a contiguous matrix:
@@ -21,6 +22,24 @@
 //                delta = mean(x - m) recentres the sums on the true mean, as the CPU kernel does.
 //   3. finalize per channel: grad_weight, grad_bias.
 //   4. apply:    dx = w[c]*rstd*dy + b1 * ((x - m) - delta) + b2.
+//
+// The fused epilogue (scale/shift per (n, c), residual, activation, multiplier; epilogue.h) rides
+// on the same launches, through one `EPI` instantiation of the apply kernels and of the backward
+// reduce kernels; the plain ops use the EPI = false instantiations, i.e. exactly the code above.
+//   Forward: the statistics are those of x alone; only the apply pass changes. scale and shift
+//     fold into its per-(n, c) coefficients, b = rstd * w * (1 + scale), c = bias * (1 + scale)
+//     + shift, so that p = b * ((x - K) - mean') + c + residual and y = act(p) * multiplier.
+//   Backward: the plain backward runs on dp = dz * multiplier * act'(p) with the per-(n, c) weight
+//     w_eff = w * (1 + scale). The reduce pass makes dp on the fly, recomputing
+//     p = rstd * w_eff * (x - m) + pc + residual (pc = bias * (1 + scale) + shift) from the saved
+//     statistics, and weights the dx sums by w_eff; the finalize passes are unchanged; the apply
+//     pass makes dp again and writes dx, grad_residual = dp and grad_multiplier = dz * act(p).
+//     The per-(n, c) sums of dp and dp * (x - m) that the reduce pass leaves for the parameter
+//     gradients then give grad_weight, grad_bias, grad_scale and grad_shift, in float64 with ATen
+//     on the host side when scale is present or grad_scale / grad_shift are wanted (they are per
+//     (n, c) and weighted per sample), and by pass 3 otherwise.
+//   Which operands are present and the activation are uniform run-time choices (null pointers, a
+//   switch), not template parameters: that keeps the instantiations to one more per kernel.
 //
 // Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
 // grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an
@@ -168,6 +187,120 @@ __device__ __forceinline__ void load_packs(
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       out[u][j] = u < nvalid ? static_cast<acc_t>(raw[u].v[j]) : acc_t(0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused epilogue (epilogue.h), as the EPI instantiations take it. Absent operands are null
+// pointers, tested per launch (uniform branches), so that presence does not multiply the
+// instantiations; the residual is also null where p is not needed.
+
+template <typename scalar_t>
+struct EpiArgs {
+  using acc_t = acc_type<scalar_t>;
+  const acc_t* scale;          // (N, C) contiguous, index n * C + c
+  const acc_t* shift;          // (N, C)
+  const scalar_t* residual;    // x's shape and layout
+  const scalar_t* multiplier;  // x's shape and layout
+  scalar_t* grad_residual;     // backward apply: outputs in x's layout, null if not requested
+  scalar_t* grad_multiplier;
+  Activation act;
+  acc_t slope;                 // leaky_relu's negative slope
+  // Backward reduce: the saved rstd (N, G) and the bias, which p is recomputed from (the apply
+  // pass has them already).
+  const acc_t* rstd;
+  ParamRef bias;
+};
+
+// The argument struct of an EPI kernel: the plain kernel's, then the epilogue. The plain
+// instantiations keep exactly their own struct: its size alone changes the code nvcc emits.
+template <typename Args, typename scalar_t>
+struct WithEpi : Args {
+  EpiArgs<scalar_t> epi;
+};
+
+template <typename Args, typename scalar_t, bool EPI>
+using KernelArgs = std::conditional_t<EPI, WithEpi<Args, scalar_t>, Args>;
+
+// Packs per operand stream in flight per thread in the EPI kernels where kUnroll would not fit:
+// they carry up to four streams (x, dz, residual, multiplier) and the activation's temporaries.
+// Chosen from ptxas's report (no spills under the kernels' register caps): the apply kernels and
+// reduce_rows with 8-wide packs take kEpiUnroll; the ChannelsLast kernels, which keep per-lane
+// state, take epi_unroll_lanes (one 8-wide pack).
+constexpr int kEpiUnroll = 2;
+template <int V>
+constexpr int epi_unroll_lanes() {
+  return V >= 8 ? 1 : kEpiUnroll;
+}
+
+// The per-(n, c) affine map of the normalization with the modulation folded in:
+// u * (1 + scale) + shift = xhat * w_eff + b_eff.
+template <typename acc_t>
+struct Affine {
+  acc_t w, b;
+};
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ Affine<acc_t> modulate(const EpiArgs<scalar_t>& e, int64_t nc, acc_t w, acc_t b) {
+  Affine<acc_t> m{w, b};
+  if (e.scale != nullptr) {
+    const acc_t gain = acc_t(1) + e.scale[nc];
+    m.w = w * gain;
+    m.b = b * gain;
+  }
+  if (e.shift != nullptr) m.b += e.shift[nc];
+  return m;
+}
+
+// dp from dzm = dz * multiplier. The reduce and apply passes both call this, on the same p, so
+// that the sums behind the dx coefficients are sums of the dp that dx is made of.
+template <typename acc_t>
+__device__ __forceinline__ acc_t grad_at_p(Activation act, acc_t slope, acc_t dzm, acc_t p) {
+  return act == Activation::None ? dzm : dzm * activation_derivative(act, p, slope);
+}
+
+template <typename T>
+__device__ __forceinline__ T* offset_or_null(T* p, int64_t off) {
+  return p == nullptr ? p : p + off;
+}
+
+// An elementwise operand at the packs of a batch (as load_packs), or `absent` where `base` is null.
+template <int U, int V, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void load_operand(
+    const scalar_t* base, int64_t first, int64_t step, int nvalid, acc_t absent, acc_t (&out)[U][V]) {
+  if (base != nullptr) {
+    load_packs<U, V>(base, first, step, nvalid, out);
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[u][j] = absent;
+    }
+  }
+}
+
+// Backward reduce: a batch of dz (loaded as x was, from `first` by `step`) becomes dp in place.
+// residual and multiplier point where x's batch base does (null: absent; the host passes the
+// residual only with an activation, the one case where p is needed here). Lane l recomputes the
+// forward's p = ea[l] * (x - center[l]) + pc[l] + residual, with ea = rstd * w_eff and pc the
+// folded bias (both per (n, c)) and center the saved mean.
+template <int U, int V, int L, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void dz_to_dp(const EpiArgs<scalar_t>& e, const scalar_t* residual,
+    const scalar_t* multiplier, int64_t first, int64_t step, int nvalid, const acc_t (&x)[U][V],
+    const acc_t (&center)[L], const acc_t (&ea)[L], const acc_t (&pc)[L], acc_t (&d)[U][V]) {
+  if (multiplier == nullptr && e.act == Activation::None) return;  // dp = dz (scale only)
+  acc_t m[U][V];
+  acc_t r[U][V];
+  load_operand<U, V>(multiplier, first, step, nvalid, acc_t(1), m);
+  load_operand<U, V>(residual, first, step, nvalid, acc_t(0), r);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int l = L == 1 ? 0 : j;
+      const acc_t p = (ea[l] * (x[u][j] - center[l]) + pc[l]) + r[u][j];
+      d[u][j] = grad_at_p(e.act, e.slope, d[u][j] * m[u][j], p);
     }
   }
 }
@@ -353,6 +486,8 @@ __device__ __forceinline__ void accumulate(
 //             part_c (n, k, c) = (db, dsc).
 // A tile is TY = kThreads / TX rows x one chunk of packs; the TX threads of a row stride over
 // the chunk, then combine with warp shuffles (and shared memory when TX > 32).
+// EPI (backward only): dy is dp, made from dz per element, and w[c] is w_eff[n, c] (a row's
+// coefficients are computed once per tile).
 
 template <typename scalar_t>
 struct RowsArgs {
@@ -370,16 +505,19 @@ struct RowsArgs {
   int log_tx;
 };
 
-template <typename scalar_t, int V, bool GRADS>
-__global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const RowsArgs<scalar_t> a) {
+template <typename scalar_t, int V, bool GRADS, bool EPI>
+__global__ void __launch_bounds__(kThreads) reduce_rows_kernel(
+    const KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI> a) {
   using acc_t = acc_type<scalar_t>;
   using State = std::conditional_t<GRADS, Sums<acc_t, 1>, Moments<acc_t, 1>>;
+  static_assert(GRADS || !EPI, "the forward statistics are those of x alone");
   __shared__ State smem[kThreads / kWarp];
   const int log_ty = kLogThreads - a.log_tx;
   const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
   const int ty = threadIdx.x >> a.log_tx;
   const int64_t lenv = a.len / V;
-  const int64_t step = static_cast<int64_t>(kUnroll) << a.log_tx;
+  constexpr int U = EPI && V >= 8 ? kEpiUnroll : kUnroll;
+  const int64_t step = static_cast<int64_t>(U) << a.log_tx;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t rb = t / a.split;
     const int64_t k = t - rb * a.split;
@@ -392,23 +530,39 @@ __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const RowsArgs<sc
     clear(st);
     // Forward: the shift K of group r is its first element. Backward: the saved mean.
     acc_t center[1] = {acc_t(0)};
+    // EPI: w_eff of row r = (n, c), and p's coefficients (see dz_to_dp).
+    [[maybe_unused]] acc_t w_eff = acc_t(1);
+    [[maybe_unused]] acc_t ea[1] = {acc_t(0)}, pc[1] = {acc_t(0)};
     if (valid) {
       if constexpr (GRADS) {
         center[0] = a.mean[div_nn(r, a.D)];  // (n * C + c) / D == n * G + g
+        if constexpr (EPI) {
+          const int64_t c = r - div_nn(r, a.C) * a.C;
+          const Affine<acc_t> m = modulate(a.epi, r, load_param(a.weight, c, acc_t(1)),
+              load_param(a.epi.bias, c, acc_t(0)));  // scale and shift are indexed by r = n * C + c
+          w_eff = m.w;
+          ea[0] = a.epi.rstd[div_nn(r, a.D)] * m.w;
+          pc[0] = m.b;
+        }
       } else {
         center[0] = static_cast<acc_t>(a.x[row_off]);
       }
     }
     for (int64_t v0 = v_begin; v0 < v_end; v0 += step) {
-      const int nvalid = static_cast<int>(imin(kUnroll, (v_end - v0 + (1 << a.log_tx) - 1) >> a.log_tx));
-      acc_t xs[kUnroll][V];
-      load_packs<kUnroll, V>(a.x + row_off, v0, int64_t(1) << a.log_tx, nvalid, xs);
+      const int nvalid = static_cast<int>(imin(U, (v_end - v0 + (1 << a.log_tx) - 1) >> a.log_tx));
+      acc_t xs[U][V];
+      load_packs<U, V>(a.x + row_off, v0, int64_t(1) << a.log_tx, nvalid, xs);
       if constexpr (GRADS) {
-        acc_t ds[kUnroll][V];
-        load_packs<kUnroll, V>(a.dy + row_off, v0, int64_t(1) << a.log_tx, nvalid, ds);
-        accumulate<kUnroll, V, 1>(st, xs, ds, center, nvalid);
+        acc_t ds[U][V];
+        load_packs<U, V>(a.dy + row_off, v0, int64_t(1) << a.log_tx, nvalid, ds);
+        if constexpr (EPI) {
+          dz_to_dp<U, V, 1>(a.epi, offset_or_null(a.epi.residual, row_off),
+              offset_or_null(a.epi.multiplier, row_off), v0, int64_t(1) << a.log_tx, nvalid, xs,
+              center, ea, pc, ds);
+        }
+        accumulate<U, V, 1>(st, xs, ds, center, nvalid);
       } else {
-        accumulate<kUnroll, V, 1>(st, xs, center, nvalid);
+        accumulate<U, V, 1>(st, xs, center, nvalid);
       }
     }
     st = segment_reduce(st, a.log_tx, smem);
@@ -417,7 +571,12 @@ __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const RowsArgs<sc
       if constexpr (GRADS) {
         const int64_t n = div_nn(r, a.C);
         const int64_t c = r - n * a.C;
-        const acc_t w = load_param(a.weight, c, acc_t(1));
+        acc_t w;
+        if constexpr (EPI) {
+          w = w_eff;
+        } else {
+          w = load_param(a.weight, c, acc_t(1));
+        }
         out[0] = w * st.dy[0];
         out[1] = w * st.dyxc[0];
         out[2] = st.xc[0];
@@ -443,6 +602,8 @@ __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const RowsArgs<sc
 //   forward:  part (n, piece, k) = Moments;
 //   backward: part (n, piece, k) = (sum w*dy, sum w*dy*(x - m), sum (x - m)), and
 //             part_c (n, k, c) = (db, dsc) per channel.
+// EPI (backward only): dy is dp and w is w_eff[n, c]; a tile lies within one sample n, so each
+// lane's (n, c) coefficients are computed once per tile.
 
 template <typename scalar_t>
 struct ColsArgs {
@@ -459,9 +620,11 @@ struct ColsArgs {
   int log_tx, log_q;
 };
 
-template <typename scalar_t, int V, bool GRADS>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(const ColsArgs<scalar_t> a) {
+template <typename scalar_t, int V, bool GRADS, bool EPI>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(
+    const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI> a) {
   using acc_t = acc_type<scalar_t>;
+  static_assert(GRADS || !EPI, "the forward statistics are those of x alone");
   using State = std::conditional_t<GRADS, Sums<acc_t, V>, Moments<acc_t, V>>;
   using Piece = std::conditional_t<GRADS, Sums<acc_t, 1>, Moments<acc_t, 1>>;
   __shared__ State tree[kThreads / 2];
@@ -475,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(const
   const int Q = 1 << a.log_q;
   const int64_t pieces = a.C >> a.log_q;  // per sample
   // Per-lane states of 8-wide packs take many registers: fewer packs in flight then.
-  constexpr int U = V >= 8 ? 2 : kUnroll;
+  constexpr int U = EPI ? epi_unroll_lanes<V>() : V >= 8 ? 2 : kUnroll;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t t2 = t / a.ncb;
     const int64_t cb = t - t2 * a.ncb;
@@ -488,9 +651,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(const
     const int64_t s_end = valid ? imin(a.S, (k + 1) * a.chunk) : 0;
     const int64_t sample = n * a.S * a.C;  // element offset of sample n
 
-    // Per-lane group constants: the shift K (forward) or the saved mean (backward), and w[c].
+    // Per-lane group constants: the shift K (forward) or the saved mean (backward), and w[c]
+    // (EPI: w_eff[n, c], and p's coefficients, see dz_to_dp).
     acc_t center[V];
     acc_t w[V];
+    [[maybe_unused]] acc_t ea[EPI ? V : 1], pc[EPI ? V : 1];
     {
       int64_t g = div_nn(c0, a.D);
       int64_t rem = c0 - g * a.D;
@@ -498,10 +663,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(const
       for (int j = 0; j < V; ++j) {
         center[j] = acc_t(0);
         w[j] = acc_t(1);
+        if constexpr (EPI) ea[j] = pc[j] = acc_t(0);
         if (valid) {
           if constexpr (GRADS) {
             center[j] = a.mean[n * a.G + g];
             w[j] = load_param(a.weight, c0 + j, acc_t(1));
+            if constexpr (EPI) {
+              const Affine<acc_t> m =
+                  modulate(a.epi, n * a.C + c0 + j, w[j], load_param(a.epi.bias, c0 + j, acc_t(0)));
+              w[j] = m.w;
+              ea[j] = a.epi.rstd[n * a.G + g] * m.w;
+              pc[j] = m.b;
+            }
           } else {
             center[j] = static_cast<acc_t>(a.x[sample + g * a.D]);
           }
@@ -525,6 +698,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(const
       if constexpr (GRADS) {
         acc_t ds[U][V];
         load_packs<U, V>(a.dy, first, stride, nvalid, ds);
+        if constexpr (EPI) {
+          dz_to_dp<U, V, V>(a.epi, a.epi.residual, a.epi.multiplier, first, stride, nvalid, xs, center,
+              ea, pc, ds);
+        }
         accumulate<U, V, V>(st, xs, ds, center, nvalid);
       } else {
         accumulate<U, V, V>(st, xs, center, nvalid);
@@ -759,6 +936,9 @@ __global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const Pa
 //   forward:  hi = K, lo = mean - K, a = 0, b = rstd * w[c], c = bias[c];
 //   backward: hi = m, lo = delta,    a = rstd * w[c], b = b1, c = b2.
 // Centring on hi then lo keeps (x - mean) accurate when |mean| >> std.
+// EPI: w and bias are w_eff[n, c] and b_eff[n, c] (modulate), and the epilogue works per element
+// (apply_epi_pack); in the backward `out` (dx) may then be null, when only grad_residual or
+// grad_multiplier are wanted.
 
 template <typename acc_t>
 struct Coef {
@@ -802,9 +982,109 @@ __device__ __forceinline__ scalar_t apply_one(const Coef<acc_t>& k, acc_t x, acc
   return static_cast<scalar_t>(k.a * dy + (k.b * ((x - k.hi) - k.lo) + k.c));
 }
 
+// One pack of the EPI apply pass, written at pack index v of out, grad_residual, grad_multiplier
+// (those that are not null). Lane j uses k[j] and pc[j] (L == V) or k[0] and pc[0] (L == 1); pc is
+// the folded bias b_eff, which the backward needs for p. rp / mp are read only where the
+// residual / multiplier pointer of `e` is not null.
+//   forward:  p = b * ((x - hi) - lo) + c + residual, out = act(p) * multiplier;
+//   backward: dp = dz * multiplier * act'(p) with p = a * (x - m) + pc + residual (as in dz_to_dp),
+//             dx = a * dp + b1 * ((x - m) - delta) + b2 (apply_one's arithmetic on dp),
+//             grad_residual = dp, grad_multiplier = dz * act(p).
+template <int V, int L, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e, bool backward,
+    const Coef<acc_t> (&k)[L], const acc_t (&pc)[L], const Pack<scalar_t, V>& xp,
+    const Pack<scalar_t, V>& dp, const Pack<scalar_t, V>& rp, const Pack<scalar_t, V>& mp,
+    Pack<scalar_t, V>* out, Pack<scalar_t, V>* grad_residual, Pack<scalar_t, V>* grad_multiplier,
+    int64_t v) {
+  const bool has_r = e.residual != nullptr;
+  const bool has_m = e.multiplier != nullptr;
+  Pack<scalar_t, V> o, gr, gm;
+  if (!backward) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const Coef<acc_t>& kj = k[L == 1 ? 0 : j];
+      const acc_t x = static_cast<acc_t>(xp.v[j]);
+      acc_t p = kj.b * ((x - kj.hi) - kj.lo) + kj.c;
+      if (has_r) p += static_cast<acc_t>(rp.v[j]);
+      acc_t z = activation_forward(e.act, p, e.slope);
+      if (has_m) z *= static_cast<acc_t>(mp.v[j]);
+      o.v[j] = static_cast<scalar_t>(z);
+    }
+    out[v] = o;
+    return;
+  }
+  // p is needed for act'(p), and for grad_multiplier = dz * act(p) (act(p) = p without activation).
+  const bool want_gm = grad_multiplier != nullptr;
+  const bool need_p = e.act != Activation::None || want_gm;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int l = L == 1 ? 0 : j;
+    const acc_t xc = static_cast<acc_t>(xp.v[j]) - k[l].hi;
+    const acc_t dz = static_cast<acc_t>(dp.v[j]);
+    const acc_t m = has_m ? static_cast<acc_t>(mp.v[j]) : acc_t(1);
+    acc_t g = dz * m;
+    acc_t q = acc_t(0);
+    if (need_p) {
+      const acc_t r = has_r ? static_cast<acc_t>(rp.v[j]) : acc_t(0);
+      const acc_t p = (k[l].a * xc + pc[l]) + r;
+      g = grad_at_p(e.act, e.slope, g, p);
+      if (want_gm) q = activation_forward(e.act, p, e.slope);
+    }
+    o.v[j] = static_cast<scalar_t>(k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c));
+    gr.v[j] = static_cast<scalar_t>(g);
+    gm.v[j] = static_cast<scalar_t>(dz * q);
+  }
+  if (out != nullptr) out[v] = o;
+  if (grad_residual != nullptr) grad_residual[v] = gr;
+  if (want_gm) grad_multiplier[v] = gm;
+}
+
+// The EPI part of apply_rows_kernel: packs [v_begin, v_end) by tx_count of row r = (n, c).
+template <int V, typename scalar_t>
+__device__ __forceinline__ void apply_row_epi(const WithEpi<ApplyArgs<scalar_t>, scalar_t>& a,
+    int64_t r, int64_t c, int64_t v_begin, int64_t v_end, int64_t tx_count, bool backward) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  constexpr int U = kEpiUnroll;
+  // scale and shift are indexed by r = n * C + c.
+  const Affine<acc_t> m =
+      modulate(a.epi, r, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+  const Coef<acc_t> coef[1] = {make_coef(a.rec + div_nn(r, a.D) * kRec, backward, m.w, m.b)};
+  const acc_t pc[1] = {m.b};
+  const int64_t off = r * a.len;
+  const P* xr = reinterpret_cast<const P*>(a.x + off);
+  const P* dyr = reinterpret_cast<const P*>(backward ? a.dy + off : a.x + off);
+  const P* rr = reinterpret_cast<const P*>(offset_or_null(a.epi.residual, off));
+  const P* mr = reinterpret_cast<const P*>(offset_or_null(a.epi.multiplier, off));
+  P* outr = reinterpret_cast<P*>(offset_or_null(a.out, off));
+  P* grr = reinterpret_cast<P*>(offset_or_null(a.epi.grad_residual, off));
+  P* gmr = reinterpret_cast<P*>(offset_or_null(a.epi.grad_multiplier, off));
+  for (int64_t v0 = v_begin; v0 < v_end; v0 += U * tx_count) {
+    P xp[U], dp[U], rp[U], mp[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * tx_count;
+      if (v < v_end) {
+        xp[u] = xr[v];
+        if (backward) dp[u] = dyr[v];
+        if (rr != nullptr) rp[u] = rr[v];
+        if (mr != nullptr) mp[u] = mr[v];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * tx_count;
+      if (v < v_end) {
+        apply_epi_pack<V, 1>(a.epi, backward, coef, pc, xp[u], dp[u], rp[u], mp[u], outr, grr, gmr, v);
+      }
+    }
+  }
+}
+
 // ChannelsFirst with S > 1: a row (n, c) has one coefficient set.
-template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(const ApplyArgs<scalar_t> a) {
+template <typename scalar_t, int V, bool EPI>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
+    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   const bool backward = a.dy != nullptr;
@@ -819,6 +1099,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(const 
     const int64_t r = (rb << log_ty) + ty;
     if (r >= a.rows) continue;
     const int64_t c = r - div_nn(r, a.C) * a.C;
+    if constexpr (EPI) {
+      apply_row_epi<V>(a, r, c, k * a.chunk + tx, imin(lenv, (k + 1) * a.chunk), tx_count, backward);
+      continue;
+    }
     const Coef<acc_t> coef = make_coef(a.rec + div_nn(r, a.D) * kRec, backward,
         load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
     const P* xr = reinterpret_cast<const P*>(a.x + r * a.len);
@@ -854,9 +1138,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(const 
 
 // ChannelsLast (and ChannelsFirst with S == 1, the same memory): a thread keeps one pack of
 // channels for a whole tile of rows, so w[c], b[c] and the group of each lane are loaded once per
-// tile; the per-(n, g) coefficients are reloaded only when the row enters another sample.
-template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(const ApplyArgs<scalar_t> a) {
+// tile; the per-(n, g) coefficients are reloaded only when the row enters another sample (with
+// EPI they are per (n, c), which the same reload covers).
+template <typename scalar_t, int V, bool EPI>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
+    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   const bool backward = a.dy != nullptr;
@@ -868,6 +1154,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(const 
   const P* xp = reinterpret_cast<const P*>(a.x);
   const P* dyp = reinterpret_cast<const P*>(backward ? a.dy : a.x);
   P* outp = reinterpret_cast<P*>(a.out);
+  constexpr int U = EPI ? epi_unroll_lanes<V>() : kUnroll;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t rt = t / ncb;
     const int64_t cb = t - rt * ncb;
@@ -879,21 +1166,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(const 
     // keeping them in registers for the whole tile) keeps the register count, and so the
     // occupancy, reasonable; the reload happens once per sample and tile.
     Coef<acc_t> coef[V];
+    [[maybe_unused]] acc_t pc[EPI ? V : 1];  // EPI: b_eff, for p in the backward
     int64_t sample_end = 0;  // rows [.., sample_end) use the cached coefficients
     const int64_t r_end = imin(a.rows, (rt + 1) * a.chunk);
-    const int64_t step = static_cast<int64_t>(kUnroll) << log_ty;
+    const int64_t step = static_cast<int64_t>(U) << log_ty;
     for (int64_t r0 = rt * a.chunk + ty; r0 < r_end; r0 += step) {
-      P xv[kUnroll], dv[kUnroll];
+      P xv[U], dv[U];
+      [[maybe_unused]] P rv[EPI ? U : 1], mv[EPI ? U : 1];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int64_t r = r0 + (static_cast<int64_t>(u) << log_ty);
         if (r < r_end) {
           xv[u] = xp[r * cvn + cv];
           if (backward) dv[u] = dyp[r * cvn + cv];
+          if constexpr (EPI) {
+            const P* rp = reinterpret_cast<const P*>(a.epi.residual);
+            const P* mp = reinterpret_cast<const P*>(a.epi.multiplier);
+            if (rp != nullptr) rv[u] = rp[r * cvn + cv];
+            if (mp != nullptr) mv[u] = mp[r * cvn + cv];
+          }
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int64_t r = r0 + (static_cast<int64_t>(u) << log_ty);
         if (r < r_end) {
           if (r >= sample_end) {  // rows only increase: a new sample
@@ -903,21 +1198,34 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(const 
             int64_t rem = c0 - g0 * a.D;
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-              coef[j] = make_coef(a.rec + (n * a.G + g) * kRec, backward,
-                  load_param(a.weight, c0 + j, acc_t(1)), load_param(a.bias, c0 + j, acc_t(0)));
+              if constexpr (EPI) {
+                const Affine<acc_t> m = modulate(a.epi, n * a.C + c0 + j,
+                    load_param(a.weight, c0 + j, acc_t(1)), load_param(a.bias, c0 + j, acc_t(0)));
+                coef[j] = make_coef(a.rec + (n * a.G + g) * kRec, backward, m.w, m.b);
+                pc[j] = m.b;
+              } else {
+                coef[j] = make_coef(a.rec + (n * a.G + g) * kRec, backward,
+                    load_param(a.weight, c0 + j, acc_t(1)), load_param(a.bias, c0 + j, acc_t(0)));
+              }
               if (++rem == a.D) {
                 rem = 0;
                 ++g;
               }
             }
           }
-          P o;
+          if constexpr (EPI) {
+            apply_epi_pack<V, V>(a.epi, backward, coef, pc, xv[u], dv[u], rv[u], mv[u], outp,
+                reinterpret_cast<P*>(a.epi.grad_residual), reinterpret_cast<P*>(a.epi.grad_multiplier),
+                r * cvn + cv);
+          } else {
+            P o;
 #pragma unroll
-          for (int j = 0; j < V; ++j) {
-            o.v[j] = apply_one<scalar_t>(coef[j], static_cast<acc_t>(xv[u].v[j]),
-                backward ? static_cast<acc_t>(dv[u].v[j]) : acc_t(0));
+            for (int j = 0; j < V; ++j) {
+              o.v[j] = apply_one<scalar_t>(coef[j], static_cast<acc_t>(xv[u].v[j]),
+                  backward ? static_cast<acc_t>(dv[u].v[j]) : acc_t(0));
+            }
+            outp[r * cvn + cv] = o;
           }
-          outp[r * cvn + cv] = o;
         }
       }
     }
@@ -949,6 +1257,10 @@ int ceil_log2(int64_t v) {
 
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 struct Tiling {
@@ -1020,32 +1332,56 @@ ParamRef param_ref(const at::Tensor& t) {
       t.defined() ? t.scalar_type() : c10::CppTypeToScalarType<scalar_t>::value};
 }
 
-template <typename scalar_t, int V, bool GRADS>
-void launch_reduce_rows(const RowsArgs<scalar_t>& a) {
+template <typename scalar_t, int V, bool GRADS, bool EPI>
+void launch_reduce_rows(const KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  reduce_rows_kernel<scalar_t, V, GRADS><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  reduce_rows_kernel<scalar_t, V, GRADS, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, int V, bool GRADS>
-void launch_reduce_cols(const ColsArgs<scalar_t>& a) {
+template <typename scalar_t, int V, bool GRADS, bool EPI>
+void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  reduce_cols_kernel<scalar_t, V, GRADS><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  reduce_cols_kernel<scalar_t, V, GRADS, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, int V>
-void launch_apply_rows(const ApplyArgs<scalar_t>& a) {
+template <typename scalar_t, int V, bool EPI>
+void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  apply_rows_kernel<scalar_t, V><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  apply_rows_kernel<scalar_t, V, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, int V>
-void launch_apply_cols(const ApplyArgs<scalar_t>& a) {
+template <typename scalar_t, int V, bool EPI>
+void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  apply_cols_kernel<scalar_t, V><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  apply_cols_kernel<scalar_t, V, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The epilogue's operands as the kernels take them. The residual is passed only where p is
+// needed (`with_residual`); the gradient outputs are the caller's to set.
+template <typename scalar_t>
+EpiArgs<scalar_t> epi_args(const Epilogue& ep, bool with_residual) {
+  using acc_t = acc_type<scalar_t>;
+  EpiArgs<scalar_t> e{};
+  e.scale = ep.scale.defined() ? ep.scale.data_ptr<acc_t>() : nullptr;
+  e.shift = ep.shift.defined() ? ep.shift.data_ptr<acc_t>() : nullptr;
+  e.residual = with_residual && ep.residual.defined() ? ep.residual.data_ptr<scalar_t>() : nullptr;
+  e.multiplier = ep.multiplier.defined() ? ep.multiplier.data_ptr<scalar_t>() : nullptr;
+  e.grad_residual = nullptr;
+  e.grad_multiplier = nullptr;
+  e.act = ep.activation;
+  e.slope = static_cast<acc_t>(ep.negative_slope);
+  return e;
+}
+
+// Whether every elementwise pointer of `e` allows packs of `bytes` bytes (null ones do).
+template <typename scalar_t>
+bool epi_aligned(const EpiArgs<scalar_t>& e, size_t bytes = 16) {
+  return aligned_to(e.residual, bytes) && aligned_to(e.multiplier, bytes) &&
+         aligned_to(e.grad_residual, bytes) && aligned_to(e.grad_multiplier, bytes);
 }
 
 // Pass 1 of either direction. Fills `part` (3 values per (n, piece, k), pieces of 2^log_q
@@ -1057,18 +1393,29 @@ struct Partials {
   int64_t split = 1;    // chunks of the reduced extent
 };
 
-template <typename scalar_t, bool GRADS>
+// EPI (backward only): dy is dz, made into dp with the epilogue `ep`, whose p needs the saved
+// rstd and the bias; the weight sums use w_eff.
+template <typename scalar_t, bool GRADS, bool EPI>
 Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean,
-    const at::Tensor& weight, const GroupNormShape& sh, Layout layout) {
+    const at::Tensor& weight, const GroupNormShape& sh, Layout layout, const at::Tensor& rstd,
+    const at::Tensor& bias, const Epilogue* ep) {
+  static_assert(GRADS || !EPI, "the forward statistics are those of x alone");
   using acc_t = acc_type<scalar_t>;
   constexpr int VW = pack_width<scalar_t>();
   const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* dyp = GRADS ? dy.data_ptr<scalar_t>() : nullptr;
-  const bool ptrs_aligned = aligned16(xp) && (!GRADS || aligned16(dyp));
+  // p, and so the residual, is needed here only for act'(p).
+  EpiArgs<scalar_t> epi{};
+  if (EPI) {
+    epi = epi_args<scalar_t>(*ep, ep->activation != Activation::None);
+    epi.rstd = rstd.data_ptr<acc_t>();
+    epi.bias = param_ref<scalar_t>(bias);
+  }
+  const bool ptrs_aligned = aligned16(xp) && (!GRADS || aligned16(dyp)) && epi_aligned(epi);
   Partials out;
   if (layout == Layout::ChannelsFirst) {
-    RowsArgs<scalar_t> a{};
+    KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI> a{};
     a.x = xp;
     a.dy = dyp;
     a.C = sh.C;
@@ -1095,15 +1442,16 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
       a.mean = mean.data_ptr<acc_t>();
       a.weight = param_ref<scalar_t>(weight);
     }
+    if constexpr (EPI) a.epi = epi;
     out.entries = GRADS ? sh.D * t.split : t.split;
     out.split = t.split;
     if (vec) {
-      launch_reduce_rows<scalar_t, VW, GRADS>(a);
+      launch_reduce_rows<scalar_t, VW, GRADS, EPI>(a);
     } else {
-      launch_reduce_rows<scalar_t, 1, GRADS>(a);
+      launch_reduce_rows<scalar_t, 1, GRADS, EPI>(a);
     }
   } else {
-    ColsArgs<scalar_t> a{};
+    KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI> a{};
     a.x = xp;
     a.dy = dyp;
     a.S = sh.S;
@@ -1133,27 +1481,31 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
       a.mean = mean.data_ptr<acc_t>();
       a.weight = param_ref<scalar_t>(weight);
     }
+    if constexpr (EPI) a.epi = epi;
     out.entries = pieces_per_group * t.split;
     out.split = t.split;
     if (vec) {
-      launch_reduce_cols<scalar_t, VW, GRADS>(a);
+      launch_reduce_cols<scalar_t, VW, GRADS, EPI>(a);
     } else {
-      launch_reduce_cols<scalar_t, 1, GRADS>(a);
+      launch_reduce_cols<scalar_t, 1, GRADS, EPI>(a);
     }
   }
   return out;
 }
 
-// The elementwise pass: y (dy undefined) or dx.
+// The elementwise pass: y (dy undefined) or dx. With `epi` (the EPI kernels): the forward's z,
+// or the backward's dx (`out`, may then be null), grad_residual and grad_multiplier; `bias` is
+// then needed in the backward too (for p).
 template <typename scalar_t>
-void apply_pass(const at::Tensor& x, const at::Tensor& dy, at::Tensor& out, const at::Tensor& rec,
-    const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout) {
+void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const at::Tensor& rec,
+    const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout,
+    const EpiArgs<scalar_t>* epi = nullptr) {
   using acc_t = acc_type<scalar_t>;
   constexpr int VW = pack_width<scalar_t>();
   ApplyArgs<scalar_t> a{};
   a.x = x.data_ptr<scalar_t>();
   a.dy = dy.defined() ? dy.data_ptr<scalar_t>() : nullptr;
-  a.out = out.data_ptr<scalar_t>();
+  a.out = out;
   a.rec = rec.data_ptr<acc_t>();
   a.weight = param_ref<scalar_t>(weight);
   a.bias = param_ref<scalar_t>(bias);
@@ -1161,7 +1513,10 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, at::Tensor& out, cons
   a.S = sh.S;
   a.G = sh.G;
   a.D = sh.D;
-  const bool ptrs_aligned = aligned16(a.x) && aligned16(a.out) && (a.dy == nullptr || aligned16(a.dy));
+  const bool ptrs_aligned = aligned16(a.x) && aligned16(a.out) && (a.dy == nullptr || aligned16(a.dy)) &&
+                            (epi == nullptr || epi_aligned(*epi));
+  // The EPI kernels' arguments, used only with `epi`.
+  auto with_epi = [&] { return WithEpi<ApplyArgs<scalar_t>, scalar_t>{a, *epi}; };
   // With S == 1 both layouts are (N, C) rows; the column kernel then keeps whole rows busy.
   if (layout == Layout::ChannelsFirst && sh.S != 1) {
     a.rows = sh.N * sh.C;
@@ -1172,24 +1527,44 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, at::Tensor& out, cons
     a.chunk = t.chunk;
     a.tiles = t.tiles;
     a.log_tx = t.log_tx;
-    if (vec) {
-      launch_apply_rows<scalar_t, VW>(a);
+    if (epi != nullptr) {
+      if (vec) {
+        launch_apply_rows<scalar_t, VW, true>(with_epi());
+      } else {
+        launch_apply_rows<scalar_t, 1, true>(with_epi());
+      }
+    } else if (vec) {
+      launch_apply_rows<scalar_t, VW, false>(a);
     } else {
-      launch_apply_rows<scalar_t, 1>(a);
+      launch_apply_rows<scalar_t, 1, false>(a);
     }
   } else {
     a.rows = sh.N * sh.S;
     a.len = sh.C;
-    const bool vec = VW > 1 && ptrs_aligned && sh.C % VW == 0;
-    const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / VW : sh.C);
+    // The EPI column kernel keeps six coefficients per lane (a, b, hi, lo, c and the folded bias):
+    // with 8 lanes they do not fit its register cap, so 2-byte types take 4-wide (8-byte) packs.
+    constexpr int VE = VW > 4 ? 4 : VW;
+    const int width = epi != nullptr ? VE : VW;
+    const size_t bytes = static_cast<size_t>(width) * sizeof(scalar_t);
+    const bool vec = width > 1 && sh.C % width == 0 &&
+                     (epi == nullptr ? ptrs_aligned
+                                     : aligned_to(a.x, bytes) && aligned_to(a.out, bytes) &&
+                                           aligned_to(a.dy, bytes) && epi_aligned(*epi, bytes));
+    const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / width : sh.C);
     a.split = t.ncb;
     a.chunk = t.chunk;
     a.tiles = t.tiles;
     a.log_tx = t.log_tx;
-    if (vec) {
-      launch_apply_cols<scalar_t, VW>(a);
+    if (epi != nullptr) {
+      if (vec) {
+        launch_apply_cols<scalar_t, VE, true>(with_epi());
+      } else {
+        launch_apply_cols<scalar_t, 1, true>(with_epi());
+      }
+    } else if (vec) {
+      launch_apply_cols<scalar_t, VW, false>(a);
     } else {
-      launch_apply_cols<scalar_t, 1>(a);
+      launch_apply_cols<scalar_t, 1, false>(a);
     }
   }
 }
@@ -1200,10 +1575,12 @@ int finalize_grid(int64_t items, int log_iw) {
 
 template <typename scalar_t>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
-    const GroupNormShape& sh, Layout layout, at::Tensor& y, at::Tensor& mean, at::Tensor& rstd) {
+    const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
   using acc_t = acc_type<scalar_t>;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const Partials p = reduce_pass<scalar_t, false>(x, at::Tensor(), at::Tensor(), at::Tensor(), sh, layout);
+  const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
+      sh, layout, at::Tensor(), at::Tensor(), nullptr);
 
   at::Tensor rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
   MomentsFinalizeArgs<scalar_t> f{};
@@ -1222,60 +1599,124 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   finalize_moments_kernel<scalar_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  apply_pass<scalar_t>(x, at::Tensor(), y, rec, weight, bias, sh, layout);
+  if (ep.empty()) {
+    apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout);
+  } else {
+    const EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, /*with_residual=*/true);
+    apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout, &e);
+  }
 }
 
+// grad_weight, grad_bias, grad_scale and grad_shift from the per-(n, k, c) partials of the reduce
+// pass (sums of dp and dp * (x - m)), summed over the chunks k in float64 with ATen (fixed-order
+// reductions: deterministic, and no host synchronisation). Used where finalize_param_grads_kernel
+// does not fit: with a scale, each sample's share of grad_weight / grad_bias is weighted by
+// 1 + scale[n, c], and grad_scale / grad_shift are per (n, c).
+void param_grads_from_partials(const Partials& p, const at::Tensor& rec, const at::Tensor& rstd,
+    const at::Tensor& weight, const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh,
+    FusedGrads& g) {
+  const at::Tensor sums = p.part_c.view({sh.N, p.split, sh.C, 2}).to(at::kDouble).sum(1);  // (N, C, 2)
+  const at::Tensor db = sums.select(2, 0);
+  // As in finalize_param_grads_kernel, recentre sum dp * (x - m) on the true mean: delta per (n, g).
+  const at::Tensor delta = rec.view({sh.N, sh.G, 1, kRec})
+                               .select(3, 1)
+                               .to(at::kDouble)
+                               .expand({sh.N, sh.G, sh.D})
+                               .reshape({sh.N, sh.C});
+  const at::Tensor dsc = sums.select(2, 1) - delta * db;
+  param_grads_from_channel_sums(db, dsc, rstd, OptTensor(weight), OptTensor(bias), ep, sh, g);
+}
+
+// Fills the requested entries of `g` (mask in schema order: input, weight, bias, scale, shift,
+// residual, multiplier). The plain op comes here with an empty epilogue and mask[3..6] false, and
+// then runs exactly the EPI = false kernels it always ran.
 template <typename scalar_t>
 void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
-    const at::Tensor& rstd, const at::Tensor& weight, const GroupNormShape& sh, Layout layout,
-    std::array<bool, 3> mask, at::Tensor& dx, at::Tensor& dweight, at::Tensor& dbias) {
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g) {
   using acc_t = acc_type<scalar_t>;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const Partials p = reduce_pass<scalar_t, true>(x, dy, mean, weight, sh, layout);
+  // dp differs from dz, or w_eff from w: the reduce pass needs the epilogue. (A shift or a
+  // residual alone changes neither: the plain kernels then give dx and the sums.)
+  const bool epi_sums =
+      ep.scale.defined() || ep.multiplier.defined() || ep.activation != Activation::None;
+  const bool want_params = mask[1] || mask[2] || mask[3] || mask[4];
+  at::Tensor rec;
+  if (mask[0] || want_params) {
+    const Partials p = epi_sums
+        ? reduce_pass<scalar_t, true, true>(x, dy, mean, weight, sh, layout, rstd, bias, &ep)
+        : reduce_pass<scalar_t, true, false>(x, dy, mean, weight, sh, layout, rstd, bias, nullptr);
 
-  // The (n, g) records are needed by dx and by grad_weight (for delta).
-  at::Tensor rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
-  GradCoefArgs<acc_t> f{};
-  f.part = p.part.data_ptr<acc_t>();
-  f.mean = mean.data_ptr<acc_t>();
-  f.rstd = rstd.data_ptr<acc_t>();
-  f.rec = rec.data_ptr<acc_t>();
-  f.items = sh.N * sh.G;
-  f.entries = p.entries;
-  f.M = static_cast<acc_t>(sh.D) * static_cast<acc_t>(sh.S);
-  f.log_iw = log_item_width(p.entries);
-  finalize_grad_coefs_kernel<acc_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-  if (mask[1] || mask[2]) {
-    ParamGradArgs<acc_t> g{};
-    g.part_c = p.part_c.data_ptr<acc_t>();
-    g.rec = rec.data_ptr<acc_t>();
-    g.dweight = GradRef{mask[1] ? dweight.data_ptr() : nullptr, dweight.scalar_type()};
-    g.dbias = GradRef{mask[2] ? dbias.data_ptr() : nullptr, dbias.scalar_type()};
-    g.C = sh.C;
-    g.G = sh.G;
-    g.D = sh.D;
-    g.split = p.split;
-    g.entries = sh.N * p.split;
-    finalize_param_grads_kernel<acc_t><<<grid_for(ceil_div(sh.C, kWarp)), kThreads, 0, stream>>>(g);
+    // The (n, g) records are needed by dx and by grad_weight (for delta).
+    rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+    GradCoefArgs<acc_t> f{};
+    f.part = p.part.data_ptr<acc_t>();
+    f.mean = mean.data_ptr<acc_t>();
+    f.rstd = rstd.data_ptr<acc_t>();
+    f.rec = rec.data_ptr<acc_t>();
+    f.items = sh.N * sh.G;
+    f.entries = p.entries;
+    f.M = static_cast<acc_t>(sh.D) * static_cast<acc_t>(sh.S);
+    f.log_iw = log_item_width(p.entries);
+    finalize_grad_coefs_kernel<acc_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    if (ep.scale.defined() || mask[3] || mask[4]) {
+      if (want_params) param_grads_from_partials(p, rec, rstd, weight, bias, ep, sh, g);
+    } else if (mask[1] || mask[2]) {
+      ParamGradArgs<acc_t> pg{};
+      pg.part_c = p.part_c.data_ptr<acc_t>();
+      pg.rec = rec.data_ptr<acc_t>();
+      pg.dweight = GradRef{mask[1] ? g.weight.data_ptr() : nullptr, g.weight.scalar_type()};
+      pg.dbias = GradRef{mask[2] ? g.bias.data_ptr() : nullptr, g.bias.scalar_type()};
+      pg.C = sh.C;
+      pg.G = sh.G;
+      pg.D = sh.D;
+      pg.split = p.split;
+      pg.entries = sh.N * p.split;
+      finalize_param_grads_kernel<acc_t><<<grid_for(ceil_div(sh.C, kWarp)), kThreads, 0, stream>>>(pg);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  } else {
+    // Only grad_residual / grad_multiplier: they need p (hi = m, a = rstd * w_eff), not the dx
+    // coefficients, so no reduction at all.
+    const at::Tensor zero = at::zeros_like(mean);
+    rec = at::stack({mean, zero, rstd, zero, zero}, 2).view({-1});
   }
 
-  if (mask[0]) apply_pass<scalar_t>(x, dy, dx, rec, weight, at::Tensor(), sh, layout);
+  if (mask[0] || mask[5] || mask[6]) {
+    scalar_t* dx = mask[0] ? g.input.data_ptr<scalar_t>() : nullptr;
+    if (!epi_sums && !mask[5] && !mask[6]) {
+      apply_pass<scalar_t>(x, dy, dx, rec, weight, at::Tensor(), sh, layout);
+    } else {
+      // p is needed for act'(p) and for grad_multiplier = dz * act(p); only then the residual.
+      EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
+      e.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
+      e.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
+      apply_pass<scalar_t>(x, dy, dx, rec, weight, bias, sh, layout, &e);
+    }
+  }
 }
 
 bool defined(const OptTensor& t) {
   return t.has_value() && t->defined();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(
-    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
-    double eps) {
+// The plain ops' epilogue.
+Epilogue no_epilogue(const at::Tensor&, const GroupNormShape&, Layout) {
+  return Epilogue();
+}
+
+// Both forward ops. make_ep(x, shape, layout) validates and returns the epilogue once x is in its
+// kernel layout.
+template <typename MakeEpilogue>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& input, int64_t num_groups,
+    const OptTensor& weight, const OptTensor& bias, double eps, const MakeEpilogue& make_ep) {
   const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
   const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
   const Layout layout = layout_for(input);
   const at::Tensor x = to_layout(input, layout);
+  const Epilogue ep = make_ep(x, sh, layout);
   at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
   const auto stat_opts = x.options().dtype(stats_dtype(x.scalar_type()));
   at::Tensor mean = at::empty({sh.N, sh.G}, stat_opts);
@@ -1290,39 +1731,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(
   const at::Tensor w = defined(weight) ? weight->contiguous() : at::Tensor();
   const at::Tensor b = defined(bias) ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fusednorm_group_norm_forward_cuda", [&] {
-    forward_impl<scalar_t>(x, w, b, eps, sh, layout, y, mean, rstd);
+    forward_impl<scalar_t>(x, w, b, eps, sh, layout, ep, y, mean, rstd);
   });
   return {y, mean, rstd};
+}
+
+// Both backward ops; see backward_impl.
+template <typename MakeEpilogue>
+FusedGrads backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, int64_t num_groups,
+    const MakeEpilogue& make_ep, const FusedGradMask& mask) {
+  const GroupNormShape sh =
+      check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
+  if (defined(bias)) check_input_and_params(input, c10::nullopt, bias);
+  const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
+  const Layout layout = layout_for(input);
+  const at::Tensor x = to_layout(input, layout);
+  const Epilogue ep = make_ep(x, sh, layout);
+  FusedGrads g = empty_fused_grads(x, sh, layout, mask);
+  if (std::none_of(mask.begin(), mask.end(), [](bool wanted) { return wanted; })) return g;
+  if (x.numel() == 0) {
+    // The elementwise gradients are empty too; the others are sums over nothing.
+    g.weight.zero_();
+    g.bias.zero_();
+    g.scale.zero_();
+    g.shift.zero_();
+    return g;
+  }
+  const at::Tensor dy = to_layout(grad_out, layout);
+  const at::Tensor m = mean.contiguous();
+  const at::Tensor r = rstd.contiguous();
+  const at::Tensor w = defined(weight) ? weight->contiguous() : at::Tensor();
+  const at::Tensor b = defined(bias) ? bias->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fusednorm_group_norm_backward_cuda", [&] {
+    backward_impl<scalar_t>(dy, x, m, r, w, b, sh, layout, ep, mask, g);
+  });
+  return g;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps) {
+  return forward_cuda(input, num_groups, weight, bias, eps, no_epilogue);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& rstd, const OptTensor& weight, int64_t num_groups,
     std::array<bool, 3> output_mask) {
-  const GroupNormShape sh =
-      check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
-  const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
-  const Layout layout = layout_for(input);
-  const at::Tensor x = to_layout(input, layout);
-  const auto param_opts = x.options().dtype(stats_dtype(input.scalar_type()));
-  at::Tensor dx = output_mask[0] ? empty_in_layout(x, layout, x.scalar_type()) : at::empty({0}, x.options());
-  at::Tensor dweight = at::empty({output_mask[1] ? sh.C : 0}, param_opts);
-  at::Tensor dbias = at::empty({output_mask[2] ? sh.C : 0}, param_opts);
-  if (!output_mask[0] && !output_mask[1] && !output_mask[2]) return {dx, dweight, dbias};
-  if (x.numel() == 0) {
-    // dx is empty too; the parameter gradients are sums over nothing.
-    dweight.zero_();
-    dbias.zero_();
-    return {dx, dweight, dbias};
-  }
-  const at::Tensor dy = to_layout(grad_out, layout);
-  const at::Tensor m = mean.contiguous();
-  const at::Tensor r = rstd.contiguous();
-  const at::Tensor w = defined(weight) ? weight->contiguous() : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fusednorm_group_norm_backward_cuda", [&] {
-    backward_impl<scalar_t>(dy, x, m, r, w, sh, layout, output_mask, dx, dweight, dbias);
-  });
-  return {dx, dweight, dbias};
+  const FusedGradMask mask{output_mask[0], output_mask[1], output_mask[2], false, false, false, false};
+  const FusedGrads g =
+      backward_cuda(grad_out, input, mean, rstd, weight, c10::nullopt, num_groups, no_epilogue, mask);
+  return {g.input, g.weight, g.bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cuda(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier) {
+  return forward_cuda(input, num_groups, weight, bias, eps,
+      [&](const at::Tensor& x, const GroupNormShape& sh, Layout layout) {
+        return make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+      });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+fused_group_norm_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, int64_t num_groups,
+    const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier,
+    std::array<bool, 7> output_mask) {
+  const FusedGrads g = backward_cuda(grad_out, input, mean, rstd, weight, bias, num_groups,
+      [&](const at::Tensor& x, const GroupNormShape& sh, Layout layout) {
+        return make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+      },
+      output_mask);
+  return {g.input, g.weight, g.bias, g.scale, g.shift, g.residual, g.multiplier};
 }
 
 }  // namespace
@@ -1330,6 +1815,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
 TORCH_LIBRARY_IMPL(fusednorm, CUDA, m) {
   m.impl("group_norm_forward", &group_norm_forward_cuda);
   m.impl("group_norm_backward", &group_norm_backward_cuda);
+  m.impl("fused_group_norm_forward", &fused_group_norm_forward_cuda);
+  m.impl("fused_group_norm_backward", &fused_group_norm_backward_cuda);
 }
 
 }  // namespace fusednorm
