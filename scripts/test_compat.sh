@@ -23,4 +23,4 @@ if [ ! -x "$FUSEDNORM_VENV/bin/python" ]; then python3 -m venv "$FUSEDNORM_VENV"
 cd "$SCRATCH"
 # shellcheck disable=SC1091
 source scripts/setup_env.sh
-python -m pytest tests/test_group_norm.py tests/test_instance_norm.py tests/test_modules.py tests/test_integration.py -q -ra "$@"
+python -m pytest tests/test_group_norm.py tests/test_instance_norm.py tests/test_fused.py tests/test_modules.py tests/test_integration.py -q -ra "$@"
