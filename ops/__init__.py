@@ -11,6 +11,8 @@ _library.load()
 from . import _registrations  # noqa: E402,F401  (registers fake kernels and autograd)
 from . import nn  # noqa: E402
 from .functional import group_norm, instance_norm  # noqa: E402
+from .convert import convert  # noqa: E402
+from . import fusion  # noqa: E402,F401  (opt-in torch.compile backend; imports nothing heavy)
 
 __version__ = "0.1.0"
-__all__ = ["group_norm", "instance_norm", "nn"]
+__all__ = ["convert", "fusion", "group_norm", "instance_norm", "nn"]

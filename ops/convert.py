@@ -1,0 +1,197 @@
+"""``fusednorm.convert``: swap a model's torch.nn normalization layers for fusednorm's.
+
+What is converted
+    Every ``torch.nn.GroupNorm`` and ``torch.nn.InstanceNorm1d/2d/3d`` (the class itself, or a
+    subclass that keeps torch's ``forward``) becomes ``fusednorm.nn.GroupNorm`` /
+    ``fusednorm.nn.InstanceNorm1d/2d/3d``. timm's ``GroupNormAct`` / ``GroupNorm1Act`` (which
+    override ``forward`` as group_norm -> ``self.drop`` -> ``self.act``) are converted too when
+    ``drop`` is an ``nn.Identity`` and ``act`` is a supported activation (or ``nn.Identity``), the
+    activation becoming the module's fused ``activation``. Anything else that overrides
+    ``forward`` is left alone, and so are fusednorm's own modules and parametrized modules
+    (``torch.nn.utils.parametrize``).
+
+    The new module takes over the old one's attributes: the same Parameter and buffer objects
+    (optimizers and tied weights keep working), device, dtype, train/eval mode, hook dicts (forward,
+    pre-forward, backward, state_dict and load_state_dict hooks; handles taken before the
+    conversion still remove them) and so the same ``state_dict`` keys. A module registered at
+    several places stays one shared module.
+
+What is folded (the activation becomes the norm's fused ``activation``, its module an ``nn.Identity``)
+    Only where the activation provably runs on the norm's output and on nothing else:
+
+    * an ``nn.Sequential`` (with ``Sequential.forward``) holding the norm at position i and the
+      activation at i + 1, when each of the two module objects is registered exactly once in the
+      model, the norm has no forward or backward hooks (they would see the activated output)
+      and the activation has no hooks;
+    * timm's ``GroupNormAct`` / ``GroupNorm1Act`` (converted as said above, when their ``act``
+      and ``drop`` carry no hooks).
+
+    ("Registered once" is what can be checked: a model whose ``forward`` also calls such a
+    Sequential's activation or norm directly, bypassing the Sequential, is not supported.)
+
+    Supported activations: ``nn.SiLU``, ``nn.ReLU`` (in place or not), ``nn.GELU`` (approximate
+    ``'none'`` or ``'tanh'``), ``nn.LeakyReLU``, ``nn.Mish``, and timm's ``GELU`` / ``GELUTanh``.
+    An activation held as an attribute and called from a ``forward`` (diffusers'
+    ``ResnetBlock2D.nonlinearity`` is called on several tensors) is never folded; for those, see
+    :mod:`fusednorm.fusion`, which fuses at ``torch.compile`` time from the actual data flow.
+"""
+
+import copy
+from collections import Counter
+from typing import Optional, Tuple
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from . import nn as fnn
+
+__all__ = ["convert", "module_activation"]
+
+_INSTANCE_NORMS = (
+    (nn.InstanceNorm3d, fnn.InstanceNorm3d),
+    (nn.InstanceNorm2d, fnn.InstanceNorm2d),
+    (nn.InstanceNorm1d, fnn.InstanceNorm1d),
+)
+_FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d)
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_OUTPUT_HOOKS = ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks")  # see the module's output
+
+
+def _has_hooks(module: nn.Module, kinds: Tuple[str, ...] = _HOOKS) -> bool:
+    return any(getattr(module, kind, None) for kind in kinds)
+
+
+def _keeps(cls: type, base: type, names: Tuple[str, ...]) -> bool:
+    """Whether cls inherits base's methods `names` unchanged."""
+    return all(getattr(cls, name) is getattr(base, name) for name in names)
+
+
+def module_activation(module: nn.Module) -> Optional[Tuple[str, float]]:
+    """(activation, negative_slope) of fusednorm's epilogue computing what ``module`` computes,
+    or None when it is not one of the supported activation modules (or overrides its forward)."""
+    cls = type(module)
+    slope = 0.01
+    if isinstance(module, nn.SiLU) and _keeps(cls, nn.SiLU, ("forward",)):
+        return "silu", slope
+    if isinstance(module, nn.ReLU) and _keeps(cls, nn.ReLU, ("forward",)):
+        return "relu", slope
+    if isinstance(module, nn.Mish) and _keeps(cls, nn.Mish, ("forward",)):
+        return "mish", slope
+    if isinstance(module, nn.LeakyReLU) and _keeps(cls, nn.LeakyReLU, ("forward",)):
+        return "leaky_relu", float(module.negative_slope)
+    if isinstance(module, nn.GELU) and _keeps(cls, nn.GELU, ("forward",)):
+        approximate = getattr(module, "approximate", "none")
+        if approximate in ("none", "tanh"):
+            return ("gelu" if approximate == "none" else "gelu_tanh"), slope
+        return None
+    # timm's GELU / GELUTanh modules: F.gelu(x) / F.gelu(x, approximate='tanh').
+    if cls.__module__ == "timm.layers.activations" and cls.__name__ in ("GELU", "GELUTanh"):
+        return ("gelu" if cls.__name__ == "GELU" else "gelu_tanh"), slope
+    return None
+
+
+def _is_timm_group_norm_act(module: nn.Module) -> bool:
+    cls = type(module)
+    return (
+        isinstance(module, nn.GroupNorm)
+        and cls.__name__ in ("GroupNormAct", "GroupNorm1Act")
+        and cls.__module__.startswith("timm.")
+    )
+
+
+def _target_class(module: nn.Module) -> Optional[type]:
+    """The fusednorm class `module` converts to, or None if it is not converted."""
+    if isinstance(module, _FUSED) or parametrize.is_parametrized(module):
+        return None  # a parametrized module's class is made for it (its weight is a property)
+    cls = type(module)
+    if isinstance(module, nn.GroupNorm):
+        if _keeps(cls, nn.GroupNorm, ("forward",)):
+            return fnn.GroupNorm
+        if _is_timm_group_norm_act(module):
+            act = module._modules.get("act")
+            drop = module._modules.get("drop")
+            act_ok = type(act) is nn.Identity or (act is not None and module_activation(act) is not None)
+            if type(drop) is nn.Identity and act_ok and not _has_hooks(act) and not _has_hooks(drop):
+                return fnn.GroupNorm
+        return None
+    for torch_cls, fused_cls in _INSTANCE_NORMS:
+        if isinstance(module, torch_cls):
+            # fusednorm's forward calls these three; a subclass overriding any of them is left alone.
+            methods = ("forward", "_check_input_dim", "_get_no_batch_dim", "_apply_instance_norm")
+            methods = tuple(m for m in methods if hasattr(torch_cls, m))
+            return fused_cls if _keeps(cls, torch_cls, methods) else None
+    return None
+
+
+def _converted(module: nn.Module, cls: type) -> nn.Module:
+    """A `cls` instance holding `module`'s state: its attribute dict, including the very
+    _parameters / _buffers / hook dicts (so existing hook handles still work)."""
+    new = cls.__new__(cls)
+    state = dict(module.__dict__)
+    activation, slope = None, 0.01
+    if _is_timm_group_norm_act(module):
+        modules = dict(state["_modules"])
+        act = modules.pop("act")
+        modules.pop("drop")
+        state["_modules"] = type(state["_modules"])(modules)
+        state.pop("_fast_norm", None)
+        if type(act) is not nn.Identity:
+            activation, slope = module_activation(act)
+    new.__dict__.update(state)
+    new.activation = activation
+    new.negative_slope = slope
+    return new
+
+
+def _fold_sequentials(model: nn.Module) -> None:
+    counts = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    for seq in model.modules():
+        if not (isinstance(seq, nn.Sequential) and _keeps(type(seq), nn.Sequential, ("forward",))):
+            continue
+        names = list(seq._modules)
+        for name, next_name in zip(names, names[1:]):
+            norm, act = seq._modules[name], seq._modules[next_name]
+            if type(norm) not in _FUSED or norm.activation is not None or act is None:
+                continue
+            folded = module_activation(act)
+            if folded is None or counts[id(norm)] != 1 or counts[id(act)] != 1:
+                continue
+            if _has_hooks(norm, _OUTPUT_HOOKS) or _has_hooks(act):
+                continue
+            norm.activation, norm.negative_slope = folded
+            seq._modules[next_name] = nn.Identity().train(act.training)
+
+
+def convert(model: nn.Module, *, inplace: bool = True) -> nn.Module:
+    """Replace the torch.nn GroupNorm / InstanceNorm layers of ``model`` with fusednorm's, folding
+    activations that provably only follow them; see the module docstring for the exact rules.
+
+    Args:
+        model: any ``nn.Module`` (it may itself be a norm layer).
+        inplace: convert ``model`` itself (default), or a deep copy of it, leaving ``model`` as is.
+
+    Returns:
+        The converted model (``model`` itself when ``inplace``, unless ``model`` is itself a norm
+        layer, which is returned converted).
+    """
+    if not inplace:
+        model = copy.deepcopy(model)
+    memo = {}
+
+    def replacement(module: nn.Module) -> Optional[nn.Module]:
+        if id(module) not in memo:
+            cls = _target_class(module)
+            memo[id(module)] = None if cls is None else _converted(module, cls)
+        return memo[id(module)]
+
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and replacement(child) is not None:
+                parent._modules[name] = memo[id(child)]
+    root = replacement(model)
+    if root is not None:
+        model = root
+    _fold_sequentials(model)
+    return model

@@ -1,0 +1,324 @@
+"""Opt-in ``torch.compile`` fusion: PyTorch's own group_norm / instance_norm followed by
+elementwise epilogues become one fusednorm op, with no change to the model code::
+
+    model = torch.compile(model, backend=fusednorm.fusion.backend())          # then Inductor
+    model = torch.compile(model, backend=fusednorm.fusion.backend("aot_eager"))
+
+The backend rewrites each graph Dynamo captures (:func:`fuse_graph`) and hands it to the inner
+backend. A chain is rewritten when it starts at ``F.group_norm`` / ``torch.group_norm`` /
+``F.instance_norm`` / ``torch.instance_norm`` (what ``nn.GroupNorm`` / ``nn.InstanceNorm*d``
+calls become; on torch versions where Dynamo keeps ``nn.GroupNorm`` as a module call, that too)
+and continues through, in this order, each step optional::
+
+    z * (1 + scale)    scale of shape (N, C, 1, ..., 1), the ``1 + scale`` written out
+    z + shift          shift of shape (N, C, 1, ..., 1)
+    z + residual       residual of z's shape
+    act(z)             F.silu, F.relu / torch.relu / Tensor.relu (in place or not), F.gelu
+                       (approximate 'none' or 'tanh'), F.leaky_relu, F.mish, or their nn modules
+    z * multiplier     multiplier of z's shape
+
+into ``torch.ops.fusednorm.group_norm`` / ``instance_norm`` with those epilogue arguments. A step
+is taken only when the value it consumes has no other user, appears once among its operands
+(and is the one modified, for an in-place op), and when the norm's input, every operand and
+every intermediate have the same dtype (no promotion, hence no autocast-dependent rewrite) and
+the shapes above, read from the fake tensors Dynamo records (``node.meta["example_value"]``;
+a node without one is not fused). Steps out of this order end the chain: reordering would change
+the rounding. A norm with no step after it is left as it is.
+
+The fused op runs where the chain ends, so a step is also refused when a node between it and the
+previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
+``inplace=True``, setitem, running-statistics updates, context-manager calls), and an operand
+that is itself modified in place anywhere in the graph is not taken. Not fused: ``sigmoid(z) * z``
+written out, per-channel operands that only broadcast over N (shape (1, C, 1, 1)), scalars, and
+fusednorm's own ops. Known limit: the fused op saves its operands for backward; an operand
+modified in place through a view after the fused op makes backward raise (a version-counter
+error, never a wrong gradient) where the unfused code would not have saved it.
+"""
+
+import inspect
+import operator
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .convert import module_activation
+
+__all__ = ["backend", "fuse_graph", "FusionBackend"]
+
+_SCALE, _SHIFT, _RESIDUAL, _ACT, _MULTIPLIER = range(5)
+
+_GN = ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled")
+_NORMS = {  # target -> (fused op name, positional parameter names)
+    F.group_norm: ("group_norm", _GN[:5]),
+    torch.group_norm: ("group_norm", _GN),
+    F.instance_norm: ("instance_norm", ("input", "running_mean", "running_var", "weight", "bias",
+                                        "use_input_stats", "momentum", "eps")),
+    torch.instance_norm: ("instance_norm", ("input", "weight", "bias", "running_mean", "running_var",
+                                            "use_input_stats", "momentum", "eps", "cudnn_enabled")),
+}
+_OP_PARAMS = {  # the fused ops' positional parameters
+    "group_norm": _GN[:5],
+    "instance_norm": ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps"),
+}
+_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5, "running_mean": None, "running_var": None,
+             "use_input_stats": True, "momentum": 0.1}
+_ACTIVATIONS = {F.silu: "silu", F.relu: "relu", torch.relu: "relu", torch.relu_: "relu",
+                F.mish: "mish", F.gelu: "gelu", F.leaky_relu: "leaky_relu", F.leaky_relu_: "leaky_relu"}
+_BINARY = {operator.add: ("add", False), torch.add: ("add", False), operator.iadd: ("add", True),
+           operator.mul: ("mul", False), torch.mul: ("mul", False), operator.imul: ("mul", True)}
+_BINARY_METHODS = {"add": ("add", False), "add_": ("add", True), "mul": ("mul", False), "mul_": ("mul", True)}
+_MUTATING = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+             operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+             operator.irshift, operator.imatmul}
+_MUTATING_METHODS = {f"__{f.__name__}__" for f in _MUTATING}  # __setitem__, __iadd__, ...
+_RUNNING_STATS = {F.batch_norm, F.instance_norm, torch.batch_norm, torch.instance_norm}  # update buffers
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _value(node: Any) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _eq(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:  # symbolic sizes: only what is known without adding a guard
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+    except ImportError:  # torch < 2.2: the same expression (sympy compares structurally)
+        expr = [x.node.expr if isinstance(x, torch.SymInt) else x for x in (a, b)]
+        return bool(expr[0] == expr[1])
+    return statically_known_true(a == b)
+
+
+def _is_like(t: Optional[torch.Tensor], ref: torch.Tensor) -> bool:
+    return t is not None and t.dtype == ref.dtype and t.device == ref.device and t.dim() == ref.dim()
+
+
+def _is_full(t: Optional[torch.Tensor], ref: torch.Tensor) -> bool:
+    """t has ref's shape, dtype and device."""
+    return _is_like(t, ref) and all(_eq(a, b) for a, b in zip(t.shape, ref.shape))
+
+
+def _is_per_channel(t: Optional[torch.Tensor], ref: torch.Tensor) -> bool:
+    """t has shape (N, C, 1, ..., 1) for ref of shape (N, C, *), and ref's dtype and device."""
+    return _is_like(t, ref) and ref.dim() >= 3 and _eq(t.shape[0], ref.shape[0]) \
+        and _eq(t.shape[1], ref.shape[1]) and all(_eq(s, 1) for s in t.shape[2:])
+
+
+def _norm(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """(fused op name, its arguments) when `node` computes a plain group/instance norm."""
+    if node.op == "call_function" and node.target in _NORMS:
+        op, names = _NORMS[node.target]
+        args = {name: _arg(node, i, name, _DEFAULTS.get(name)) for i, name in enumerate(names)}
+        args.pop("cudnn_enabled", None)
+        return op, args
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        module = gm.get_submodule(node.target)
+        if type(module) is nn.GroupNorm:  # older Dynamo keeps torch.nn modules as calls
+            attr = (lambda name: ("get_attr", f"{node.target}.{name}")) if module.affine else (lambda name: None)
+            return "group_norm", {"input": node.args[0], "num_groups": module.num_groups,
+                                  "weight": attr("weight"), "bias": attr("bias"), "eps": module.eps}
+    return None
+
+
+def _activation(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[fx.Node, Dict[str, Any]]]:
+    """(input, epilogue arguments) when `node` applies a supported activation."""
+    name, slope = None, 0.01
+    if node.op == "call_function" and node.target in _ACTIVATIONS:
+        name = _ACTIVATIONS[node.target]
+        if name == "gelu":
+            approximate = _arg(node, 1, "approximate", "none")
+            name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+        elif name == "leaky_relu":
+            slope = _arg(node, 1, "negative_slope", 0.01)
+            name = name if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
+    elif node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1:
+        name = "relu"
+    elif node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        name, slope = module_activation(gm.get_submodule(node.target)) or (None, 0.01)
+    if name is None:
+        return None
+    return _arg(node, 0, "input", None), {"activation": name, "negative_slope": float(slope)}
+
+
+def _binary(node: fx.Node) -> Optional[Tuple[str, bool, Any, Any]]:
+    """(kind, in_place, a, b) for a two-operand add / mul without alpha."""
+    if node.op == "call_function" and node.target in _BINARY:
+        kind, in_place = _BINARY[node.target]
+    elif node.op == "call_method" and node.target in _BINARY_METHODS:
+        kind, in_place = _BINARY_METHODS[node.target]
+    else:
+        return None
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    return (kind, in_place) + tuple(node.args)
+
+
+def _one_plus(node: Any, ref: torch.Tensor) -> Optional[fx.Node]:
+    """s when `node` computes 1 + s (or s + 1) out of place, s a per-channel operand."""
+    if not isinstance(node, fx.Node) or not _is_per_channel(_value(node), ref):
+        return None
+    binary = _binary(node)
+    if binary is None or binary[:2] != ("add", False):
+        return None
+    for one, s in (binary[2:], binary[3:1:-1]):
+        if type(one) in (int, float) and one == 1 and _is_per_channel(_value(s), ref):
+            return s
+    return None
+
+
+def _step(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, ref: torch.Tensor):
+    """(stage, epilogue arguments, the `1 + scale` node or nothing) when `node` continues the chain
+    from `cur`."""
+    out = _value(node)
+    if not _is_full(out, ref):
+        return None
+    activation = _activation(gm, node)
+    if activation is not None:
+        return (_ACT, activation[1], []) if activation[0] is cur else None
+    binary = _binary(node)
+    if binary is None:
+        return None
+    kind, in_place, a, b = binary
+    if (a is cur) == (b is cur) or (in_place and a is not cur):
+        return None
+    other = b if a is cur else a
+    if kind == "add" and _is_per_channel(_value(other), ref):
+        return _SHIFT, {"shift": other}, []
+    if kind == "add" and _is_full(_value(other), ref):
+        return _RESIDUAL, {"residual": other}, []
+    scale = _one_plus(other, ref) if kind == "mul" else None
+    if scale is not None:
+        return _SCALE, {"scale": scale}, [other]
+    if kind == "mul" and _is_full(_value(other), ref):
+        return _MULTIPLIER, {"multiplier": other}, []
+    return None
+
+
+def _may_mutate(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` may change a tensor, or a global state (grad mode, autocast), that a
+    computation moved from before it to after it would read. Errs on the side of True."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return False
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return node.is_impure() or bool(getattr(module, "inplace", False)) or any(True for _ in module.buffers())
+    if node.is_impure() or node.target in _MUTATING or node.target in _RUNNING_STATS or "out" in node.kwargs:
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if (name.endswith("_") and not name.startswith("__")) or name in _MUTATING_METHODS \
+            or name.startswith(("_set", "set_", "_enter", "_exit")):
+        return True
+    try:
+        parameters = list(inspect.signature(node.target).parameters) if callable(node.target) else []
+    except (TypeError, ValueError):  # builtins without a signature
+        parameters = []
+    return "inplace" in parameters and bool(_arg(node, parameters.index("inplace"), "inplace", False))
+
+
+def _mutated(gm: fx.GraphModule, node: Any) -> bool:
+    """Whether some node modifies `node` itself in place. Such a tensor is not taken as an
+    operand: the fused op saves its operands for backward, which the modification would void."""
+    return isinstance(node, fx.Node) and any(
+        user.op in ("call_function", "call_method") and len(user.args) > 0 and user.args[0] is node
+        and user.target not in _RUNNING_STATS and _may_mutate(gm, user) for user in node.users)
+
+
+def _untouched_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node) -> bool:
+    """Whether no node after `start` and before `end` (which follows it) may mutate."""
+    node = start.next
+    while node is not end and not _may_mutate(gm, node):
+        node = node.next
+    return node is end
+
+
+def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
+    norm = _norm(gm, node)
+    ref = _value(node)
+    if norm is None or ref is None or not ref.is_floating_point():
+        return False
+    op, args = norm
+    source = _value(args["input"])
+    if source is None or source.dtype != ref.dtype:
+        return False
+    stage, epilogue, chain, dying = -1, {}, [], []
+    cur = node
+    while len(cur.users) == 1:
+        user = next(iter(cur.users))
+        step = _step(gm, user, cur, ref)
+        if step is None or step[0] <= stage or any(_mutated(gm, t) for t in step[1].values()):
+            break
+        # The fused op runs where the chain ends: nothing in between may change what it reads.
+        if not all(_untouched_between(gm, start, user) for start in [cur] + step[2]):
+            break
+        stage, cur = step[0], user
+        epilogue.update(step[1])
+        chain.append(cur)
+        dying += step[2]
+    if not chain:
+        return False
+
+    graph = gm.graph
+    with graph.inserting_before(node):
+        for name, value in args.items():
+            if isinstance(value, tuple) and value[:1] == ("get_attr",):
+                args[name] = graph.get_attr(value[1])
+    with graph.inserting_before(cur):
+        target = getattr(torch.ops.fusednorm, op).default
+        fused = graph.call_function(target, tuple(args[name] for name in _OP_PARAMS[op]), epilogue)
+    fused.meta.update(node.meta)
+    fused.meta["example_value"] = cur.meta["example_value"]
+    cur.replace_all_uses_with(fused)
+    for dead in reversed([node] + chain):
+        graph.erase_node(dead)
+    for dead in dying:
+        if not dead.users:
+            graph.erase_node(dead)
+    return True
+
+
+def fuse_graph(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, every norm-plus-epilogue chain of a Dynamo-captured ``gm`` into one
+    fusednorm op (see the module docstring); returns how many were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if _fuse(gm, node):  # (nodes erased by an earlier fusion are never norms)
+            count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+class FusionBackend:
+    """A Dynamo backend: :func:`fuse_graph`, then the inner backend. ``fusions`` lists the number
+    of chains rewritten in each graph compiled so far (graphs whose compilation raised, as Dynamo's
+    own restarts do, are not listed)."""
+
+    def __init__(self, inner: Any = "inductor"):
+        self.inner = inner
+        self.fusions: List[int] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
+        count = fuse_graph(gm)
+        inner = self.inner
+        if isinstance(inner, str):
+            from torch._dynamo.backends.registry import lookup_backend
+
+            inner = lookup_backend(inner)
+        compiled = inner(gm, example_inputs)
+        self.fusions.append(count)  # only for graphs compiled (Dynamo may restart an analysis)
+        return compiled
+
+
+def backend(inner: Any = "inductor") -> FusionBackend:
+    """A backend for ``torch.compile(model, backend=fusednorm.fusion.backend())``: fuses norm
+    epilogues into fusednorm ops, then compiles with ``inner`` (a registered backend name such as
+    ``"inductor"`` or ``"aot_eager"``, or a backend callable)."""
+    return FusionBackend(inner)

@@ -1,0 +1,278 @@
+"""fusednorm.convert: torch.nn (and timm / diffusers) norm layers swapped for fusednorm's, with the
+same parameters, buffers, hooks, modes and state_dict, activations folded only where provably
+safe, and the same results forward and backward, in train and eval mode."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import fusednorm
+import fusednorm.nn as fnn
+
+FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d)
+
+
+def import_or_skip(name):
+    """The module, or a skip naming why (not installed, or e.g. timm without a torchvision)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pytest.skip(f"optional test dependency {name} not importable: {e}")
+
+
+def fused_modules(model):
+    return [m for m in model.modules() if isinstance(m, FUSED)]
+
+
+def assert_equivalent(reference, converted, make_inputs, device, atol=1e-5, rtol=1e-5):
+    """Same outputs and parameter gradients, in train then eval mode (two train steps' worth of
+    running-statistics updates included), for `converted` and its unconverted copy `reference`."""
+    for train in (True, False):
+        reference.train(train)
+        converted.train(train)
+        for _ in range(2):
+            torch.manual_seed(0)
+            inputs = make_inputs(device)
+            out_ref, out = reference(*inputs), converted(*inputs)
+            out_ref = out_ref.sample if hasattr(out_ref, "sample") else out_ref
+            out = out.sample if hasattr(out, "sample") else out
+            torch.testing.assert_close(out, out_ref, atol=atol, rtol=rtol)
+            grad = torch.randn_like(out)
+            ref_params = [p for p in reference.parameters() if p.requires_grad]
+            params = [p for p in converted.parameters() if p.requires_grad]
+            g_ref = torch.autograd.grad(out_ref, ref_params, grad, allow_unused=True)
+            g = torch.autograd.grad(out, params, grad, allow_unused=True)
+            for a, b in zip(g, g_ref):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    torch.testing.assert_close(a, b, atol=10 * atol, rtol=10 * rtol)
+        for (name, b), (name_ref, b_ref) in zip(converted.named_buffers(), reference.named_buffers()):
+            assert name == name_ref
+            torch.testing.assert_close(b, b_ref, atol=atol, rtol=rtol)
+
+
+def convert_and_check(model, make_inputs, device, atol=1e-5, rtol=1e-5):
+    """Converts `model` in place; checks identity of parameters and buffers, state_dict keys and
+    equivalence with a deep copy of the original. Returns the converted model."""
+    model = model.to(device)
+    reference = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    keys = list(model.state_dict())
+    converted = fusednorm.convert(model)
+    assert converted is model
+    assert list(converted.state_dict()) == keys
+    assert all(p is params[name] for name, p in converted.named_parameters())
+    assert list(dict(converted.named_parameters())) == list(params)
+    assert all(b is buffers[name] for name, b in converted.named_buffers())
+    assert not any(type(m) in (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+                   for m in converted.modules())
+    assert_equivalent(reference, converted, make_inputs, device, atol, rtol)
+    return converted
+
+
+# -- plain PyTorch -------------------------------------------------------------------------------
+
+
+class Overriding(nn.GroupNorm):
+    def forward(self, input):
+        return super().forward(input) * 2
+
+
+class Plain(nn.GroupNorm):
+    """A subclass that keeps torch's forward: converted."""
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU())
+        self.inorm = nn.InstanceNorm2d(8, affine=True, track_running_stats=True)
+        self.act = nn.ReLU()  # registered twice: also inside `block`, so never folded
+        self.block = nn.Sequential(nn.GroupNorm(4, 8), self.act)
+        self.hooked = nn.Sequential(nn.GroupNorm(2, 8), nn.GELU(approximate="tanh"))  # norm gets a forward hook
+        self.tail = nn.Sequential(Plain(2, 8), nn.LeakyReLU(0.2), Overriding(2, 8), nn.Mish())
+        self.in1 = nn.InstanceNorm1d(8)
+        self.in3 = nn.Sequential(nn.InstanceNorm3d(8, affine=True), nn.ReLU(inplace=True))
+
+    def forward(self, x):
+        h = self.inorm(self.stem(x))
+        h = self.act(self.block(h)) + self.hooked(h)
+        h = self.tail(h)
+        h = h + self.in1(h.flatten(2)).view_as(h)
+        return self.in3(h.unsqueeze(2)).squeeze(2)
+
+
+def test_plain_model(device):
+    torch.manual_seed(0)
+    model = Net()
+    calls = []
+    handle = model.hooked[0].register_forward_hook(lambda m, i, o: calls.append("fwd"))
+    model.inorm.register_forward_pre_hook(lambda m, i: calls.append("pre"))
+    model.inorm._register_state_dict_hook(lambda m, sd, prefix, local: sd.update({prefix + "extra": torch.ones(1)}))
+    model = convert_and_check(model, lambda d: (torch.randn(2, 3, 6, 6, device=d),), device)
+
+    assert len(fused_modules(model)) == 7
+    # Folded: Sequential(norm, activation) whose modules are used once and carry no hooks.
+    assert model.stem[1].activation == "silu" and type(model.stem[2]) is nn.Identity
+    assert model.tail[0].activation == "leaky_relu" and model.tail[0].negative_slope == 0.2
+    assert type(model.tail[1]) is nn.Identity
+    assert model.in3[0].activation == "relu" and type(model.in3[1]) is nn.Identity
+    # Not folded: a reused activation, a hooked norm, the activation after an overriding subclass.
+    assert model.block[0].activation is None and model.block[1] is model.act
+    assert model.hooked[0].activation is None and type(model.hooked[1]) is nn.GELU
+    assert type(model.tail[2]) is Overriding and type(model.tail[3]) is nn.Mish
+    # Converted classes, running stats, hooks.
+    assert type(model.tail[0]) is fnn.GroupNorm and type(model.in1) is fnn.InstanceNorm1d
+    assert type(model.inorm) is fnn.InstanceNorm2d and model.inorm.track_running_stats
+    calls.clear()
+    model(torch.randn(2, 3, 6, 6, device=device))
+    assert calls == ["pre", "fwd"]
+    assert "inorm.extra" in model.state_dict()
+    handle.remove()  # a handle taken before the conversion still works
+    calls.clear()
+    model(torch.randn(2, 3, 6, 6, device=device))
+    assert calls == ["pre"]
+
+
+def test_dtype_device_mode_and_optimizer(device):
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), nn.GroupNorm(2, 4), nn.SiLU()).to(device, torch.float64).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fusednorm.convert(model)
+    norm = model[1]
+    assert type(norm) is fnn.GroupNorm and not norm.training
+    assert norm.weight.dtype == torch.float64 and norm.weight.device.type == device
+    before = norm.weight.detach().clone()
+    model(torch.randn(2, 2, 3, 3, device=device, dtype=torch.float64)).square().sum().backward()
+    opt.step()  # the optimizer holds the converted module's parameters
+    assert not torch.equal(norm.weight.detach(), before)
+
+
+def test_inplace_false_leaves_original_untouched():
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.InstanceNorm2d(4))
+    converted = fusednorm.convert(model, inplace=False)
+    assert converted is not model
+    assert [type(m) for m in model] == [nn.GroupNorm, nn.SiLU, nn.InstanceNorm2d]
+    assert [type(m) for m in converted] == [fnn.GroupNorm, nn.Identity, fnn.InstanceNorm2d]
+    assert converted[0].weight is not model[0].weight
+    x = torch.randn(2, 4, 5, 5)
+    torch.testing.assert_close(converted(x), model(x))
+
+
+def test_shared_module_stays_shared_and_is_not_folded():
+    norm = nn.GroupNorm(2, 4)
+    model = nn.ModuleDict({"a": nn.Sequential(norm, nn.SiLU()), "b": nn.Sequential(norm)})
+    fusednorm.convert(model)
+    assert model["a"][0] is model["b"][0] and type(model["a"][0]) is fnn.GroupNorm
+    assert model["a"][0].activation is None and type(model["a"][1]) is nn.SiLU
+
+
+def test_root_norm_and_fusednorm_modules():
+    converted = fusednorm.convert(nn.InstanceNorm3d(4, affine=True))
+    assert type(converted) is fnn.InstanceNorm3d and converted.affine
+    own = fnn.GroupNorm(2, 4, activation="gelu")
+    model = nn.Sequential(own, nn.ReLU())
+    fusednorm.convert(model)
+    assert model[0] is own and own.activation == "gelu" and type(model[1]) is nn.ReLU
+    plain = fnn.GroupNorm(2, 4)
+    model = nn.Sequential(plain, nn.GELU())
+    fusednorm.convert(model)
+    assert model[0] is plain and plain.activation == "gelu" and type(model[1]) is nn.Identity
+
+
+def test_hooks_block_folding():
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.GroupNorm(2, 4), nn.ReLU())
+    model[0].register_full_backward_hook(lambda m, gi, go: None)  # sees the norm's own output gradient
+    model[3].register_forward_pre_hook(lambda m, i: None)
+    fusednorm.convert(model)
+    assert [type(m) for m in model] == [fnn.GroupNorm, nn.SiLU, fnn.GroupNorm, nn.ReLU]
+    assert model[0].activation is None and model[2].activation is None
+
+
+def test_parametrized_norm_is_left_alone():
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU())
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Softplus())
+    fusednorm.convert(model)
+    assert not isinstance(model[0], fnn.GroupNorm) and type(model[1]) is nn.SiLU
+    model(torch.randn(2, 4, 3, 3))
+
+
+# -- diffusers -----------------------------------------------------------------------------------
+
+
+def tiny_unet():
+    diffusers = import_or_skip("diffusers")
+    return diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
+        norm_num_groups=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=8,
+    )
+
+
+def test_diffusers_unet(device):
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    n_norms = sum(isinstance(m, nn.GroupNorm) for m in unet.modules())
+    unet = convert_and_check(unet, lambda d: (torch.randn(2, 3, 8, 8, device=d), torch.tensor([3, 50], device=d)),
+                             device, atol=1e-4, rtol=1e-4)
+    assert len(fused_modules(unet)) == n_norms > 0
+    # ResnetBlock2D.nonlinearity is called on several tensors: never folded.
+    assert all(m.activation is None for m in fused_modules(unet))
+    assert all(type(m.nonlinearity) is nn.SiLU for m in unet.modules() if type(m).__name__ == "ResnetBlock2D")
+
+
+def test_diffusers_autoencoder(device):
+    diffusers = import_or_skip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+        norm_num_groups=8, sample_size=8, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+    )
+    n_norms = sum(isinstance(m, nn.GroupNorm) for m in vae.modules())
+    # Decode a deterministic latent: the posterior sample would draw random numbers.
+    vae = convert_and_check(vae, lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4, rtol=1e-4)
+    assert len(fused_modules(vae)) == n_norms > 0
+
+
+# -- timm ----------------------------------------------------------------------------------------
+
+
+def test_timm_group_norm_act(device):
+    timm = import_or_skip("timm")
+    from timm.layers import GroupNormAct
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet_gn", pretrained=False, num_classes=10, drop_rate=0.0)
+    acts = [type(m.act) for m in model.modules() if isinstance(m, GroupNormAct)]
+    assert acts and nn.SiLU in acts
+    model = convert_and_check(model, lambda d: (torch.randn(2, 3, 32, 32, device=d),), device, atol=1e-4, rtol=1e-4)
+    norms = fused_modules(model)
+    assert len(norms) == len(acts)
+    assert [m.activation for m in norms] == ["silu" if a is nn.SiLU else None for a in acts]
+    assert not any(isinstance(m, GroupNormAct) for m in model.modules())
+
+
+def test_timm_group_norm_act_variants():
+    import_or_skip("timm")
+    from timm.layers import GroupNorm1Act, GroupNormAct
+
+    model = nn.Sequential(
+        GroupNormAct(8, 2, act_layer="gelu_tanh"),
+        GroupNorm1Act(8, act_layer="leaky_relu"),
+        GroupNormAct(8, 2, act_layer="hard_swish"),  # unsupported activation: left alone
+        GroupNormAct(8, 2, act_layer="relu", drop_layer=nn.Dropout),  # a drop layer: left alone
+        GroupNormAct(8, 4, apply_act=False),
+        GroupNormAct(8, 2, act_layer="silu"),  # its act has a hook: left alone
+    )
+    model[5].act.register_forward_hook(lambda m, i, o: None)
+    reference = copy.deepcopy(model)
+    fusednorm.convert(model)
+    assert [getattr(m, "activation", "unconverted") for m in model] == [
+        "gelu_tanh", "leaky_relu", "unconverted", "unconverted", None, "unconverted"]
+    assert list(model.state_dict()) == list(reference.state_dict())
+    x = torch.randn(2, 8, 4, 4)
+    torch.testing.assert_close(model.eval()(x), reference.eval()(x))

@@ -1,0 +1,238 @@
+"""fusednorm.fusion: the torch.compile backend that rewrites PyTorch's group_norm / instance_norm
+plus elementwise epilogues into fusednorm's fused ops, and leaves everything else alone."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusednorm import fusion
+from test_convert import import_or_skip
+
+
+class Recording(fusion.FusionBackend):
+    """The fusion backend, also keeping the code of each graph after the rewrite."""
+
+    def __init__(self, inner="aot_eager"):
+        super().__init__(inner)
+        self.code = []
+
+    def __call__(self, gm, example_inputs):
+        compiled = super().__call__(gm, example_inputs)
+        self.code.append(gm.code)
+        return compiled
+
+
+def compile_and_compare(module, inputs, backend, backward=True, dynamic=False, atol=1e-5, rtol=1e-5):
+    """Eager vs compiled with `backend`: outputs, gradients of inputs and parameters, buffers."""
+    torch._dynamo.reset()
+    compiled_module = torch.compile(module, backend=backend, dynamic=dynamic)
+    leaves = [t for t in inputs if t.is_floating_point()] + [p for p in module.parameters()]
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    results = []
+    for fn in (module, compiled_module):
+        args = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+        out = fn(*args)
+        out = out.sample if hasattr(out, "sample") else out
+        grads = None
+        if backward:
+            arg_leaves = [a for a in args if a.requires_grad] + list(module.parameters())
+            grads = torch.autograd.grad(out, arg_leaves, torch.ones_like(out), allow_unused=True)
+        results.append((out, grads, [b.clone() for b in module.buffers()]))
+    (out_ref, g_ref, b_ref), (out, g, b) = results
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=rtol)
+    for x, y in zip(b, b_ref):
+        torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+    if backward:
+        assert len(g) == len(leaves)
+        for x, y in zip(g, g_ref):
+            assert (x is None) == (y is None)
+            if x is not None:
+                torch.testing.assert_close(x, y, atol=10 * atol, rtol=10 * rtol)
+    return out
+
+
+# -- hand-written modules ------------------------------------------------------------------------
+
+
+class Epilogues(nn.Module):
+    def __init__(self, case, C=8):
+        super().__init__()
+        self.case = case
+        self.gn = nn.GroupNorm(4, C)
+        self.inorm = nn.InstanceNorm2d(C, affine=True, track_running_stats=True)
+        self.act = nn.LeakyReLU(0.2)
+        self.emb = nn.Linear(C, 2 * C)
+
+    def forward(self, x, r):
+        c = self.case
+        scale, shift = self.emb(x.mean((2, 3)))[:, :, None, None].chunk(2, dim=1)
+        if c == "scale_shift_silu":  # AdaGN: 1 fusion with scale, shift, silu
+            return F.silu(self.gn(x) * (1 + scale) + shift)
+        if c == "residual_relu":  # 1 fusion with residual, relu (in place)
+            return F.relu(r + self.gn(x), inplace=True)
+        if c == "instance_all":  # running stats updated; residual, leaky_relu module, multiplier
+            return r * self.act(self.inorm(x) + r)
+        if c == "aten_gelu":  # torch.group_norm, +=, gelu(tanh), Tensor.mul by a multiplier
+            y = torch.group_norm(x, 2, self.gn.weight, None, 1e-3)
+            y += r
+            return F.gelu(y, approximate="tanh").mul(r)
+        if c == "functional_instance_mish":  # F.instance_norm without stats, shift then mish
+            return F.mish(F.instance_norm(x, eps=1e-4) + shift) - 1
+        if c == "used_twice":  # the norm output has two users: nothing fused
+            y = self.gn(x)
+            return F.silu(y) + y
+        if c == "in_place_method":  # y.add_(r) then F.relu(y): y has two users, nothing fused
+            y = self.gn(x)
+            y.add_(r)
+            return F.relu(y)
+        if c == "mutated_operand":  # r2 is modified in place later: not taken as an operand
+            r2 = r.clone()
+            y = F.silu(self.gn(x) + r2)
+            r2.mul_(2)
+            return y * r2
+        if c == "mutation_between":  # (forward only) r2 changes through an alias before the
+            r2 = r.clone()           # activation: only norm + residual are fused
+            alias = r2[:]
+            y = self.gn(x) + r2
+            alias.mul_(2)
+            return F.silu(y) * r2
+        if c == "scale_computed_early":  # s changes (through an alias) after 1 + s: no scale taken
+            s = scale.clone()
+            alias = s[:]
+            factor = 1 + s
+            alias.zero_()
+            return F.silu(self.gn(x) * factor + shift + s)
+        if c == "grad_mode":  # the norm runs without grad, its activation with it: nothing fused
+            with torch.no_grad():
+                y = self.gn(x)
+            return F.silu(y) + x
+        if c == "promotion":  # a float64 residual would promote: nothing fused
+            return F.relu(self.gn(x) + r.double()).float()
+        if c == "reordered":  # residual before shift: only the residual is fused, shift stays outside
+            return F.silu(self.gn(x) + r + shift)
+        if c == "broadcast":  # a (1, C, 1, 1) shift and a scalar scale are not epilogue operands
+            return F.silu(self.gn(x) * 2.0 + self.gn.bias[None, :, None, None])
+        raise ValueError(c)
+
+
+CASES = {  # case -> expected number of fusions, and text expected in the rewritten graph
+    "scale_shift_silu": (1, "scale = ", "shift = ", "activation = 'silu'"),
+    "residual_relu": (1, "residual = ", "activation = 'relu'"),
+    "instance_all": (1, "fusednorm.instance_norm", "residual = ", "activation = 'leaky_relu'",
+                     "negative_slope = 0.2", "multiplier = "),
+    "aten_gelu": (1, "residual = ", "activation = 'gelu_tanh'", "multiplier = "),
+    "functional_instance_mish": (1, "fusednorm.instance_norm", "shift = ", "activation = 'mish'"),
+    "used_twice": (0,),
+    "in_place_method": (0,),
+    "mutated_operand": (0,),
+    "mutation_between": (1, "residual = ", "torch.nn.functional.silu"),
+    "scale_computed_early": (0,),
+    "grad_mode": (0,),
+    "promotion": (0,),
+    "reordered": (1, "residual = ", "torch.nn.functional.silu"),
+    "broadcast": (0,),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hand_written(case, device):
+    torch.manual_seed(0)
+    module = Epilogues(case).to(device)
+    x, r = torch.randn(2, 8, 5, 6, device=device), torch.randn(2, 8, 5, 6, device=device)
+    backend = Recording()
+    if case == "mutation_between":  # backward would see the saved residual modified, and raise
+        with torch.no_grad():
+            compile_and_compare(module, [x, r], backend, backward=False)
+    else:
+        compile_and_compare(module, [x, r], backend)
+    expected, *snippets = CASES[case]
+    assert backend.fusions == [expected]
+    for snippet in snippets:
+        assert snippet in backend.code[0], (snippet, backend.code[0])
+    if expected == 0:
+        assert "fusednorm" not in backend.code[0]
+    else:
+        assert "torch.nn.functional.group_norm" not in backend.code[0]
+
+
+def test_dynamic_shapes():
+    torch.manual_seed(0)
+    module = Epilogues("scale_shift_silu")
+    backend = Recording()
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, dynamic=True)
+    for shape in [(2, 8, 5, 6), (3, 8, 7, 4)]:
+        x, r = torch.randn(shape), torch.randn(shape)
+        torch.testing.assert_close(compiled(x, r), module(x, r), atol=1e-5, rtol=1e-5)
+    assert backend.fusions == [1]
+
+
+def test_module_calls_and_sequential():
+    # nn.GroupNorm / nn.SiLU modules (inlined by Dynamo, or module calls on older torch).
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8), nn.SiLU(), nn.GroupNorm(4, 8, affine=False),
+                           nn.GELU(), nn.Conv2d(8, 8, 1))
+    backend = Recording()
+    compile_and_compare(module, [torch.randn(2, 3, 4, 4)], backend)
+    assert backend.fusions == [2]
+
+
+def test_inductor():
+    # The one Inductor compile of the suite: the fused op inside an Inductor-compiled graph.
+    torch.manual_seed(0)
+    module = Epilogues("scale_shift_silu")
+    backend = fusion.backend()
+    compile_and_compare(module, [torch.randn(2, 8, 5, 6), torch.randn(2, 8, 5, 6)], backend)
+    assert backend.fusions == [1]
+
+
+def test_backend_accepts_a_callable_and_fuse_graph_counts():
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.append(sum(n.target is torch.ops.fusednorm.group_norm.default for n in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    module = Epilogues("residual_relu")
+    x = torch.randn(2, 8, 3, 3)
+    torch.testing.assert_close(torch.compile(module, backend=fusion.backend(inner))(x, x), module(x, x))
+    assert seen == [1]
+
+
+# -- diffusers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("time_embedding_norm", ["default", "scale_shift"])
+def test_diffusers_resnet_block(time_embedding_norm, device):
+    resnet = import_or_skip("diffusers.models.resnet")
+    torch.manual_seed(0)
+    block = resnet.ResnetBlock2D(in_channels=16, out_channels=16, temb_channels=8, groups=4,
+                                 time_embedding_norm=time_embedding_norm).to(device)
+    backend = Recording()
+    x, temb = torch.randn(2, 16, 6, 6, device=device), torch.randn(2, 8, device=device)
+    compile_and_compare(block, [x, temb], backend, backward=time_embedding_norm == "scale_shift")
+    # norm1 + SiLU, and norm2 (+ scale / shift) + SiLU.
+    assert backend.fusions == [2]
+    if time_embedding_norm == "scale_shift":
+        assert "scale = " in backend.code[0] and "shift = " in backend.code[0]
+
+
+def test_diffusers_unet():
+    diffusers = import_or_skip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
+        norm_num_groups=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=8,
+    ).eval()
+    backend = fusion.backend("aot_eager")
+    with torch.no_grad():
+        compile_and_compare(unet, [torch.randn(2, 3, 8, 8), torch.tensor([3, 50])], backend, backward=False,
+                            atol=1e-4, rtol=1e-4)
+    resnets = sum(type(m).__name__ == "ResnetBlock2D" for m in unet.modules())
+    # Two per ResnetBlock2D, plus conv_norm_out + conv_act; attention's group norms stay unfused.
+    assert sum(backend.fusions) == 2 * resnets + 1
