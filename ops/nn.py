@@ -78,7 +78,13 @@ class _InstanceNormMixin:
     def forward(self, input: Tensor, scale: Optional[Tensor] = None, shift: Optional[Tensor] = None,
                 residual: Optional[Tensor] = None, multiplier: Optional[Tensor] = None) -> Tensor:
         self._check_input_dim(input)
-        feature_dim = input.dim() - self._get_no_batch_dim()
+        # Dynamo in torch 2.1 cannot call _get_no_batch_dim on a subclass; TorchScript cannot
+        # read a class attribute: each gets its own spelling.
+        if torch.jit.is_scripting():
+            no_batch_dim = self._get_no_batch_dim()
+        else:
+            no_batch_dim = self._NO_BATCH_DIM
+        feature_dim = input.dim() - no_batch_dim
         if input.size(feature_dim) != self.num_features:
             if self.affine:
                 raise ValueError(
@@ -92,7 +98,7 @@ class _InstanceNormMixin:
                     "which is not used because affine=False",
                     stacklevel=2,
                 )
-        if input.dim() == self._get_no_batch_dim():
+        if input.dim() == no_batch_dim:
             # One sample: operands gain the batch dimension with it.
             if scale is not None:
                 scale = scale.unsqueeze(0)
@@ -134,13 +140,16 @@ class _InstanceNormMixin:
 class InstanceNorm1d(_InstanceNormMixin, torch.nn.InstanceNorm1d):
     __doc__ = torch.nn.InstanceNorm1d.__doc__
     __init__ = _init_with_activation(torch.nn.InstanceNorm1d)
+    _NO_BATCH_DIM = 2
 
 
 class InstanceNorm2d(_InstanceNormMixin, torch.nn.InstanceNorm2d):
     __doc__ = torch.nn.InstanceNorm2d.__doc__
     __init__ = _init_with_activation(torch.nn.InstanceNorm2d)
+    _NO_BATCH_DIM = 3
 
 
 class InstanceNorm3d(_InstanceNormMixin, torch.nn.InstanceNorm3d):
     __doc__ = torch.nn.InstanceNorm3d.__doc__
     __init__ = _init_with_activation(torch.nn.InstanceNorm3d)
+    _NO_BATCH_DIM = 4
