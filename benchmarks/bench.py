@@ -5,7 +5,7 @@ copy bandwidth measured in the same run as the roofline. On a CPU: a small suite
 Prints a table (ms, effective GB/s, % of roofline, speedups), writes JSON and, with matplotlib,
 a PNG chart.
 
-    python benchmarks/bench.py [--out DIR] [--device cuda|cpu] [--no-compile] [--filter TEXT]
+    python benchmarks/bench.py [--out DIR] [--device cuda|cpu] [--no-compile] [--filter TEXT] [--budget S]
 """
 
 import argparse
@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -235,6 +236,28 @@ def run_case(case: Case, device: str, measure, roofline: float, with_compile: bo
     return rows
 
 
+def problem3_model_rows(device: str, measure, with_compile: bool) -> List[Row]:
+    """The third benchmark problem end to end (Linear(8192, 8192) then the fused tail): the
+    reference Model eager and compiled against ModelNew. GEMM-bound: no GB/s."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "export_examples"))
+    from benchmark_problems import LinearInstanceNormModel, LinearInstanceNormModelNew
+
+    rows_n = 1024 if device == "cuda" else 64
+    ref = LinearInstanceNormModel(8192, 8192).to(device)
+    new = LinearInstanceNormModelNew(8192, 8192).to(device)
+    new.load_state_dict(ref.state_dict(), strict=False)
+    x, y = torch.rand(rows_n, 8192, device=device), torch.rand(rows_n, 8192, device=device)
+    row = Row("problem 3 full model", str((rows_n, 8192)), "float32", "contiguous", "forward")
+    impls = {"fusednorm": new, "eager": ref}
+    if with_compile:
+        impls["compile"] = torch.compile(ref)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference warns about num_features on every call
+        for name, model in impls.items():
+            row.ms[name] = measure(lambda: model(x, y))
+    return [row]
+
+
 def print_table(rows: List[Row], impls: List[str]) -> str:
     head = ["case", "shape", "dtype", "layout", "dir"] + [f"{i} ms" for i in impls] + ["GB/s", "% roof", "x eager", "x compile"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -242,7 +265,7 @@ def print_table(rows: List[Row], impls: List[str]) -> str:
         ours = r.ms.get("fusednorm")
         cells = [r.case, r.shape, r.dtype, r.layout, r.direction]
         cells += [f"{r.ms[i]:.4f}" if i in r.ms else "-" for i in impls]
-        cells += [f"{r.gbps:.0f}", f"{r.roofline_pct:.0f}%"]
+        cells += [f"{r.gbps:.0f}", f"{r.roofline_pct:.0f}%"] if r.gbps else ["-", "-"]
         for base in ("eager", "compile"):
             cells.append(f"{r.ms[base] / ours:.2f}" if ours and base in r.ms else "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -260,6 +283,8 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves minutes of compile time)")
     parser.add_argument("--filter", default="", help="only cases whose name contains this text")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="start no new case after this many seconds (results so far are kept)")
     args = parser.parse_args()
 
     device = args.device
@@ -269,19 +294,28 @@ def main():
     print(f"fusednorm benchmark on {card}, torch {torch.__version__}; copy bandwidth {roofline:.0f} GB/s (roofline)")
     cases = [c for c in (gpu_suite() if device == "cuda" else cpu_suite()) if args.filter in c.name]
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    started = time.time()
     for case in cases:
+        if time.time() - started > args.budget:
+            print(f"  time budget spent: skipping {case.name} {case.shape}", flush=True)
+            continue
         print(f"  {case.name} {case.shape} {case.dtype} {'channels_last' if case.channels_last else ''}", flush=True)
         rows += run_case(case, device, measure, roofline, not args.no_compile)
+        with open(os.path.join(args.out, f"bench_{device}_partial.json"), "w") as f:
+            json.dump([asdict(r) for r in rows], f)
+    if args.filter in "problem 3 full model" and time.time() - started <= args.budget:
+        print("  problem 3 full model", flush=True)
+        rows += problem3_model_rows(device, measure, not args.no_compile)
     impls = [i for i in ("fusednorm", "eager", "compile", "liger") if any(i in r.ms for r in rows)]
     table = print_table(rows, impls)
     print(table)
     for direction in ("forward", "backward"):
-        sel = [r for r in rows if r.direction == direction and "fusednorm" in r.ms]
+        sel = [r for r in rows if r.direction == direction and "fusednorm" in r.ms and r.case != "problem 3 full model"]
         for base in ("eager", "compile"):
             g = geomean([r.ms[base] / r.ms["fusednorm"] for r in sel if base in r.ms])
             print(f"geomean speedup {direction} vs {base}: {g:.2f}x")
 
-    os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d")
     with open(os.path.join(args.out, f"bench_{device}.json"), "w") as f:
         json.dump({"date": stamp, "card": card, "torch": torch.__version__, "roofline_gbps": roofline,
