@@ -112,6 +112,11 @@ def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
             return fusednorm.instance_norm(x, weight=w, bias=b, eps=1e-5, activation=case.activation, **ops)
     impls = {"fusednorm": ours, "eager": eager}
     if with_compile:
+        # Backward is timed by calling it repeatedly on one graph (retain_graph=True), which
+        # compiled backward graphs with donated buffers refuse.
+        functorch_config = getattr(getattr(torch, "_functorch", None), "config", None)
+        if functorch_config is not None and hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         impls["compile"] = torch.compile(eager)
     try:
         from liger_kernel.ops.group_norm import LigerGroupNormFunction  # type: ignore
