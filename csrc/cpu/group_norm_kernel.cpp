@@ -145,63 +145,75 @@ int64_t rows_per_chunk(int64_t C) {
 
 // ---------------------------------------------------------------------------------------------
 // Epilogue (epilogue.h) on vectors of opmath values: the same formulas as the scalar versions,
-// with Sleef's vector exp / erf / tanh / log1p.
+// with Sleef's vector exp / erf / tanh / log1p. The activation is a template argument: the
+// per-element loops are instantiated once per activation and chosen once per run of elements
+// (a run-time switch per vector kept them from inlining and cost as much as a memory pass).
+
+template <Activation A>
+using ActivationTag = std::integral_constant<Activation, A>;
+
+// Calls f(ActivationTag<a>{}).
+template <typename F>
+void dispatch_activation(Activation a, F&& f) {
+  switch (a) {
+    case Activation::SiLU: return f(ActivationTag<Activation::SiLU>{});
+    case Activation::GELU: return f(ActivationTag<Activation::GELU>{});
+    case Activation::GELUTanh: return f(ActivationTag<Activation::GELUTanh>{});
+    case Activation::ReLU: return f(ActivationTag<Activation::ReLU>{});
+    case Activation::LeakyReLU: return f(ActivationTag<Activation::LeakyReLU>{});
+    case Activation::Mish: return f(ActivationTag<Activation::Mish>{});
+    default: return f(ActivationTag<Activation::None>{});
+  }
+}
 
 template <typename Vec>
 Vec vec_sigmoid(const Vec& p) {
   return Vec(1) / (Vec(1) + p.neg().exp());
 }
 
-template <typename Vec>
-Vec vec_activation(Activation a, const Vec& p, typename Vec::value_type slope) {
-  switch (a) {
-    case Activation::SiLU:
-      return p / (Vec(1) + p.neg().exp());
-    case Activation::GELU:
-      return Vec(0.5) * p * (Vec(1) + (p * Vec(0.70710678118654752440)).erf());
-    case Activation::GELUTanh: {
-      const Vec inner = Vec(0.79788456080286535588) * (p + Vec(0.044715) * p * p * p);
-      return Vec(0.5) * p * (Vec(1) + inner.tanh());
-    }
-    case Activation::ReLU:
-      return at::vec::clamp_min(p, Vec(0));  // NaN stays NaN
-    case Activation::LeakyReLU:
-      return Vec::blendv(p * Vec(slope), p, p > Vec(0));
-    case Activation::Mish:
-      return p * p.exp().log1p().tanh();
-    default:
-      return p;
+template <Activation A, typename Vec>
+Vec vec_activation(const Vec& p, typename Vec::value_type slope) {
+  if constexpr (A == Activation::SiLU) {
+    return p / (Vec(1) + p.neg().exp());
+  } else if constexpr (A == Activation::GELU) {
+    return Vec(0.5) * p * (Vec(1) + (p * Vec(0.70710678118654752440)).erf());
+  } else if constexpr (A == Activation::GELUTanh) {
+    const Vec inner = Vec(0.79788456080286535588) * (p + Vec(0.044715) * p * p * p);
+    return Vec(0.5) * p * (Vec(1) + inner.tanh());
+  } else if constexpr (A == Activation::ReLU) {
+    return at::vec::clamp_min(p, Vec(0));  // NaN stays NaN
+  } else if constexpr (A == Activation::LeakyReLU) {
+    return Vec::blendv(p * Vec(slope), p, p > Vec(0));
+  } else if constexpr (A == Activation::Mish) {
+    return p * p.exp().log1p().tanh();
+  } else {
+    return p;
   }
 }
 
-template <typename Vec>
-Vec vec_activation_derivative(Activation a, const Vec& p, typename Vec::value_type slope) {
-  switch (a) {
-    case Activation::SiLU: {
-      const Vec s = vec_sigmoid(p);
-      return s * (Vec(1) + p * (Vec(1) - s));
-    }
-    case Activation::GELU: {
-      const Vec cdf = Vec(0.5) * (Vec(1) + (p * Vec(0.70710678118654752440)).erf());
-      const Vec pdf = (Vec(-0.5) * p * p).exp() * Vec(0.39894228040143267794);
-      return cdf + p * pdf;
-    }
-    case Activation::GELUTanh: {
-      const Vec beta(0.79788456080286535588), kappa(0.044715);
-      const Vec t = (beta * (p + kappa * p * p * p)).tanh();
-      const Vec inner_derivative = beta * (Vec(1) + Vec(3) * kappa * p * p);
-      return Vec(0.5) * (Vec(1) + t) + Vec(0.5) * p * (Vec(1) - t * t) * inner_derivative;
-    }
-    case Activation::ReLU:
-      return Vec::blendv(Vec(0), Vec(1), p > Vec(0));
-    case Activation::LeakyReLU:
-      return Vec::blendv(Vec(slope), Vec(1), p > Vec(0));
-    case Activation::Mish: {
-      const Vec tsp = p.exp().log1p().tanh();
-      return tsp + p * vec_sigmoid(p) * (Vec(1) - tsp * tsp);
-    }
-    default:
-      return Vec(1);
+template <Activation A, typename Vec>
+Vec vec_activation_derivative(const Vec& p, typename Vec::value_type slope) {
+  if constexpr (A == Activation::SiLU) {
+    const Vec s = vec_sigmoid(p);
+    return s * (Vec(1) + p * (Vec(1) - s));
+  } else if constexpr (A == Activation::GELU) {
+    const Vec cdf = Vec(0.5) * (Vec(1) + (p * Vec(0.70710678118654752440)).erf());
+    const Vec pdf = (Vec(-0.5) * p * p).exp() * Vec(0.39894228040143267794);
+    return cdf + p * pdf;
+  } else if constexpr (A == Activation::GELUTanh) {
+    const Vec beta(0.79788456080286535588), kappa(0.044715);
+    const Vec t = (beta * (p + kappa * p * p * p)).tanh();
+    const Vec inner_derivative = beta * (Vec(1) + Vec(3) * kappa * p * p);
+    return Vec(0.5) * (Vec(1) + t) + Vec(0.5) * p * (Vec(1) - t * t) * inner_derivative;
+  } else if constexpr (A == Activation::ReLU) {
+    return Vec::blendv(Vec(0), Vec(1), p > Vec(0));
+  } else if constexpr (A == Activation::LeakyReLU) {
+    return Vec::blendv(Vec(slope), Vec(1), p > Vec(0));
+  } else if constexpr (A == Activation::Mish) {
+    const Vec tsp = p.exp().log1p().tanh();
+    return tsp + p * vec_sigmoid(p) * (Vec(1) - tsp * tsp);
+  } else {
+    return Vec(1);
   }
 }
 
@@ -236,29 +248,48 @@ struct ElementwiseOperands {
     return residual || multiplier || activation != Activation::None || grad_residual || grad_multiplier;
   }
 
-  // z = act(v + residual) * multiplier at elements [off, off + count).
-  Vec forward(Vec v, int64_t off, int64_t count) const {
-    if (residual) v = v + IO::load(residual + off, count);
-    v = vec_activation(activation, v, slope);
-    if (multiplier) v = v * IO::load(multiplier + off, count);
-    return v;
+  // out[i] = act(v[i] + residual[off + i]) * multiplier[off + i] for i < len.
+  void forward_run(const acc_t* v, T* out, int64_t off, int64_t len) const {
+    dispatch_activation(activation, [&](auto tag) {
+      constexpr Activation A = decltype(tag)::value;
+      for (int64_t i = 0; i < len; i += IO::kSize) {
+        const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+        Vec z = Vec::loadu(v + i, count);
+        if (residual) z = z + IO::load(residual + off + i, count);
+        z = vec_activation<A>(z, slope);
+        if (multiplier) z = z * IO::load(multiplier + off + i, count);
+        IO::store(out + i, z, count);
+      }
+    });
   }
 
-  // The gradient dp at the pre-activation p = (x - centre) * pa + pc + residual of elements
-  // [off, off + count), from dz; writes grad_residual (= dp) and grad_multiplier (= dz * act(p))
-  // when `write` and requested. Padding lanes (dz = 0) give dp = 0.
-  Vec backward(const Vec& dz, const Vec& x, const Vec& centre, const Vec& pa, const Vec& pc,
-      int64_t off, int64_t count, bool write) const {
-    Vec g = dz;
-    if (needs_p_) {
-      Vec p = at::vec::fmadd(x - centre, pa, pc);
-      if (residual) p = p + IO::load(residual + off, count);
-      if (write && grad_multiplier) IO::store(grad_multiplier + off, dz * vec_activation(activation, p, slope), count);
-      if (activation != Activation::None) g = g * vec_activation_derivative(activation, p, slope);
-    }
-    if (multiplier) g = g * IO::load(multiplier + off, count);
-    if (write && grad_residual) IO::store(grad_residual + off, g, count);
-    return g;
+  // dp[i] for i < len, the gradient at the pre-activation p = (x - centre) * pa + pc + residual of
+  // element off + i, from dz; also grad_residual (= dp) and grad_multiplier (= dz * act(p)) there
+  // when `write` and requested. dz and x point at element off. The coefficients are one value
+  // for the run, or (PerLane) one per element of it.
+  template <bool PerLane>
+  void backward_run(const T* dz, const T* x, int64_t off, int64_t len, const acc_t* centre,
+      const acc_t* pa, const acc_t* pc, acc_t* dp, bool write) const {
+    dispatch_activation(activation, [&](auto tag) {
+      constexpr Activation A = decltype(tag)::value;
+      for (int64_t i = 0; i < len; i += IO::kSize) {
+        const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+        const Vec dzv = IO::load(dz + i, count);
+        Vec g = dzv;
+        if (needs_p_) {
+          auto coef = [&](const acc_t* c) { return PerLane ? Vec::loadu(c + i, count) : Vec(*c); };
+          Vec p = at::vec::fmadd(IO::load(x + i, count) - coef(centre), coef(pa), coef(pc));
+          if (residual) p = p + IO::load(residual + off + i, count);
+          if (write && grad_multiplier) {
+            IO::store(grad_multiplier + off + i, dzv * vec_activation<A>(p, slope), count);
+          }
+          if constexpr (A != Activation::None) g = g * vec_activation_derivative<A>(p, slope);
+        }
+        if (multiplier) g = g * IO::load(multiplier + off + i, count);
+        if (write && grad_residual) IO::store(grad_residual + off + i, g, count);
+        g.store(dp + i, count);
+      }
+    });
   }
 
  private:
@@ -349,6 +380,24 @@ double rstd_of(const Moments& m, double eps) {
   return 1.0 / std::sqrt(var + eps);
 }
 
+// out = epilogue(f(x)) over a contiguous run of n elements at element offset `off`: f's affine
+// values go through a cache-resident opmath buffer (no rounding to T in between), then the
+// epilogue's loop (one per activation) writes out. f(xv, _, i) takes the index within the run.
+template <typename T, typename F>
+void map_through_buffer(const T* x, T* out, int64_t off, int64_t n, F f, const ElementwiseOperands<T>& ep) {
+  using IO = VecIO<T>;
+  using acc_t = at::opmath_type<T>;
+  acc_t buf[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < len; i += IO::kSize) {
+      const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+      f(IO::load(x + start + i, count), typename IO::Vec(0), start + i).store(buf + i, count);
+    }
+    ep.forward_run(buf, out + start, off + start, len);
+  }
+}
+
 template <typename T>
 void forward_channels_first(
     const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
@@ -377,11 +426,12 @@ void forward_channels_first(
         const acc_t gain = mod.gain_at(n * sh.C + c);
         const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
         const Vec scale_v(scale), hi(m.hi), shift(b[c] * gain + mod.shift_at(n * sh.C + c) - m.lo * scale);
-        map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S,
-            [&](const Vec& xv, const Vec&, int64_t i) {
-              const Vec v = at::vec::fmadd(xv - hi, scale_v, shift);
-              return ep.active() ? ep.forward(v, row + i, std::min<int64_t>(Vec::size(), sh.S - i)) : v;
-            });
+        auto affine = [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); };
+        if (!ep.active()) {
+          map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S, affine);
+        } else {
+          map_through_buffer(xg + d * sh.S, y + row, row, sh.S, affine, ep);
+        }
       }
     }
   });
@@ -515,14 +565,17 @@ void forward_channels_last(
   for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t off = (n * sh.S + r) * C;
-      map_row(x + off, static_cast<const T*>(nullptr), y + off, C,
-          [&](const Vec& xv, const Vec&, int64_t c0) {
-            const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
-            const int64_t nc = n * C + c0;
-            const Vec v = at::vec::fmadd(xv - Vec::loadu(&mean_hi[nc], count),
-                Vec::loadu(&scale[nc], count), Vec::loadu(&shift[nc], count));
-            return ep.active() ? ep.forward(v, off + c0, count) : v;
-          });
+      auto affine = [&](const Vec& xv, const Vec&, int64_t c0) {
+        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+        const int64_t nc = n * C + c0;
+        return at::vec::fmadd(xv - Vec::loadu(&mean_hi[nc], count), Vec::loadu(&scale[nc], count),
+            Vec::loadu(&shift[nc], count));
+      };
+      if (!ep.active()) {
+        map_row(x + off, static_cast<const T*>(nullptr), y + off, C, affine);
+      } else {
+        map_through_buffer(x + off, y + off, off, C, affine, ep);
+      }
     }
   });
 }
@@ -680,16 +733,11 @@ void for_each_dp_run(const ElementwiseOperands<T>& ep, const T* dy, const T* x, 
     return;
   }
   acc_t buf[kBlock];
-  const Vec centre_v(centre), pa_v(pa), pc_v(pc);
   for (int64_t start = 0; start < len; start += kBlock) {
     const int64_t block = std::min(kBlock, len - start);
-    for (int64_t i = 0; i < block; i += IO::kSize) {
-      const int64_t count = std::min<int64_t>(IO::kSize, block - i);
-      const int64_t o = off + start + i;
-      ep.backward(IO::load(dy + o, count), IO::load(x + o, count), centre_v, pa_v, pc_v, o, count, write)
-          .store(buf + i, count);
-    }
-    body(static_cast<const acc_t*>(buf), x + off + start, block);
+    const int64_t o = off + start;
+    ep.template backward_run<false>(dy + o, x + o, o, block, &centre, &pa, &pc, buf, write);
+    body(static_cast<const acc_t*>(buf), x + o, block);
   }
 }
 
@@ -708,13 +756,9 @@ void for_each_dp_chunk(const ElementwiseOperands<T>& ep, const T* dy, const T* x
   }
   buf.resize((r1 - r0) * C);
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t c0 = 0; c0 < C; c0 += IO::kSize) {
-      const int64_t count = std::min<int64_t>(IO::kSize, C - c0);
-      const int64_t o = base + r * C + c0, nc = n * C + c0;
-      ep.backward(IO::load(dy + o, count), IO::load(x + o, count), Vec::loadu(&k.mean[nc], count),
-            Vec::loadu(&k.a[nc], count), Vec::loadu(&k.pc[nc], count), o, count, write)
-          .store(&buf[(r - r0) * C + c0], count);
-    }
+    const int64_t o = base + r * C;
+    ep.template backward_run<true>(dy + o, x + o, o, C, &k.mean[n * C], &k.a[n * C], &k.pc[n * C],
+        &buf[(r - r0) * C], write);
   }
   body(static_cast<const at::opmath_type<T>*>(buf.data()), x + first, r1 - r0);
 }
