@@ -321,8 +321,9 @@ struct Modulation {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-// The loop structure to use: with S == 1 both layouts are the same memory, rows of C, which the
+// The backward's loop structure: with S == 1 both layouts are the same memory, rows of C, which the
 // channels-last loops walk in long runs (the channels-first ones would take rows of one element).
+// (The forward's channels-first loops handle S == 1 themselves.)
 Layout kernel_layout(Layout layout, const GroupNormShape& sh) {
   return sh.S == 1 ? Layout::ChannelsLast : layout;
 }
@@ -420,6 +421,33 @@ void forward_channels_first(
       const SplitMean<acc_t> m(stats.mean);
       const int64_t g = ng % sh.G;
       const int64_t n = ng / sh.G;
+      if (sh.S == 1) {
+        // One element per channel: the group is one run of D channels, each with its own
+        // coefficients (computed as below, in the same order).
+        const acc_t* wg = w.data() + g * sh.D;
+        const acc_t* bg = b.data() + g * sh.D;
+        const acc_t* gain = mod.gain.empty() ? nullptr : mod.gain.data() + n * sh.C + g * sh.D;
+        const acc_t* tshift = mod.shift.empty() ? nullptr : mod.shift.data() + n * sh.C + g * sh.D;
+        const Vec rs(static_cast<acc_t>(rstd)), hi(m.hi), lo(m.lo);
+        auto affine = [&](const Vec& xv, const Vec&, int64_t i) {
+          const int64_t count = std::min<int64_t>(Vec::size(), sh.D - i);
+          Vec scale = rs * Vec::loadu(wg + i, count);
+          Vec shift = Vec::loadu(bg + i, count);
+          if (gain) {
+            const Vec gv = Vec::loadu(gain + i, count);
+            scale = scale * gv;
+            shift = shift * gv;
+          }
+          if (tshift) shift = shift + Vec::loadu(tshift + i, count);
+          return at::vec::fmadd(xv - hi, scale, shift - lo * scale);
+        };
+        if (!ep.active()) {
+          map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D, affine);
+        } else {
+          map_through_buffer(xg, y + ng * M, ng * M, sh.D, affine, ep);
+        }
+        continue;
+      }
       for (int64_t d = 0; d < sh.D; ++d) {
         const int64_t c = g * sh.D + d;
         const int64_t row = ng * M + d * sh.S;
@@ -597,7 +625,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_forward_cpu(
     scalar_t* yp = y.data_ptr<scalar_t>();
     acc_t* mp = mean.data_ptr<acc_t>();
     acc_t* rp = rstd.data_ptr<acc_t>();
-    if (kernel_layout(layout, sh) == Layout::ChannelsFirst) {
+    if (layout == Layout::ChannelsFirst) {
       forward_channels_first(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
     } else {
       forward_channels_last(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
