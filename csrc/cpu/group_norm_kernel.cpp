@@ -690,9 +690,13 @@ std::vector<double> recentre(const GroupNormShape& sh, GradSums& sums) {
   std::vector<double> delta(sh.N * sh.G, 0.0);
   const double M = static_cast<double>(sh.D * sh.S);
   if (M == 0) return delta;
-  for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) delta[nc / sh.D] += sums.dev[nc];
+  // Channel nc = ng * D + d belongs to group ng (nested loops: no division per channel, which
+  // dominated when S == 1 and N * C is large).
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng)
+    for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) delta[ng] += sums.dev[nc];
   for (auto& d : delta) d /= M;
-  for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) sums.dsc[nc] -= delta[nc / sh.D] * sums.db[nc];
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng)
+    for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) sums.dsc[nc] -= delta[ng] * sums.db[nc];
   return delta;
 }
 
@@ -704,11 +708,13 @@ GradInputCoeffs<acc_t> pre_activation_coeffs(
     const Modulation<acc_t>& mod, const acc_t* mean, const acc_t* rstd) {
   GradInputCoeffs<acc_t> k;
   for (auto* v : {&k.a, &k.b, &k.e, &k.mean, &k.pc}) v->assign(sh.N * sh.C, acc_t(0));
-  for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) {
-    const int64_t ng = nc / sh.D, c = nc % sh.C;
-    k.a[nc] = w_eff[nc] * rstd[ng];
-    k.mean[nc] = mean[ng];
-    k.pc[nc] = b[c] * mod.gain_at(nc) + mod.shift_at(nc);
+  for (int64_t n = 0; n < sh.N; ++n) {
+    for (int64_t c = 0; c < sh.C; ++c) {
+      const int64_t nc = n * sh.C + c, ng = n * sh.G + c / sh.D;
+      k.a[nc] = w_eff[nc] * rstd[ng];
+      k.mean[nc] = mean[ng];
+      k.pc[nc] = b[c] * mod.gain_at(nc) + mod.shift_at(nc);
+    }
   }
   return k;
 }
@@ -897,7 +903,7 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
   for (int64_t n = 0; n < sh.N; ++n) {
     for (int64_t c = 0; c < sh.C; ++c) {
       const int64_t nc = n * sh.C + c;
-      const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[nc / sh.D]);
+      const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[n * sh.G + c / sh.D]);
       const double gain = mod.gain_at(nc);
       dw[c] += gain * xhat_sum;
       dbias[c] += gain * sums.db[nc];
@@ -933,7 +939,8 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
     const Modulation<acc_t> mod(epilogue);
     std::vector<acc_t> w_eff(sh.N * sh.C);
-    for (int64_t nc = 0; nc < sh.N * sh.C; ++nc) w_eff[nc] = w[nc % sh.C] * mod.gain_at(nc);
+    for (int64_t n = 0; n < sh.N; ++n)
+      for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
     ElementwiseOperands<scalar_t> ep(epilogue, mask[6]);
     if (mask[5]) ep.grad_residual = grads.residual.data_ptr<scalar_t>();
     if (mask[6]) ep.grad_multiplier = grads.multiplier.data_ptr<scalar_t>();
