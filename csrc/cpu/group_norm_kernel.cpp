@@ -708,11 +708,15 @@ GradInputCoeffs<acc_t> pre_activation_coeffs(
     const Modulation<acc_t>& mod, const acc_t* mean, const acc_t* rstd) {
   GradInputCoeffs<acc_t> k;
   for (auto* v : {&k.a, &k.b, &k.e, &k.mean, &k.pc}) v->assign(sh.N * sh.C, acc_t(0));
-  for (int64_t n = 0; n < sh.N; ++n) {
-    for (int64_t c = 0; c < sh.C; ++c) {
-      const int64_t nc = n * sh.C + c, ng = n * sh.G + c / sh.D;
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) {
+    for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
       k.a[nc] = w_eff[nc] * rstd[ng];
       k.mean[nc] = mean[ng];
+    }
+  }
+  for (int64_t n = 0; n < sh.N; ++n) {
+    for (int64_t c = 0; c < sh.C; ++c) {
+      const int64_t nc = n * sh.C + c;
       k.pc[nc] = b[c] * mod.gain_at(nc) + mod.shift_at(nc);
     }
   }
@@ -901,9 +905,13 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
   std::vector<double> dscale(grads.scale.numel() > 0 ? sh.N * sh.C : 0);
   std::vector<double> dshift(grads.shift.numel() > 0 ? sh.N * sh.C : 0);
   for (int64_t n = 0; n < sh.N; ++n) {
-    for (int64_t c = 0; c < sh.C; ++c) {
+    for (int64_t c = 0, g = 0, d = 0; c < sh.C; ++c) {  // channel c = g * D + d
       const int64_t nc = n * sh.C + c;
-      const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[n * sh.G + c / sh.D]);
+      const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[n * sh.G + g]);
+      if (++d == sh.D) {
+        d = 0;
+        ++g;
+      }
       const double gain = mod.gain_at(nc);
       dw[c] += gain * xhat_sum;
       dbias[c] += gain * sums.db[nc];
@@ -921,6 +929,130 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
   fill(grads.shift, dshift);
 }
 
+// S == 1: each group (n, g) is one contiguous run of D channels of one element each (both layouts
+// are the same memory). The per-(n, c) sums of the general path would be the elements themselves,
+// materialised three times over in double (slow: page faults on hundreds of MB for a (1024, 8192)
+// input), so this path keeps per-group sums only (phase 1, parallel over groups) and sums the
+// parameter gradients per channel over the batch (phase 2, parallel over blocks of channels, the
+// batch in order: deterministic). dp is recomputed in each phase, as in the general path.
+template <typename T>
+void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormShape& sh,
+    const std::vector<at::opmath_type<T>>& w, const std::vector<at::opmath_type<T>>& b,
+    const Modulation<at::opmath_type<T>>& mod, const at::opmath_type<T>* mean,
+    const at::opmath_type<T>* rstd, const ElementwiseOperands<T>& ep, T* dx, FusedGrads& grads) {
+  using acc_t = at::opmath_type<T>;
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  const int64_t C = sh.C, D = sh.D, G = sh.G;
+  const double M = static_cast<double>(D);
+
+  // Per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock), and dp.
+  struct Run {
+    std::vector<acc_t> centre, pa, pc, w_eff, r, dp;
+    Run() {
+      for (auto* v : {&centre, &pa, &pc, &w_eff, &r, &dp}) v->resize(kBlock);
+    }
+    void fill(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t n, int64_t c0,
+        int64_t len, const GroupNormShape& sh, const std::vector<acc_t>& w,
+        const std::vector<acc_t>& b, const Modulation<acc_t>& mod, const acc_t* mean,
+        const acc_t* rstd, bool write) {
+      int64_t g = c0 / sh.D, d = c0 % sh.D;
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t c = c0 + i, nc = n * sh.C + c, ng = n * sh.G + g;
+        const acc_t gain = mod.gain_at(nc);
+        w_eff[i] = w[c] * gain;
+        r[i] = rstd[ng];
+        centre[i] = mean[ng];
+        pa[i] = w_eff[i] * r[i];
+        pc[i] = b[c] * gain + mod.shift_at(nc);
+        if (++d == sh.D) {
+          d = 0;
+          ++g;
+        }
+      }
+      const int64_t o = n * sh.C + c0;
+      if (ep.active()) {
+        ep.template backward_run<true>(dy + o, x + o, o, len, centre.data(), pa.data(), pc.data(), dp.data(), write);
+      } else {
+        for (int64_t i = 0; i < len; i += IO::kSize) {
+          const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+          IO::load(dy + o + i, count).store(dp.data() + i, count);
+        }
+      }
+    }
+  };
+
+  // Phase 1: per group, A = sum w_eff * dp, B = sum w_eff * dp * (x - m), delta = mean(x - m).
+  std::vector<double> A(sh.N * G), B(sh.N * G), delta(sh.N * G);
+  at::parallel_for(0, sh.N * G, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    Run run;
+    for (int64_t ng = begin; ng < end; ++ng) {
+      const int64_t n = ng / G, g = ng % G;
+      double a = 0, bsum = 0, dev = 0;
+      for (int64_t start = 0; start < D; start += kBlock) {
+        const int64_t len = std::min(kBlock, D - start), c0 = g * D + start;
+        run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, /*write=*/true);
+        const T* xr = x + n * C + c0;
+        for (int64_t i = 0; i < len; ++i) {
+          const double xc = static_cast<double>(static_cast<acc_t>(xr[i]) - run.centre[i]);
+          const double wdp = static_cast<double>(run.w_eff[i]) * run.dp[i];
+          a += wdp;
+          bsum += wdp * xc;
+          dev += xc;
+        }
+      }
+      delta[ng] = M > 0 ? dev / M : 0.0;
+      A[ng] = a;
+      B[ng] = bsum - delta[ng] * a;
+    }
+  });
+
+  // Phase 2: dx, and the parameter / modulation gradients summed over the batch per channel.
+  std::vector<double> dw(C, 0.0), dbias(C, 0.0);
+  acc_t* dscale = grads.scale.numel() > 0 ? grads.scale.data_ptr<acc_t>() : nullptr;
+  acc_t* dshift = grads.shift.numel() > 0 ? grads.shift.data_ptr<acc_t>() : nullptr;
+  at::parallel_for(0, C, 512, [&](int64_t cbegin, int64_t cend) {
+    Run run;
+    std::vector<acc_t> k1(kBlock), k2(kBlock);
+    for (int64_t n = 0; n < sh.N; ++n) {
+      for (int64_t c0 = cbegin; c0 < cend; c0 += kBlock) {
+        const int64_t len = std::min(kBlock, cend - c0), o = n * C + c0;
+        run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, /*write=*/false);
+        for (int64_t i = 0, g = c0 / D, d = c0 % D; i < len; ++i) {
+          const int64_t c = c0 + i, nc = n * C + c, ng = n * G + g;
+          const double r = run.r[i];
+          const double b1 = -r * r * r / M * B[ng];
+          k1[i] = static_cast<acc_t>(b1);                              // dx = pa * dp + k1 * (x - m) + k2
+          k2[i] = static_cast<acc_t>(-r / M * A[ng] - b1 * delta[ng]);
+          const double dp = run.dp[i];
+          const double xc = static_cast<double>(static_cast<acc_t>(x[o + i]) - run.centre[i]);
+          const double xhat_sum = (dp * xc - delta[ng] * dp) * r;
+          const double gain = mod.gain_at(nc);
+          dw[c] += gain * xhat_sum;
+          dbias[c] += gain * dp;
+          if (dscale) dscale[nc] = static_cast<acc_t>(w[c] * xhat_sum + b[c] * dp);
+          if (dshift) dshift[nc] = static_cast<acc_t>(dp);
+          if (++d == D) {
+            d = 0;
+            ++g;
+          }
+        }
+        if (dx == nullptr) continue;
+        for (int64_t i = 0; i < len; i += IO::kSize) {
+          const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+          const Vec xc = IO::load(x + o + i, count) - Vec::loadu(run.centre.data() + i, count);
+          const Vec out = at::vec::fmadd(Vec::loadu(run.pa.data() + i, count), Vec::loadu(run.dp.data() + i, count),
+              at::vec::fmadd(Vec::loadu(k1.data() + i, count), xc, Vec::loadu(k2.data() + i, count)));
+          IO::store(dx + o + i, out, count);
+        }
+      }
+    }
+  });
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  if (grads.weight.numel() > 0) grads.weight.copy_(at::from_blob(dw.data(), {C}, f64));
+  if (grads.bias.numel() > 0) grads.bias.copy_(at::from_blob(dbias.data(), {C}, f64));
+}
+
 FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& input,
     const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
     const GroupNormShape& sh, Layout layout, const at::Tensor& x, const Epilogue& epilogue,
@@ -928,7 +1060,6 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
   const at::Tensor dy = to_layout(grad_out, layout);
   const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
   FusedGrads grads = empty_fused_grads(x, sh, layout, mask);
-  GradSums sums(sh.N * sh.C);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t* mp = mean_c.data_ptr<acc_t>();
@@ -938,12 +1069,19 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
     const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
     const Modulation<acc_t> mod(epilogue);
-    std::vector<acc_t> w_eff(sh.N * sh.C);
-    for (int64_t n = 0; n < sh.N; ++n)
-      for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
     ElementwiseOperands<scalar_t> ep(epilogue, mask[6]);
     if (mask[5]) ep.grad_residual = grads.residual.data_ptr<scalar_t>();
     if (mask[6]) ep.grad_multiplier = grads.multiplier.data_ptr<scalar_t>();
+    if (sh.S == 1) {
+      backward_one_element_per_channel(dyp, xp, sh, w, b, mod, mp, rp, ep,
+          mask[0] ? grads.input.data_ptr<scalar_t>() : nullptr, grads);
+      return;
+    }
+
+    GradSums sums(sh.N * sh.C);
+    std::vector<acc_t> w_eff(sh.N * sh.C);
+    for (int64_t n = 0; n < sh.N; ++n)
+      for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
 
     GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
     const Layout walk = kernel_layout(layout, sh);
