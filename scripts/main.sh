@@ -11,3 +11,6 @@ for example in export_examples/[!_]*.py; do
   python "$example"
 done
 python benchmarks/bench.py --out results "$@"
+# End-to-end diffusers VAE decode and UNet step (eager, convert, compile, compile + fusion); says
+# so and skips when diffusers is not installed.
+python benchmarks/diffusers_bench.py --out results
