@@ -185,18 +185,30 @@ def test_deterministic(device):
             assert torch.equal(a, b_)
 
 
-def test_result_independent_of_thread_count():
-    x = torch.randn(2, 16, 64, 64).to(memory_format=torch.channels_last)
+@pytest.mark.parametrize("shape,layout", [((2, 16, 64, 64), "channels_last"), ((2, 16, 64, 64), "contiguous"),
+                                          ((64, 4096), "contiguous")])  # the last: one element per channel
+@pytest.mark.parametrize("fused", [False, True])
+def test_result_independent_of_thread_count(shape, layout, fused):
+    torch.manual_seed(0)
+    x = to_layout(torch.randn(shape), layout).requires_grad_()
+    w, b = torch.randn(shape[1], requires_grad=True), torch.randn(shape[1], requires_grad=True)
+    extra = {}
+    if fused:
+        extra = dict(activation="silu", scale=torch.randn(shape[:2], requires_grad=True),
+                     residual=torch.randn(shape).requires_grad_())
+    dy = torch.randn(shape)
+    leaves = [x, w, b] + list(extra.values())[1:]
     old = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(torch.ops.fusednorm.group_norm_forward(x, 4, None, None, 1e-5))
+            y = fusednorm.group_norm(x, 4, w, b, **extra)
+            outs.append((y,) + torch.autograd.grad(y, leaves, dy))
     finally:
         torch.set_num_threads(old)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    for a, b_ in zip(*outs):
+        assert torch.equal(a, b_)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
