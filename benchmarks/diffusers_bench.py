@@ -18,13 +18,13 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 import fusednorm
+from bench import timer  # the suite's timer: CUDA events after an L2 flush, medians
 
 SD_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=32, layers_per_block=2,
@@ -42,26 +42,6 @@ TINY_VAE = dict(SD_VAE, block_out_channels=(32, 64), norm_num_groups=8, layers_p
 TINY_UNET = dict(SD_UNET, sample_size=16, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                  cross_attention_dim=32, attention_head_dim=4,
                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
-
-
-def measure(fn, device, reps):
-    """Median ms of fn() (CUDA events on a GPU)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 class VAEDecode(torch.nn.Module):
@@ -115,7 +95,7 @@ def main():
         return
     device = args.device
     dtype = torch.float16 if device == "cuda" else torch.float32
-    reps = 20 if device == "cuda" else 3
+    measure = timer(device)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"diffusers {diffusers.__version__} models on {card}, torch {torch.__version__}, {dtype}")
     rows = []
@@ -133,7 +113,7 @@ def main():
             for label, m in variants.items():
                 got = m(*inputs)  # compiles on the first call
                 row["max_abs_diff"][label] = float((got.float() - want.float()).abs().max())
-                row["ms"][label] = measure(lambda: m(*inputs), device, reps)
+                row["ms"][label] = measure(lambda: m(*inputs))
                 print(f"  {name:10s} {label:17s} {row['ms'][label]:9.3f} ms  (max |diff| vs eager "
                       f"{row['max_abs_diff'][label]:.2e})", flush=True)
             if not args.no_compile:

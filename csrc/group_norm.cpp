@@ -9,10 +9,14 @@ bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
 
-void check_param(const char* name, const at::Tensor& param, const at::Tensor& input) {
-  TORCH_CHECK(param.device() == input.device(),
+void check_same_device(const char* name, const at::Tensor& t, const at::Tensor& input) {
+  TORCH_CHECK(t.device() == input.device(),
       "Expected all tensors to be on the same device, but found input on ", input.device(),
-      " and ", name, " on ", param.device());
+      " and ", name, " on ", t.device());
+}
+
+void check_param(const char* name, const at::Tensor& param, const at::Tensor& input) {
+  check_same_device(name, param, input);
   TORCH_CHECK(param.dim() == 1 && param.sym_numel() == input.sym_size(1),
       "Expected ", name, " to be a vector of size equal to the number of channels in input, but got ",
       name, " of shape ", param.sym_sizes(), " and input of shape ", input.sym_sizes());
@@ -120,12 +124,6 @@ Activation parse_activation(c10::string_view name) {
 }
 
 namespace {
-
-void check_same_device(const char* name, const at::Tensor& t, const at::Tensor& input) {
-  TORCH_CHECK(t.device() == input.device(),
-      "Expected all tensors to be on the same device, but found input on ", input.device(),
-      " and ", name, " on ", t.device());
-}
 
 // scale / shift: (N, C) or (N, C, 1, ..., 1) -> (N, C) contiguous in the stats dtype.
 at::Tensor per_sample_channel(const char* name, const at::Tensor& t, const at::Tensor& input,

@@ -15,6 +15,13 @@ from ._compat import register_autograd, register_fake
 # -- shared by the fake kernels ------------------------------------------------------------------
 
 
+def _check_same_device(name: str, t: Tensor, input: Tensor) -> None:
+    torch._check(
+        t.device == input.device,
+        lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {t.device}",
+    )
+
+
 def _check_group_norm_args(input: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor]) -> None:
     # The same checks, messages and exception types as check_group_norm_args in csrc/group_norm.cpp,
     # so that torch.compile rejects bad arguments at trace time as eager does at run time.
@@ -31,10 +38,7 @@ def _check_group_norm_args(input: Tensor, num_groups: int, weight: Optional[Tens
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
-        torch._check(
-            p.device == input.device,
-            lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {p.device}",
-        )
+        _check_same_device(name, p, input)
         torch._check(
             p.dim() == 1 and p.numel() == C,
             lambda: f"Expected {name} to be a vector of size equal to the number of channels in input, "
@@ -142,10 +146,7 @@ def _check_epilogue_args(input, scale, shift, residual, activation, multiplier) 
     for name, t in (("scale", scale), ("shift", shift)):
         if t is None:
             continue
-        torch._check(
-            t.device == input.device,
-            lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {t.device}",
-        )
+        _check_same_device(name, t, input)
         torch._check(
             t.dim() >= 2 and t.shape[0] == N and t.shape[1] == C and all(s == 1 for s in t.shape[2:]),
             lambda: f"Expected {name} of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = ({N}, {C}), but got {name} of shape {tuple(t.shape)}",
@@ -154,10 +155,7 @@ def _check_epilogue_args(input, scale, shift, residual, activation, multiplier) 
     for name, t in (("residual", residual), ("multiplier", multiplier)):
         if t is None:
             continue
-        torch._check(
-            t.device == input.device,
-            lambda: f"Expected all tensors to be on the same device, but found input on {input.device} and {name} on {t.device}",
-        )
+        _check_same_device(name, t, input)
         torch._check(t.shape == input.shape, lambda: f"Expected {name} of the input's shape {tuple(input.shape)}, but got {tuple(t.shape)}")
         torch._check_type(t.dtype == input.dtype, lambda: f"Expected {name} to have the input's dtype ({input.dtype}), but got {t.dtype}")
 

@@ -336,13 +336,6 @@ struct Modulation {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-// The backward's loop structure: with S == 1 both layouts are the same memory, rows of C, which the
-// channels-last loops walk in long runs (the channels-first ones would take rows of one element).
-// (The forward's channels-first loops handle S == 1 themselves.)
-Layout kernel_layout(Layout layout, const GroupNormShape& sh) {
-  return sh.S == 1 ? Layout::ChannelsLast : layout;
-}
-
 // Count, mean and sum of squared deviations of a set of values; merge() is Chan's formula.
 struct Moments {
   double n = 0, mean = 0, m2 = 0;
@@ -1099,8 +1092,7 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
       for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
 
     GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
-    const Layout walk = kernel_layout(layout, sh);
-    if (walk == Layout::ChannelsFirst) {
+    if (layout == Layout::ChannelsFirst) {
       grad_sums_channels_first(dyp, xp, sh, k, ep, sums);
     } else {
       grad_sums_channels_last(dyp, xp, sh, k, ep, sums);
@@ -1109,7 +1101,7 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     if (mask[0]) {
       grad_input_coeffs<acc_t>(sh, w_eff, rp, sums, delta, k);
       scalar_t* dxp = grads.input.data_ptr<scalar_t>();
-      if (walk == Layout::ChannelsFirst) {
+      if (layout == Layout::ChannelsFirst) {
         grad_input_channels_first(dyp, xp, dxp, sh, k, ep);
       } else {
         grad_input_channels_last(dyp, xp, dxp, sh, k, ep);
