@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -299,7 +300,7 @@ def main():
     parser.add_argument("--out", default="results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves minutes of compile time)")
-    parser.add_argument("--filter", default="", help="only cases whose name contains this text")
+    parser.add_argument("--filter", default="", help="only cases whose name matches this regular expression")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="start no new case after this many seconds (results so far are kept)")
     args = parser.parse_args()
@@ -309,7 +310,7 @@ def main():
     roofline = copy_bandwidth(device, measure)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"fusednorm benchmark on {card}, torch {torch.__version__}; copy bandwidth {roofline:.0f} GB/s (roofline)")
-    cases = [c for c in (gpu_suite() if device == "cuda" else cpu_suite()) if args.filter in c.name]
+    cases = [c for c in (gpu_suite() if device == "cuda" else cpu_suite()) if re.search(args.filter, c.name)]
     rows = []
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
@@ -321,7 +322,7 @@ def main():
         rows += run_case(case, device, measure, roofline, not args.no_compile)
         with open(os.path.join(args.out, f"bench_{device}_partial.json"), "w") as f:
             json.dump([asdict(r) for r in rows], f)
-    if args.filter in "problem 3 full model" and time.time() - started <= args.budget:
+    if re.search(args.filter, "problem 3 full model") and time.time() - started <= args.budget:
         print("  problem 3 full model", flush=True)
         rows += problem3_model_rows(device, measure, not args.no_compile)
     impls = [i for i in ("fusednorm", "plain norm", "eager", "compile", "liger") if any(i in r.ms for r in rows)]

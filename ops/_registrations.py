@@ -85,12 +85,17 @@ def _group_norm_forward_setup_context(ctx, inputs, output):
     input, num_groups, weight, bias, _eps = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
+    # mean and rstd never get gradients: without this autograd would fill zeros for them (two
+    # launches per backward, which show on small shapes).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, mean, rstd, weight)
     ctx.num_groups = num_groups
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    if grad_out is None:  # grads are not materialised (setup_context): y got no gradient
+        return (None,) * 5
     input, mean, rstd, weight = ctx.saved_tensors
     need_input, _, need_weight, need_bias, _ = ctx.needs_input_grad
     grad_input, grad_weight, grad_bias = torch.ops.fusednorm.group_norm_backward(
@@ -172,6 +177,9 @@ def _fused_group_norm_forward_setup_context(ctx, inputs, output):
     input, num_groups, weight, bias, _eps, scale, shift, residual, activation, negative_slope, multiplier = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
+    # mean and rstd never get gradients: without this autograd would fill zeros for them (two
+    # launches per backward, which show on small shapes).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, mean, rstd, weight, bias, scale, shift, residual, multiplier)
     ctx.num_groups = num_groups
     ctx.activation = activation
@@ -179,6 +187,8 @@ def _fused_group_norm_forward_setup_context(ctx, inputs, output):
 
 
 def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    if grad_out is None:  # grads are not materialised (setup_context): z got no gradient
+        return (None,) * 11
     input, mean, rstd, weight, bias, scale, shift, residual, multiplier = ctx.saved_tensors
     needs = ctx.needs_input_grad
     # Differentiable inputs, in the order of the backward op's outputs.

@@ -334,3 +334,18 @@ def test_gradients_of_absent_operands_are_taken_at_their_neutral_values(activati
         dz, x, mean, rstd, w, b, 4, zero_nc, zero_nc, torch.zeros_like(x), act, 0.01, torch.ones_like(x), [True] * 7)
     for got, want in zip(absent, neutral):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["one_pass", "split"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_fused_forward_paths_cuda(activation, path, monkeypatch):
+    # The CUDA forward runs small ChannelsFirst groups in one pass (group in shared memory) and
+    # the rest in split passes; the epilogue must be the same on both (test_cuda_kernels.py
+    # covers the plain op).
+    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", str(1 << 20) if path == "one_pass" else "0")
+    torch.manual_seed(10)
+    for shape, G, dtype in (((2, 40, 9, 7), 4, torch.float32), ((4, 512), 1, torch.float32),
+                            ((2, 64, 8, 8), 32, torch.bfloat16)):
+        for names in (OPERANDS, ["residual", "multiplier"], ["scale"]):
+            check_fused(shape, G, dtype, "contiguous", names, activation, "cuda")

@@ -1569,6 +1569,14 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
   }
 }
 
+}  // namespace
+}  // namespace fusednorm
+
+#include "group_norm_one_pass.cuh"
+
+namespace fusednorm {
+namespace {
+
 int finalize_grid(int64_t items, int log_iw) {
   return grid_for(ceil_div(items, kThreads >> log_iw));
 }
@@ -1577,6 +1585,7 @@ template <typename scalar_t>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
+  if (forward_one_pass<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
   using acc_t = acc_type<scalar_t>;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
