@@ -1,7 +1,10 @@
 """Runs each CUDA kernel path once on small inputs, for compute-sanitizer (scripts/sanitize.sh):
 both layouts, every dtype, with and without weight/bias, tails that are not multiples of the vector
 width, groups split over several CTAs, misaligned (offset) storage, and empty inputs; the fused ops
+(forward on both its one-pass and split paths)
 with every epilogue operand."""
+
+import os
 
 import torch
 
@@ -13,6 +16,7 @@ CASES = [
     ((3, 32, 33, 17), 8),
     ((1, 8, 257, 129), 2),  # large groups: the split reduction paths
     ((2, 320, 9, 9), 32),
+    ((2, 32, 40, 40), 2),  # a 100 KB float32 group: the one-pass forward with opt-in shared memory
     ((4, 13), 1),
     ((2, 10, 3, 4, 5), 5),
     ((0, 8, 4, 4), 4),
@@ -45,6 +49,18 @@ def run_fused(x, groups, weight, bias, activation, operands):
 
 
 def main():
+    # The fused forward twice: groups in one pass wherever they fit (up to 1 MB, capped by the
+    # device's shared memory), then the split passes everywhere.
+    for limit in (str(1 << 20), "0"):
+        os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"] = limit
+        run_all_fused()
+    del os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"]
+    run_all_plain()
+    torch.cuda.synchronize()
+    print("sanitizer cases done")
+
+
+def run_all_fused():
     for shape, groups in CASES:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(shape, device="cuda", dtype=dtype)
@@ -56,6 +72,9 @@ def main():
                 run_fused(cl, groups, w, None, "gelu", ("scale", "multiplier"))
             flat = torch.randn(x.numel() + 1, device="cuda", dtype=dtype)
             run_fused(flat[1:].view(shape), groups, None, w, "leaky_relu", ("shift", "residual", "multiplier"))
+
+
+def run_all_plain():
     for shape, groups in CASES:
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             x = torch.randn(shape, device="cuda", dtype=dtype)
@@ -70,8 +89,6 @@ def main():
             run(flat[1:].view(shape), groups, None, b)
             if dtype in (torch.bfloat16, torch.float16):
                 run(x, groups, w.float(), b.float())
-    torch.cuda.synchronize()
-    print("sanitizer cases done")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""Where the time of a small case goes: torch.profiler over repeated forward and backward calls of
+fusednorm and of the eager composition, printing per-op CPU and CUDA totals. Small shapes are
+bound by launches and host code rather than by the kernels, which Nsight Compute does not show.
+
+    python benchmarks/trace_small.py --filter "SD UNet GN\\+SiLU b2" --shape 2,1280,8,8
+"""
+
+import argparse
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench import gpu_suite, implementations, make_inputs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--filter", default="")
+    parser.add_argument("--shape", default="")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=14)
+    args = parser.parse_args()
+    shape = tuple(int(s) for s in args.shape.split(",")) if args.shape else None
+    for case in gpu_suite():
+        if not re.search(args.filter, case.name) or (shape is not None and tuple(case.shape) != shape) or case.channels_last:
+            continue
+        x, w, b, ops = make_inputs(case, "cuda")
+        for name, fn in implementations(case, with_compile=False).items():
+            if name not in ("fusednorm", "eager"):
+                continue
+            leaves = [t.detach().requires_grad_() for t in [x, w, b, *ops.values()] if t is not None]
+            xg, wg, bg = leaves[0], leaves[1] if w is not None else None, leaves[2] if b is not None else None
+            opsg = dict(zip(ops, leaves[len(leaves) - len(ops):]))
+            y = fn(xg, wg, bg, opsg)
+            dy = torch.randn_like(y)
+            for _ in range(5):
+                torch.autograd.grad(fn(xg, wg, bg, opsg), leaves, dy)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.reps):
+                    torch.autograd.grad(fn(xg, wg, bg, opsg), leaves, dy)
+                torch.cuda.synchronize()
+            print(f"== {name}: {case.name} {case.shape} {case.dtype}, {args.reps} x (forward + backward)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
