@@ -1,8 +1,7 @@
 """Runs each CUDA kernel path once on small inputs, for compute-sanitizer (scripts/sanitize.sh):
 both layouts, every dtype, with and without weight/bias, tails that are not multiples of the vector
 width, groups split over several CTAs, misaligned (offset) storage, and empty inputs; the fused ops
-(forward on both its one-pass and split paths)
-with every epilogue operand."""
+with every epilogue operand, their forward on both its one-pass and split paths."""
 
 import os
 
