@@ -583,16 +583,18 @@ def test_large_bf16_more_than_2_31_elements():
 
 
 # ---------------------------------------------------------------------------------------------
-# The forward has two paths: one pass with the group in shared memory (ChannelsFirst, groups up to
-# FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned), and the split reduce / finalize / apply passes.
-# Most shapes above take the one-pass path; here each case runs both, and they must agree.
+# Forward and backward have two paths each: one pass with the group in shared memory
+# (ChannelsFirst, groups up to FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned; the backward also
+# needs S == 1 or S a multiple of the pack width), and the split reduce / finalize / apply passes.
+# Most shapes above take the one-pass paths; here each case runs both, and they must agree.
 
 ONE_PASS_CASES = [
     ((2, 64, 8, 8), 32),      # D = 2, S = 64
-    ((3, 40, 9, 7), 4),       # S = 63: packs straddle channels
+    ((3, 40, 9, 7), 4),       # S = 63: packs straddle channels (the backward takes the split path)
     ((8, 8192), 1),           # problem 3's rows: S = 1, one group of 8192 channels
     ((4, 24), 3),             # S = 1, D = 8
     ((2, 12, 5, 4), 3),       # one pack per thread or fewer
+    ((2, 4, 64, 64), 4),      # D = 1, S = 4096: the whole CTA sums one channel
     ((2, 32, 40, 40), 2),     # group of 25600 elements: 100 KB in float32 (opt-in shared memory)
 ]
 
@@ -600,15 +602,24 @@ ONE_PASS_CASES = [
 @pytest.mark.parametrize("path", ["one_pass", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ONE_PASS_CASES, ids=_id)
-def test_one_pass_and_split_forward(case, dtype, path, monkeypatch):
+def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
     shape, G = case
-    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", str(1 << 20) if path == "one_pass" else "0")
+    limit = {"one_pass": str(1 << 20), "split": "0"}
+    other = "split" if path == "one_pass" else "one_pass"
+    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", limit[path])
     x = make(shape, dtype, seed=3, offset=3.0)
     w, b = make_params(shape[1], dtype)
+    dy = make(shape, dtype, seed=5)
     y, mean, rstd = check_forward(x, G, w, b)
-    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", "0" if path == "one_pass" else str(1 << 20))
+    grads = check_backward(dy, x, G, w, b)
+    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", limit[other])
     y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    grads2 = OPS.group_norm_backward(dy, x, mean, rstd, w, G, [True, True, True])
+    low = dtype != torch.float32
+    tol = dict(rtol=2e-2, atol=2e-2) if low else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y, y2, **tol)
     torch.testing.assert_close(mean, mean2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rstd, rstd2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads2[0], **tol)
+    for got, want in zip(grads[1:], grads2[1:]):  # sums over N * S elements
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)

@@ -339,10 +339,10 @@ def test_gradients_of_absent_operands_are_taken_at_their_neutral_values(activati
 @pytest.mark.cuda
 @pytest.mark.parametrize("path", ["one_pass", "split"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_fused_forward_paths_cuda(activation, path, monkeypatch):
-    # The CUDA forward runs small ChannelsFirst groups in one pass (group in shared memory) and
-    # the rest in split passes; the epilogue must be the same on both (test_cuda_kernels.py
-    # covers the plain op).
+def test_fused_paths_cuda(activation, path, monkeypatch):
+    # The CUDA kernels run small ChannelsFirst groups in one pass (group in shared memory) and the
+    # rest in split passes; the epilogue, forward and backward, must be right on both
+    # (test_cuda_kernels.py covers the plain op).
     monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", str(1 << 20) if path == "one_pass" else "0")
     torch.manual_seed(10)
     for shape, G, dtype in (((2, 40, 9, 7), 4, torch.float32), ((4, 512), 1, torch.float32),

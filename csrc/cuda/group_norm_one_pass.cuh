@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include <cstdlib>
+#include <type_traits>
 
 namespace fusednorm {
 namespace {
@@ -44,6 +45,20 @@ struct OnePassLimit {
 OnePassLimit one_pass_limit() {
   const char* env = std::getenv("FUSEDNORM_ONE_PASS_MAX_BYTES");
   return env != nullptr ? OnePassLimit{std::atoll(env), true} : OnePassLimit{kOnePassMaxBytes, false};
+}
+
+// Calls f(std::integral_constant<Activation, act>()): the activation as a template argument.
+template <typename F>
+void with_activation(Activation act, const F& f) {
+  switch (act) {
+    case Activation::SiLU: return f(std::integral_constant<Activation, Activation::SiLU>());
+    case Activation::GELU: return f(std::integral_constant<Activation, Activation::GELU>());
+    case Activation::GELUTanh: return f(std::integral_constant<Activation, Activation::GELUTanh>());
+    case Activation::ReLU: return f(std::integral_constant<Activation, Activation::ReLU>());
+    case Activation::LeakyReLU: return f(std::integral_constant<Activation, Activation::LeakyReLU>());
+    case Activation::Mish: return f(std::integral_constant<Activation, Activation::Mish>());
+    default: return f(std::integral_constant<Activation, Activation::None>());
+  }
 }
 
 template <typename scalar_t>
@@ -225,15 +240,290 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.D = sh.D;
     a.len = len;
     a.eps = static_cast<acc_t>(eps);
-    switch (ep.activation) {
-      case Activation::SiLU: launch_one_pass<scalar_t, V, Activation::SiLU>(a, items, static_cast<size_t>(smem)); break;
-      case Activation::GELU: launch_one_pass<scalar_t, V, Activation::GELU>(a, items, static_cast<size_t>(smem)); break;
-      case Activation::GELUTanh: launch_one_pass<scalar_t, V, Activation::GELUTanh>(a, items, static_cast<size_t>(smem)); break;
-      case Activation::ReLU: launch_one_pass<scalar_t, V, Activation::ReLU>(a, items, static_cast<size_t>(smem)); break;
-      case Activation::LeakyReLU: launch_one_pass<scalar_t, V, Activation::LeakyReLU>(a, items, static_cast<size_t>(smem)); break;
-      case Activation::Mish: launch_one_pass<scalar_t, V, Activation::Mish>(a, items, static_cast<size_t>(smem)); break;
-      default: launch_one_pass<scalar_t, V, Activation::None>(a, items, static_cast<size_t>(smem));
+    with_activation(ep.activation, [&](auto act) {
+      launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, static_cast<size_t>(smem));
+    });
+    return true;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The one-pass backward: one CTA per group (n, g) with x, dz and the operands p needs in shared
+// memory. It makes dp = dz * multiplier * act'(p) (epilogue.h), the per-(n, c) sums of dp and
+// dp * (x - m) (left in part_c for the parameter gradients, as the split reduce pass leaves them
+// with one chunk), the group's dx coefficients (rec, as finalize_grad_coefs_kernel writes them),
+// and then dx, grad_residual and grad_multiplier: one launch instead of three. The per-channel
+// sums need a channel's elements together: with S > 1 (S a multiple of the pack width) a segment
+// of 2^log_seg threads takes a channel, with S == 1 a thread takes a pack of V channels.
+
+template <typename scalar_t>
+struct OnePassBackwardArgs {
+  using acc_t = acc_type<scalar_t>;
+  const scalar_t* x;
+  const scalar_t* dz;
+  const acc_t* mean;  // saved statistics (N, G)
+  const acc_t* rstd;
+  ParamRef weight, bias;
+  scalar_t* dx;   // null: not wanted
+  acc_t* part_c;  // 2 per (n, c); null: no parameter gradient wanted
+  acc_t* rec;     // kRec per (n, g), for the parameter gradients; null likewise
+  int64_t C, S, G, D, len;
+  int log_seg;
+  EpiArgs<scalar_t> epi;  // residual only where p is needed; grad_residual / grad_multiplier outputs
+};
+
+// dp, and q = act(p) when grad_multiplier is wanted, at one element: the arithmetic of the split
+// path's dz_to_dp and apply_epi_pack.
+template <Activation A, typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t one_pass_dp(const EpiArgs<scalar_t>& e, acc_t xc, acc_t dz, acc_t r,
+    acc_t m, acc_t ea, acc_t pc, bool want_q, acc_t& q) {
+  acc_t g = dz * m;
+  if (A != Activation::None || want_q) {
+    const acc_t p = (ea * xc + pc) + r;
+    g = grad_at_p(A, e.slope, g, p);
+    if (want_q) q = activation_forward(A, p, e.slope);
+  }
+  return g;
+}
+
+template <typename scalar_t, int V, Activation A>
+__global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_kernel(
+    const OnePassBackwardArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  extern __shared__ __align__(16) unsigned char one_pass_smem[];
+  __shared__ acc_t red[kOnePassThreads / kWarp];
+  __shared__ Sums<acc_t, 1> seg_smem[kOnePassThreads / kWarp];
+  const EpiArgs<scalar_t>& e = a.epi;
+  const int64_t item = blockIdx.x;
+  const int64_t n = div_nn(item, a.G);
+  const int64_t g = item - n * a.G;
+  const int64_t off = item * a.len;
+  const int64_t lenv = a.len / V;
+  P* x_smem = reinterpret_cast<P*>(one_pass_smem);
+  P* dz_smem = x_smem + lenv;
+  P* r_smem = e.residual != nullptr ? dz_smem + lenv : nullptr;
+  P* m_smem = e.multiplier == nullptr ? nullptr
+              : e.multiplier == e.residual ? r_smem
+                                           : dz_smem + lenv * (r_smem != nullptr ? 2 : 1);
+  {
+    const P* xg = reinterpret_cast<const P*>(a.x + off);
+    const P* dzg = reinterpret_cast<const P*>(a.dz + off);
+    const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off));
+    const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off));
+    for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+      __pipeline_memcpy_async(&x_smem[v], &xg[v], sizeof(P));
+      __pipeline_memcpy_async(&dz_smem[v], &dzg[v], sizeof(P));
+      if (r_smem != nullptr) __pipeline_memcpy_async(&r_smem[v], &rg[v], sizeof(P));
+      if (m_smem != nullptr && m_smem != r_smem) __pipeline_memcpy_async(&m_smem[v], &mg[v], sizeof(P));
     }
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads();  // the sums below read packs that other threads copied
+  }
+  const acc_t mean = a.mean[item];
+  const acc_t rstd = a.rstd[item];
+  const bool want_q = e.grad_multiplier != nullptr;
+  // Per channel c (absolute): w_eff, the folded bias pc, and ea = rstd * w_eff.
+  auto coefficients = [&](int64_t c, acc_t& w_eff, acc_t& pc, acc_t& ea) {
+    const Affine<acc_t> m =
+        modulate(e, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+    w_eff = m.w;
+    pc = m.b;
+    ea = rstd * m.w;
+  };
+  auto element = [&](int64_t v, int j, acc_t& xc, acc_t& dz, acc_t& r, acc_t& m) {
+    xc = static_cast<acc_t>(x_smem[v].v[j]) - mean;
+    dz = static_cast<acc_t>(dz_smem[v].v[j]);
+    r = r_smem != nullptr ? static_cast<acc_t>(r_smem[v].v[j]) : acc_t(0);
+    m = m_smem != nullptr ? static_cast<acc_t>(m_smem[v].v[j]) : acc_t(1);
+  };
+
+  // Sums: this thread's share of sum w_eff * dp, sum w_eff * dp * (x - m) and sum (x - m).
+  Sums<acc_t, 1> mine;
+  clear(mine);
+  const int64_t c_first = g * a.D;
+  if (a.S == 1) {
+    for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int64_t c = c_first + v * V + j;
+        acc_t w_eff, pc, ea, xc, dz, r, m, q;
+        coefficients(c, w_eff, pc, ea);
+        element(v, j, xc, dz, r, m);
+        const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
+        if (a.part_c != nullptr) {
+          a.part_c[(n * a.C + c) * 2] = dp;
+          a.part_c[(n * a.C + c) * 2 + 1] = dp * xc;
+        }
+        mine.dy[0] += w_eff * dp;
+        mine.dyxc[0] += w_eff * dp * xc;
+        mine.xc[0] += xc;
+      }
+    }
+  } else {
+    const int64_t spv = a.S / V;  // packs per channel
+    const int seg = 1 << a.log_seg;
+    const int lane = threadIdx.x & (seg - 1);
+    // Rounds of kOnePassThreads / seg channels; every thread takes part in every round, so that
+    // the segments' shuffles see whole warps.
+    for (int64_t base = 0; base < a.D; base += kOnePassThreads >> a.log_seg) {
+      const int64_t cl = base + (threadIdx.x >> a.log_seg);  // channel within the group
+      Sums<acc_t, 1> s;
+      clear(s);
+      acc_t w_eff = acc_t(0);
+      if (cl < a.D) {
+        acc_t pc, ea, q;
+        coefficients(c_first + cl, w_eff, pc, ea);
+        for (int64_t k = lane; k < spv; k += seg) {
+          const int64_t v = cl * spv + k;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            acc_t xc, dz, r, m;
+            element(v, j, xc, dz, r, m);
+            const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
+            s.dy[0] += dp;
+            s.dyxc[0] += dp * xc;
+            s.xc[0] += xc;
+          }
+        }
+      }
+      s = segment_reduce(s, a.log_seg, seg_smem);
+      if (lane == 0 && cl < a.D) {
+        if (a.part_c != nullptr) {
+          a.part_c[(n * a.C + c_first + cl) * 2] = s.dy[0];
+          a.part_c[(n * a.C + c_first + cl) * 2 + 1] = s.dyxc[0];
+        }
+        mine.dy[0] += w_eff * s.dy[0];
+        mine.dyxc[0] += w_eff * s.dyxc[0];
+        mine.xc[0] += s.xc[0];
+      }
+    }
+  }
+  const acc_t M = static_cast<acc_t>(a.len);
+  const acc_t A_sum = one_pass_block_sum(mine.dy[0], red);
+  const acc_t dev = one_pass_block_sum(mine.xc[0], red);
+  const acc_t delta = dev / M;
+  const acc_t B = one_pass_block_sum(mine.dyxc[0], red) - delta * A_sum;
+  const acc_t b1 = -rstd * rstd * rstd * B / M;
+  const acc_t b2 = -rstd * A_sum / M;
+  if (threadIdx.x == 0 && a.rec != nullptr) {
+    acc_t* rec = a.rec + item * kRec;
+    rec[0] = mean;
+    rec[1] = delta;
+    rec[2] = rstd;
+    rec[3] = b1;
+    rec[4] = b2;
+  }
+
+  // dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier = dz * act(p).
+  P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
+  P* grg = reinterpret_cast<P*>(offset_or_null(e.grad_residual, off));
+  P* gmg = reinterpret_cast<P*>(offset_or_null(e.grad_multiplier, off));
+  int64_t cached_c = -1;
+  acc_t w_eff = acc_t(0), pc = acc_t(0), ea = acc_t(0);
+  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+    P o, gr, gm;
+    int64_t c = div_nn(v * V, a.S);
+    int64_t rem = v * V - c * a.S;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (j > 0 && ++rem == a.S) {
+        rem = 0;
+        ++c;
+      }
+      if (c_first + c != cached_c) {
+        cached_c = c_first + c;
+        coefficients(cached_c, w_eff, pc, ea);
+      }
+      acc_t xc, dz, r, m, q = acc_t(0);
+      element(v, j, xc, dz, r, m);
+      const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, want_q, q);
+      o.v[j] = static_cast<scalar_t>(ea * dp + (b1 * (xc - delta) + b2));
+      gr.v[j] = static_cast<scalar_t>(dp);
+      gm.v[j] = static_cast<scalar_t>(dz * q);
+    }
+    if (dxg != nullptr) dxg[v] = o;
+    if (grg != nullptr) grg[v] = gr;
+    if (gmg != nullptr) gmg[v] = gm;
+  }
+}
+
+template <typename scalar_t, int V, Activation A>
+void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
+  auto kernel = group_norm_backward_one_pass_kernel<scalar_t, V, A>;
+  if (smem_bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  }
+  kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Runs the backward's elementwise outputs (dx, grad_residual, grad_multiplier, as `mask` asks) in
+// one pass and returns true when the group fits (as forward_one_pass, counting x, dz and the
+// operands p needs) and S is 1 or a multiple of the pack width; part_c and rec are then set for the
+// parameter gradients when `want_params`. Returns false, having done nothing, otherwise.
+template <typename scalar_t>
+bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
+    at::Tensor& part_c, at::Tensor& rec) {
+  using acc_t = acc_type<scalar_t>;
+  constexpr int V = pack_width<scalar_t>();
+  if constexpr (V == 1) {
+    return false;
+  } else {
+    const int64_t len = sh.D * sh.S;
+    const int64_t items = sh.N * sh.G;
+    if (layout != Layout::ChannelsFirst || len % V != 0 || (sh.S != 1 && sh.S % V != 0) ||
+        items > std::numeric_limits<int>::max()) {
+      return false;
+    }
+    OnePassBackwardArgs<scalar_t> a{};
+    // p is needed for act'(p) and for grad_multiplier = dz * act(p); only then the residual.
+    a.epi = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
+    a.epi.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
+    a.epi.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
+    a.x = x.data_ptr<scalar_t>();
+    a.dz = dy.data_ptr<scalar_t>();
+    a.dx = mask[0] ? g.input.data_ptr<scalar_t>() : nullptr;
+    for (const void* p : {static_cast<const void*>(a.x), static_cast<const void*>(a.dz),
+             static_cast<const void*>(a.dx), static_cast<const void*>(a.epi.residual),
+             static_cast<const void*>(a.epi.multiplier), static_cast<const void*>(a.epi.grad_residual),
+             static_cast<const void*>(a.epi.grad_multiplier)}) {
+      if (p != nullptr && !aligned16(p)) return false;
+    }
+    const int64_t streams = 2 + (a.epi.residual != nullptr) +
+        (a.epi.multiplier != nullptr && a.epi.multiplier != a.epi.residual);
+    const int64_t smem = streams * len * static_cast<int64_t>(sizeof(scalar_t));
+    const auto* prop = at::cuda::getCurrentDeviceProperties();
+    const OnePassLimit limit = one_pass_limit();
+    if (smem > std::min<int64_t>(limit.max_bytes, static_cast<int64_t>(prop->sharedMemPerBlockOptin))) {
+      return false;
+    }
+    if (!limit.forced && smem > 48 * 1024 && items < prop->multiProcessorCount) return false;
+    if (want_params) {
+      const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+      part_c = at::empty({sh.N * sh.C * 2}, opts);
+      rec = at::empty({items * kRec}, opts);
+      a.part_c = part_c.data_ptr<acc_t>();
+      a.rec = rec.data_ptr<acc_t>();
+    }
+    a.mean = mean.data_ptr<acc_t>();
+    a.rstd = rstd.data_ptr<acc_t>();
+    a.weight = param_ref<scalar_t>(weight);
+    a.bias = param_ref<scalar_t>(bias);
+    a.C = sh.C;
+    a.S = sh.S;
+    a.G = sh.G;
+    a.D = sh.D;
+    a.len = len;
+    a.log_seg = sh.S == 1 ? 0 : static_cast<int>(std::min<int64_t>(kLogThreads, ceil_log2(sh.S / V)));
+    const size_t bytes = static_cast<size_t>(smem);
+    with_activation(ep.activation, [&](auto act) {
+      launch_backward_one_pass<scalar_t, V, decltype(act)::value>(a, items, bytes);
+    });
     return true;
   }
 }
