@@ -584,8 +584,9 @@ def test_large_bf16_more_than_2_31_elements():
 
 # ---------------------------------------------------------------------------------------------
 # Forward and backward have two paths each: one pass with the group in shared memory
-# (ChannelsFirst, groups up to FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned; the backward also
-# needs S == 1 or S a multiple of the pack width), and the split reduce / finalize / apply passes.
+# (ChannelsFirst, groups up to FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned; the forward spreads
+# a large group over a cluster of CTAs; the backward takes one CTA a group and needs S == 1 or S a
+# multiple of the pack width), and the split reduce / finalize / apply passes.
 # Most shapes above take the one-pass paths; here each case runs both, and they must agree.
 
 ONE_PASS_CASES = [
@@ -595,7 +596,9 @@ ONE_PASS_CASES = [
     ((4, 24), 3),             # S = 1, D = 8
     ((2, 12, 5, 4), 3),       # one pack per thread or fewer
     ((2, 4, 64, 64), 4),      # D = 1, S = 4096: the whole CTA sums one channel
-    ((2, 32, 40, 40), 2),     # group of 25600 elements: 100 KB in float32 (opt-in shared memory)
+    ((2, 32, 40, 40), 2),     # group of 25600 elements: 100 KB in float32 (a cluster of 2 CTAs)
+    ((2, 2, 256, 256), 2),    # D = 1, 256 KB in float32: clusters of 4 CTAs
+    ((1, 8, 128, 128), 1),    # 512 KB in float32: clusters of 8 CTAs (the backward is split)
 ]
 
 

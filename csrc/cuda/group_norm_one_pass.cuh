@@ -14,6 +14,7 @@
 // x is read from DRAM once. The activation is a template parameter, so that the element loop has
 // no switch in it.
 
+#include <cooperative_groups.h>
 #include <cuda_pipeline.h>
 #include "group_norm.h"
 
@@ -28,11 +29,14 @@
 namespace fusednorm {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kOnePassThreads = 256;
-// Largest shared-memory footprint (the group of x and of the tensor-sized operands, in bytes) taken
-// by the one-pass kernel. Above 48 KB the kernel needs the opt-in shared-memory limit; at 96 KB two
-// CTAs still fit on an SM.
-constexpr int64_t kOnePassMaxBytes = 96 * 1024;
+// Largest group (x and its tensor-sized operands, in bytes) taken by the one-pass kernels: up to 8
+// CTAs of a cluster share it, each holding at most kOnePassCtaBytes where it can (three CTAs of
+// 64 KB fit on an SM) and at most the opt-in shared-memory limit.
+constexpr int64_t kOnePassMaxBytes = 1 << 20;
+constexpr int64_t kOnePassCtaBytes = 64 * 1024;
 
 // FUSEDNORM_ONE_PASS_MAX_BYTES replaces that limit and forces the one-pass path for every group
 // within it (0 turns the path off): the tests cover both paths with it. Read per call (cheap next
@@ -70,6 +74,8 @@ struct OnePassArgs {
   acc_t* mean;  // (N, G)
   acc_t* rstd;
   int64_t C, S, G, D, len;  // len = D * S, the elements of a group
+  int64_t chunk;            // packs per CTA: a cluster of `cluster` CTAs takes a group
+  int cluster;
   acc_t eps;
   EpiArgs<scalar_t> epi;
 };
@@ -88,29 +94,59 @@ __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
   return total;
 }
 
+// Thread blocks clusters (sm_90): the CTAs of a cluster read each other's shared memory.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FUSEDNORM_CLUSTERS 1
+#else
+#define FUSEDNORM_CLUSTERS 0
+#endif
+
+// The sum over the cluster of each CTA's `cta_total` (the same in every thread of a CTA), added in
+// rank order so that every CTA gets the same bits. `slot` is this CTA's shared exchange slot; it
+// may be overwritten only after the next cluster barrier.
+template <typename acc_t>
+__device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* slot, int cluster) {
+#if FUSEDNORM_CLUSTERS
+  if (cluster > 1) {
+    cg::cluster_group cl = cg::this_cluster();
+    if (threadIdx.x == 0) *slot = cta_total;
+    cl.sync();
+    acc_t total = acc_t(0);
+    for (int r = 0; r < cluster; ++r) total += *cl.map_shared_rank(slot, r);
+    return total;
+  }
+#endif
+  return cta_total;
+}
+
 template <typename scalar_t, int V, Activation A>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(const OnePassArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
   __shared__ acc_t red[kOnePassThreads / kWarp];
-  P* x_smem = reinterpret_cast<P*>(one_pass_smem);
-  const int64_t item = blockIdx.x;  // (n, g)
+  __shared__ acc_t exchange[2];  // this CTA's sums, read by the rest of its cluster
+  const int64_t item = div_nn(blockIdx.x, a.cluster);  // (n, g)
+  const int rank = static_cast<int>(blockIdx.x - item * a.cluster);  // the CTA's rank in its cluster
   const int64_t n = div_nn(item, a.G);
   const int64_t g = item - n * a.G;
   const int64_t off = item * a.len;  // ChannelsFirst: group (n, g) starts at (n * C + g * D) * S
   const int64_t lenv = a.len / V;
+  // This CTA's packs of the group: [v_begin, v_end).
+  const int64_t v_begin = imin(lenv, rank * a.chunk);
+  const int64_t count = imin(lenv, v_begin + a.chunk) - v_begin;
   const EpiArgs<scalar_t>& e = a.epi;
-  // Shared memory: the group of x, then the residual's and the multiplier's (one region when
-  // they are the same tensor, as in problem 3's (h + y) * y), all copied at once.
-  P* r_smem = e.residual != nullptr ? x_smem + lenv : nullptr;
+  // Shared memory: the CTA's part of the group of x, then the residual's and the multiplier's (one
+  // region when they are the same tensor, as in problem 3's (h + y) * y), all copied at once.
+  P* x_smem = reinterpret_cast<P*>(one_pass_smem);
+  P* r_smem = e.residual != nullptr ? x_smem + a.chunk : nullptr;
   P* m_smem = e.multiplier == nullptr ? nullptr
           : e.multiplier == e.residual ? r_smem
-                                       : x_smem + lenv * (r_smem != nullptr ? 2 : 1);
-  const P* xg = reinterpret_cast<const P*>(a.x + off);
-  const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off));
-  const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off));
-  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+                                       : x_smem + a.chunk * (r_smem != nullptr ? 2 : 1);
+  const P* xg = reinterpret_cast<const P*>(a.x + off) + v_begin;
+  const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off)) + v_begin;
+  const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off)) + v_begin;
+  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
     __pipeline_memcpy_async(&x_smem[v], &xg[v], sizeof(P));
     if (r_smem != nullptr) __pipeline_memcpy_async(&r_smem[v], &rg[v], sizeof(P));
     if (m_smem != nullptr && m_smem != r_smem) __pipeline_memcpy_async(&m_smem[v], &mg[v], sizeof(P));
@@ -122,15 +158,16 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits.
   const acc_t K = static_cast<acc_t>(a.x[off]);
   acc_t sum = acc_t(0);
-  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
     const P p = x_smem[v];
 #pragma unroll
     for (int j = 0; j < V; ++j) sum += static_cast<acc_t>(p.v[j]) - K;
   }
-  const acc_t count = static_cast<acc_t>(a.len);
-  const acc_t shifted_mean = one_pass_block_sum(sum, red) / count;
+  const acc_t total = static_cast<acc_t>(a.len);
+  const acc_t shifted_mean =
+      one_pass_cluster_sum(one_pass_block_sum(sum, red), &exchange[0], a.cluster) / total;
   acc_t m2 = acc_t(0);
-  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
     const P p = x_smem[v];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -138,9 +175,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
       m2 += d * d;
     }
   }
-  const acc_t var = one_pass_block_sum(m2, red) / count;
+  const acc_t var = one_pass_cluster_sum(one_pass_block_sum(m2, red), &exchange[1], a.cluster) / total;
   const acc_t group_rstd = acc_t(1) / sqrt(var + a.eps);
-  if (threadIdx.x == 0) {
+  if (rank == 0 && threadIdx.x == 0) {
     a.mean[item] = K + shifted_mean;
     a.rstd[item] = group_rstd;
   }
@@ -157,16 +194,16 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
       cached_c = c;
     }
   };
-  P* yg = reinterpret_cast<P*>(a.y + off);
+  P* yg = reinterpret_cast<P*>(a.y + off) + v_begin;
   const int64_t c_first = g * a.D;
-  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
     const P xp = x_smem[v];
     P rp, mp, o;
     if (r_smem != nullptr) rp = r_smem[v];
     if (m_smem != nullptr) mp = m_smem[v];
     // Channel of the pack's first element, then counted forward element by element.
-    int64_t c = div_nn(v * V, a.S);
-    int64_t rem = v * V - c * a.S;
+    int64_t c = div_nn((v_begin + v) * V, a.S);
+    int64_t rem = (v_begin + v) * V - c * a.S;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       if (j > 0 && ++rem == a.S) {
@@ -182,6 +219,10 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
     }
     yg[v] = o;
   }
+#if FUSEDNORM_CLUSTERS
+  // No CTA may leave while another can still read its `exchange`.
+  if (a.cluster > 1) cg::this_cluster().sync();
+#endif
 }
 
 template <typename scalar_t, int V, Activation A>
@@ -191,8 +232,36 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
     C10_CUDA_CHECK(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
   }
-  kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (a.cluster == 1) {
+    kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, stream>>>(a);
+  } else {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(items * a.cluster));
+    config.blockDim = dim3(kOnePassThreads);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(a.cluster);
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// CTAs per group for a group of `bytes` (x and its operands): enough that each CTA holds at most
+// kOnePassCtaBytes, and, while the CTAs would not fill the GPU, more (down to 16 KB a CTA), up to
+// the portable cluster size of 8 on devices with clusters (sm_90). 0: no cluster size fits.
+int one_pass_cluster(int64_t bytes, int64_t items, const cudaDeviceProp& prop) {
+  const int max_cluster = prop.major >= 9 ? 8 : 1;
+  int k = 1;
+  while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
+  while (k < max_cluster && items * k < prop.multiProcessorCount && bytes / (2 * k) >= 16 * 1024) k *= 2;
+  return ceil_div(bytes, k) <= static_cast<int64_t>(prop.sharedMemPerBlockOptin) ? k : 0;
 }
 
 // Runs the forward in one pass and returns true when the group fits (see above), the layout is
@@ -209,7 +278,7 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
   } else {
     const int64_t len = sh.D * sh.S;
     const int64_t items = sh.N * sh.G;
-    if (layout != Layout::ChannelsFirst || len % V != 0 || items > std::numeric_limits<int>::max()) return false;
+    if (layout != Layout::ChannelsFirst || len % V != 0) return false;
     OnePassArgs<scalar_t> a{};
     a.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
     a.x = x.data_ptr<scalar_t>();
@@ -220,16 +289,16 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     }
     const int64_t streams = 1 + (a.epi.residual != nullptr) +
         (a.epi.multiplier != nullptr && a.epi.multiplier != a.epi.residual);
-    const int64_t smem = streams * len * static_cast<int64_t>(sizeof(scalar_t));
-    const auto* prop = at::cuda::getCurrentDeviceProperties();
+    const int64_t bytes = streams * len * static_cast<int64_t>(sizeof(scalar_t));
     const OnePassLimit limit = one_pass_limit();
-    if (smem > std::min<int64_t>(limit.max_bytes, static_cast<int64_t>(prop->sharedMemPerBlockOptin))) {
-      return false;
-    }
-    // A CTA works through its group alone: large groups need enough of them to occupy every SM,
-    // or the split passes (which spread a group over many CTAs) are faster. Measured on an H100:
-    // 64 groups of 80 KB took 38 us here against 33 us split; 64 groups of 40 KB, 24 against 27.
-    if (!limit.forced && smem > 48 * 1024 && items < prop->multiProcessorCount) return false;
+    if (bytes > limit.max_bytes) return false;
+    const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
+    const int cluster = one_pass_cluster(bytes, items, prop);
+    if (cluster == 0 || items * cluster > std::numeric_limits<int>::max()) return false;
+    // Without clusters a CTA works through a large group alone: unless there are enough groups to
+    // occupy every SM, the split passes (which spread a group over many CTAs) are faster. Measured
+    // on an H100: 64 groups of 80 KB took 38 us in one pass against 33 us split.
+    if (!limit.forced && cluster == 1 && bytes > 48 * 1024 && items < prop.multiProcessorCount) return false;
     a.weight = param_ref<scalar_t>(weight);
     a.bias = param_ref<scalar_t>(bias);
     a.mean = mean.data_ptr<acc_t>();
@@ -239,10 +308,11 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.G = sh.G;
     a.D = sh.D;
     a.len = len;
+    a.cluster = cluster;
+    a.chunk = ceil_div(len / V, cluster);
     a.eps = static_cast<acc_t>(eps);
-    with_activation(ep.activation, [&](auto act) {
-      launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, static_cast<size_t>(smem));
-    });
+    const size_t smem = static_cast<size_t>(streams * a.chunk * V * static_cast<int64_t>(sizeof(scalar_t)));
+    with_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
     return true;
   }
 }
