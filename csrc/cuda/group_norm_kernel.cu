@@ -35,9 +35,9 @@
 //     statistics, and weights the dx sums by w_eff; the finalize passes are unchanged; the apply
 //     pass makes dp again and writes dx, grad_residual = dp and grad_multiplier = dz * act(p).
 //     The per-(n, c) sums of dp and dp * (x - m) that the reduce pass leaves for the parameter
-//     gradients then give grad_weight, grad_bias, grad_scale and grad_shift, in float64 with ATen
-//     on the host side when scale is present or grad_scale / grad_shift are wanted (they are per
-//     (n, c) and weighted per sample), and by pass 3 otherwise.
+//     gradients then give grad_weight, grad_bias, grad_scale and grad_shift in pass 3, through its
+//     PER_SAMPLE instantiation when scale is present or grad_scale / grad_shift are wanted (they
+//     are per (n, c) and weighted per sample).
 //   Which operands are present and the activation are uniform run-time choices (null pointers, a
 //   switch), not template parameters: that keeps the instantiations to one more per kernel.
 //
@@ -885,6 +885,12 @@ __global__ void __launch_bounds__(kThreads) finalize_grad_coefs_kernel(const Gra
 // Pass 3, backward: grad_weight[c] = sum_n rstd * (dsc - delta * db), grad_bias[c] = sum_n db,
 // from the per-(n, k, c) partials. A block takes 32 channels (lanes, coalesced) and spreads the
 // (n, k) entries over its 8 warps; the warps' sums are added in a fixed order.
+// PER_SAMPLE (a scale, or grad_scale / grad_shift wanted): the gradients are per (n, c) first,
+//   db = sum_k part_c[n, k, c, 0],  xs = rstd * (sum_k part_c[n, k, c, 1] - delta * db)
+// (xs = sum_s dp * xhat), giving grad_shift[n, c] = db, grad_scale[n, c] = w[c] * xs + b[c] * db,
+// and grad_weight / grad_bias sum (1 + scale[n, c]) * xs / db over n: the warps then take whole
+// samples (their chunks in order) rather than entries. One launch instead of a chain of small
+// host-side ops, whose launch overhead dominated the fused backward of small inputs.
 
 template <typename acc_t>
 struct ParamGradArgs {
@@ -894,8 +900,18 @@ struct ParamGradArgs {
   int64_t C, G, D, split, entries;  // entries = N * split
 };
 
+// The PER_SAMPLE kernel's arguments (the plain kernel keeps exactly its own struct).
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const ParamGradArgs<acc_t> a) {
+struct SampleParamGradArgs : ParamGradArgs<acc_t> {
+  const acc_t* scale;      // (N, C) contiguous; null: gain 1
+  ParamRef weight, bias;   // for grad_scale
+  GradRef dscale, dshift;  // (N, C) contiguous; null: not requested
+  int64_t N;
+};
+
+template <typename acc_t, bool PER_SAMPLE>
+__global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(
+    const std::conditional_t<PER_SAMPLE, SampleParamGradArgs<acc_t>, ParamGradArgs<acc_t>> a) {
   constexpr int kWarps = kThreads / kWarp;
   __shared__ acc_t sw[kThreads];
   __shared__ acc_t sb[kThreads];
@@ -907,13 +923,38 @@ __global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const Pa
     acc_t dw = acc_t(0), db = acc_t(0);
     if (c < a.C) {
       const int64_t g = div_nn(c, a.D);
+      if constexpr (PER_SAMPLE) {
+        const acc_t w = load_param(a.weight, c, acc_t(1));
+        const acc_t b = load_param(a.bias, c, acc_t(0));
+        for (int64_t n = warp; n < a.N; n += kWarps) {
+          const acc_t* p = a.part_c + (n * a.split * a.C + c) * 2;  // entry (n, 0)
+          acc_t db_n = acc_t(0), dsc_n = acc_t(0);
 #pragma unroll 4
-      for (int64_t e = warp; e < a.entries; e += kWarps) {
-        const int64_t n = div_nn(e, a.split);
-        const acc_t* p = a.part_c + (e * a.C + c) * 2;  // e = n * split + k
-        const acc_t* rec = a.rec + (n * a.G + g) * kRec;
-        db += p[0];
-        dw += rec[2] * (p[1] - rec[1] * p[0]);
+          for (int64_t k = 0; k < a.split; ++k) {
+            db_n += p[k * a.C * 2];
+            dsc_n += p[k * a.C * 2 + 1];
+          }
+          const acc_t* rec = a.rec + (n * a.G + g) * kRec;
+          const acc_t xs = rec[2] * (dsc_n - rec[1] * db_n);
+          const int64_t nc = n * a.C + c;
+          const acc_t gain = a.scale == nullptr ? acc_t(1) : acc_t(1) + a.scale[nc];
+          dw += gain * xs;
+          db += gain * db_n;
+          store_grad(a.dshift, nc, db_n);
+          if (a.dscale.ptr != nullptr) {
+            // w is 1 without a weight (w * xs == xs exactly); without a bias there is no db term.
+            store_grad(a.dscale, nc, a.bias.ptr != nullptr ? w * xs + b * db_n : w * xs);
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int64_t e = warp; e < a.entries; e += kWarps) {
+          const int64_t n = div_nn(e, a.split);
+          const acc_t* p = a.part_c + (e * a.C + c) * 2;  // e = n * split + k
+          const acc_t* rec = a.rec + (n * a.G + g) * kRec;
+          db += p[0];
+          dw += rec[2] * (p[1] - rec[1] * p[0]);
+        }
       }
     }
     sw[threadIdx.x] = dw;
@@ -1607,26 +1648,6 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 }
 
-// grad_weight, grad_bias, grad_scale and grad_shift from the per-(n, k, c) partials of the reduce
-// pass (sums of dp and dp * (x - m)), summed over the chunks k in float64 with ATen (fixed-order
-// reductions: deterministic, and no host synchronisation). Used where finalize_param_grads_kernel
-// does not fit: with a scale, each sample's share of grad_weight / grad_bias is weighted by
-// 1 + scale[n, c], and grad_scale / grad_shift are per (n, c).
-void param_grads_from_partials(const Partials& p, const at::Tensor& rec, const at::Tensor& rstd,
-    const at::Tensor& weight, const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh,
-    FusedGrads& g) {
-  const at::Tensor sums = p.part_c.view({sh.N, p.split, sh.C, 2}).to(at::kDouble).sum(1);  // (N, C, 2)
-  const at::Tensor db = sums.select(2, 0);
-  // As in finalize_param_grads_kernel, recentre sum dp * (x - m) on the true mean: delta per (n, g).
-  const at::Tensor delta = rec.view({sh.N, sh.G, 1, kRec})
-                               .select(3, 1)
-                               .to(at::kDouble)
-                               .expand({sh.N, sh.G, sh.D})
-                               .reshape({sh.N, sh.C});
-  const at::Tensor dsc = sums.select(2, 1) - delta * db;
-  param_grads_from_channel_sums(db, dsc, rstd, OptTensor(weight), OptTensor(bias), ep, sh, g);
-}
-
 // Fills the requested entries of `g` (mask in schema order: input, weight, bias, scale, shift,
 // residual, multiplier). The plain op comes here with an empty epilogue and mask[3..6] false, and
 // then runs exactly the EPI = false kernels it always ran.
@@ -1661,9 +1682,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     finalize_grad_coefs_kernel<acc_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    if (ep.scale.defined() || mask[3] || mask[4]) {
-      if (want_params) param_grads_from_partials(p, rec, rstd, weight, bias, ep, sh, g);
-    } else if (mask[1] || mask[2]) {
+    if (want_params) {
       ParamGradArgs<acc_t> pg{};
       pg.part_c = p.part_c.data_ptr<acc_t>();
       pg.rec = rec.data_ptr<acc_t>();
@@ -1674,7 +1693,21 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
       pg.D = sh.D;
       pg.split = p.split;
       pg.entries = sh.N * p.split;
-      finalize_param_grads_kernel<acc_t><<<grid_for(ceil_div(sh.C, kWarp)), kThreads, 0, stream>>>(pg);
+      const int grid = grid_for(ceil_div(sh.C, kWarp));
+      if (ep.scale.defined() || mask[3] || mask[4]) {
+        // With a scale each sample's share is weighted by 1 + scale[n, c], and grad_scale /
+        // grad_shift are per (n, c).
+        SampleParamGradArgs<acc_t> ps{pg};
+        ps.scale = ep.scale.defined() ? ep.scale.data_ptr<acc_t>() : nullptr;
+        ps.weight = param_ref<scalar_t>(weight);
+        ps.bias = param_ref<scalar_t>(bias);
+        ps.dscale = GradRef{mask[3] ? g.scale.data_ptr() : nullptr, g.scale.scalar_type()};
+        ps.dshift = GradRef{mask[4] ? g.shift.data_ptr() : nullptr, g.shift.scalar_type()};
+        ps.N = sh.N;
+        finalize_param_grads_kernel<acc_t, true><<<grid, kThreads, 0, stream>>>(ps);
+      } else {
+        finalize_param_grads_kernel<acc_t, false><<<grid, kThreads, 0, stream>>>(pg);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   } else {
