@@ -24,8 +24,9 @@
 //   4. apply:    dx = w[c]*rstd*dy + b1 * ((x - m) - delta) + b2.
 //
 // The fused epilogue (scale/shift per (n, c), residual, activation, multiplier; epilogue.h) rides
-// on the same launches, through one `EPI` instantiation of the apply kernels and of the backward
-// reduce kernels; the plain ops use the EPI = false instantiations, i.e. exactly the code above.
+// on the same launches, through `EPI` instantiations of the backward reduce kernels and the
+// EpiForward / EpiBackward ones of the apply kernels (ApplyMode); the plain ops use the EPI = false
+// and Plain instantiations, i.e. exactly the code above.
 //   Forward: the statistics are those of x alone; only the apply pass changes. scale and shift
 //     fold into its per-(n, c) coefficients, b = rstd * w * (1 + scale), c = bias * (1 + scale)
 //     + shift, so that p = b * ((x - K) - mean') + c + residual and y = act(p) * multiplier.
@@ -35,11 +36,12 @@
 //     statistics, and weights the dx sums by w_eff; the finalize passes are unchanged; the apply
 //     pass makes dp again and writes dx, grad_residual = dp and grad_multiplier = dz * act(p).
 //     The per-(n, c) sums of dp and dp * (x - m) that the reduce pass leaves for the parameter
-//     gradients then give grad_weight, grad_bias, grad_scale and grad_shift, in float64 with ATen
-//     on the host side when scale is present or grad_scale / grad_shift are wanted (they are per
-//     (n, c) and weighted per sample), and by pass 3 otherwise.
-//   Which operands are present and the activation are uniform run-time choices (null pointers, a
-//   switch), not template parameters: that keeps the instantiations to one more per kernel.
+//     gradients then give grad_weight, grad_bias, grad_scale and grad_shift in pass 3, through its
+//     PER_SAMPLE instantiation when scale is present or grad_scale / grad_shift are wanted (they
+//     are per (n, c) and weighted per sample).
+//   Which operands are present is a uniform run-time choice (null pointers), not a template
+//   parameter. The activation is dispatched once per row in the ChannelsFirst apply pass to an
+//   element loop compiled for it (with_activation; a run-time switch per element elsewhere).
 //
 // Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
 // grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an
@@ -253,11 +255,76 @@ __device__ __forceinline__ Affine<acc_t> modulate(const EpiArgs<scalar_t>& e, in
   return m;
 }
 
+// The activation of an EPI element loop as a template argument A: an Activation fixed at compile
+// time (the switch of activation_forward / activation_derivative folds away, so the loop is
+// straight-line code whose elements the scheduler can interleave, holding only that activation's
+// temporaries), or kAnyAct: the run-time switch per element.
+constexpr int kAnyAct = -1;
+
+template <Activation A>
+using ActConst = std::integral_constant<int, static_cast<int>(A)>;
+
+template <int A>
+__device__ __forceinline__ Activation act_of(Activation runtime) {
+  return A == kAnyAct ? runtime : static_cast<Activation>(A);
+}
+
+// Calls f(std::integral_constant<int, A>{}) with `act` as a compile-time A: one uniform branch per
+// row or tile instead of a switch per element. Each activation listed here is one more copy of
+// the caller's element loop in every EPI kernel, and a kernel's register count is that of its
+// largest copy: the cheap and common ones only (GELU's and GELUTanh's loops, each near the
+// register cap alone, spilled together); the others share the kAnyAct loop.
+template <typename F>
+__device__ __forceinline__ void with_activation(Activation act, const F& f) {
+  switch (act) {
+    case Activation::None:
+      f(ActConst<Activation::None>{});
+      break;
+    case Activation::SiLU:
+      f(ActConst<Activation::SiLU>{});
+      break;
+    case Activation::ReLU:
+      f(ActConst<Activation::ReLU>{});
+      break;
+    default:
+      f(std::integral_constant<int, kAnyAct>{});
+  }
+}
+
+// activation_forward / activation_derivative on the device. SiLU in float takes __expf (MUFU.EX2)
+// and the approximate division (MUFU.RCP) instead of expf and an IEEE division: those cost ~25
+// instructions per element, in passes that should run at memory speed. The error is a few ulp
+// near 0, growing with |p| as __expf's (relative ~1e-5 near p = -80, where silu is ~1e-33): far
+// below half / bf16 rounding. The extremes are those of epilogue.h's formulas: for p < -88.7,
+// 1 + exp(-p) = inf and the division is p * 0, -0 for finite p and NaN for p = -inf (as torch's
+// -inf / inf); p = +inf gives inf (silu) and 1 (silu'); NaN gives NaN. (The approximate division
+// also returns 0 for divisors in (2^126, 2^128), where the exact quotient is below 1e-36.)
+// double keeps the exact formulas.
+template <typename T>
+__device__ __forceinline__ T device_activation_forward(Activation a, T p, T slope) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (a == Activation::SiLU) return __fdividef(p, 1.0f + __expf(-p));
+  }
+  return activation_forward(a, p, slope);
+}
+
+template <typename T>
+__device__ __forceinline__ T device_activation_derivative(Activation a, T p, T slope) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (a == Activation::SiLU) {
+      const float s = __fdividef(1.0f, 1.0f + __expf(-p));
+      return s * (1.0f + p * (1.0f - s));
+    }
+  }
+  return activation_derivative(a, p, slope);
+}
+
 // dp from dzm = dz * multiplier. The reduce and apply passes both call this, on the same p, so
 // that the sums behind the dx coefficients are sums of the dp that dx is made of.
-template <typename acc_t>
-__device__ __forceinline__ acc_t grad_at_p(Activation act, acc_t slope, acc_t dzm, acc_t p) {
-  return act == Activation::None ? dzm : dzm * activation_derivative(act, p, slope);
+template <int A, typename acc_t>
+__device__ __forceinline__ acc_t grad_at_p(Activation runtime_act, acc_t slope, acc_t dzm, acc_t p) {
+  const Activation act = act_of<A>(runtime_act);
+  return act == Activation::None ? dzm : dzm * device_activation_derivative(act, p, slope);
 }
 
 template <typename T>
@@ -300,7 +367,7 @@ __device__ __forceinline__ void dz_to_dp(const EpiArgs<scalar_t>& e, const scala
     for (int j = 0; j < V; ++j) {
       const int l = L == 1 ? 0 : j;
       const acc_t p = (ea[l] * (x[u][j] - center[l]) + pc[l]) + r[u][j];
-      d[u][j] = grad_at_p(e.act, e.slope, d[u][j] * m[u][j], p);
+      d[u][j] = grad_at_p<kAnyAct>(e.act, e.slope, d[u][j] * m[u][j], p);
     }
   }
 }
@@ -885,6 +952,12 @@ __global__ void __launch_bounds__(kThreads) finalize_grad_coefs_kernel(const Gra
 // Pass 3, backward: grad_weight[c] = sum_n rstd * (dsc - delta * db), grad_bias[c] = sum_n db,
 // from the per-(n, k, c) partials. A block takes 32 channels (lanes, coalesced) and spreads the
 // (n, k) entries over its 8 warps; the warps' sums are added in a fixed order.
+// PER_SAMPLE (a scale, or grad_scale / grad_shift wanted): the gradients are per (n, c) first,
+//   db = sum_k part_c[n, k, c, 0],  xs = rstd * (sum_k part_c[n, k, c, 1] - delta * db)
+// (xs = sum_s dp * xhat), giving grad_shift[n, c] = db, grad_scale[n, c] = w[c] * xs + b[c] * db,
+// and grad_weight / grad_bias sum (1 + scale[n, c]) * xs / db over n: the warps then take whole
+// samples (their chunks in order) rather than entries. One launch instead of a chain of small
+// host-side ops, whose launch overhead dominated the fused backward of small inputs.
 
 template <typename acc_t>
 struct ParamGradArgs {
@@ -894,8 +967,18 @@ struct ParamGradArgs {
   int64_t C, G, D, split, entries;  // entries = N * split
 };
 
+// The PER_SAMPLE kernel's arguments (the plain kernel keeps exactly its own struct).
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const ParamGradArgs<acc_t> a) {
+struct SampleParamGradArgs : ParamGradArgs<acc_t> {
+  const acc_t* scale;      // (N, C) contiguous; null: gain 1
+  ParamRef weight, bias;   // for grad_scale
+  GradRef dscale, dshift;  // (N, C) contiguous; null: not requested
+  int64_t N;
+};
+
+template <typename acc_t, bool PER_SAMPLE>
+__global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(
+    const std::conditional_t<PER_SAMPLE, SampleParamGradArgs<acc_t>, ParamGradArgs<acc_t>> a) {
   constexpr int kWarps = kThreads / kWarp;
   __shared__ acc_t sw[kThreads];
   __shared__ acc_t sb[kThreads];
@@ -907,13 +990,38 @@ __global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const Pa
     acc_t dw = acc_t(0), db = acc_t(0);
     if (c < a.C) {
       const int64_t g = div_nn(c, a.D);
+      if constexpr (PER_SAMPLE) {
+        const acc_t w = load_param(a.weight, c, acc_t(1));
+        const acc_t b = load_param(a.bias, c, acc_t(0));
+        for (int64_t n = warp; n < a.N; n += kWarps) {
+          const acc_t* p = a.part_c + (n * a.split * a.C + c) * 2;  // entry (n, 0)
+          acc_t db_n = acc_t(0), dsc_n = acc_t(0);
 #pragma unroll 4
-      for (int64_t e = warp; e < a.entries; e += kWarps) {
-        const int64_t n = div_nn(e, a.split);
-        const acc_t* p = a.part_c + (e * a.C + c) * 2;  // e = n * split + k
-        const acc_t* rec = a.rec + (n * a.G + g) * kRec;
-        db += p[0];
-        dw += rec[2] * (p[1] - rec[1] * p[0]);
+          for (int64_t k = 0; k < a.split; ++k) {
+            db_n += p[k * a.C * 2];
+            dsc_n += p[k * a.C * 2 + 1];
+          }
+          const acc_t* rec = a.rec + (n * a.G + g) * kRec;
+          const acc_t xs = rec[2] * (dsc_n - rec[1] * db_n);
+          const int64_t nc = n * a.C + c;
+          const acc_t gain = a.scale == nullptr ? acc_t(1) : acc_t(1) + a.scale[nc];
+          dw += gain * xs;
+          db += gain * db_n;
+          store_grad(a.dshift, nc, db_n);
+          if (a.dscale.ptr != nullptr) {
+            // w is 1 without a weight (w * xs == xs exactly); without a bias there is no db term.
+            store_grad(a.dscale, nc, a.bias.ptr != nullptr ? w * xs + b * db_n : w * xs);
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int64_t e = warp; e < a.entries; e += kWarps) {
+          const int64_t n = div_nn(e, a.split);
+          const acc_t* p = a.part_c + (e * a.C + c) * 2;  // e = n * split + k
+          const acc_t* rec = a.rec + (n * a.G + g) * kRec;
+          db += p[0];
+          dw += rec[2] * (p[1] - rec[1] * p[0]);
+        }
       }
     }
     sw[threadIdx.x] = dw;
@@ -939,6 +1047,12 @@ __global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(const Pa
 // EPI: w and bias are w_eff[n, c] and b_eff[n, c] (modulate), and the epilogue works per element
 // (apply_epi_pack); in the backward `out` (dx) may then be null, when only grad_residual or
 // grad_multiplier are wanted.
+
+// Which pass an instantiation of the apply kernels makes. Plain: the plain ops' forward or
+// backward (by whether dy is null), exactly their code: the EPI branches compile away. The fused
+// ops take EpiForward / EpiBackward, a compile-time direction, so that the forward neither
+// carries the backward's registers nor pays for them in occupancy.
+enum class ApplyMode { Plain, EpiForward, EpiBackward };
 
 template <typename acc_t>
 struct Coef {
@@ -985,28 +1099,30 @@ __device__ __forceinline__ scalar_t apply_one(const Coef<acc_t>& k, acc_t x, acc
 // One pack of the EPI apply pass, written at pack index v of out, grad_residual, grad_multiplier
 // (those that are not null). Lane j uses k[j] and pc[j] (L == V) or k[0] and pc[0] (L == 1); pc is
 // the folded bias b_eff, which the backward needs for p. rp / mp are read only where the
-// residual / multiplier pointer of `e` is not null.
+// residual / multiplier pointer of `e` is not null; dp only in the backward. A: see kAnyAct.
 //   forward:  p = b * ((x - hi) - lo) + c + residual, out = act(p) * multiplier;
 //   backward: dp = dz * multiplier * act'(p) with p = a * (x - m) + pc + residual (as in dz_to_dp),
 //             dx = a * dp + b1 * ((x - m) - delta) + b2 (apply_one's arithmetic on dp),
 //             grad_residual = dp, grad_multiplier = dz * act(p).
-template <int V, int L, typename scalar_t, typename acc_t>
-__device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e, bool backward,
+template <ApplyMode M, int A, int V, int L, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
     const Coef<acc_t> (&k)[L], const acc_t (&pc)[L], const Pack<scalar_t, V>& xp,
     const Pack<scalar_t, V>& dp, const Pack<scalar_t, V>& rp, const Pack<scalar_t, V>& mp,
     Pack<scalar_t, V>* out, Pack<scalar_t, V>* grad_residual, Pack<scalar_t, V>* grad_multiplier,
     int64_t v) {
+  static_assert(M != ApplyMode::Plain, "the plain kernels compute in apply_one");
+  const Activation act = act_of<A>(e.act);
   const bool has_r = e.residual != nullptr;
   const bool has_m = e.multiplier != nullptr;
   Pack<scalar_t, V> o, gr, gm;
-  if (!backward) {
+  if constexpr (M == ApplyMode::EpiForward) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const Coef<acc_t>& kj = k[L == 1 ? 0 : j];
       const acc_t x = static_cast<acc_t>(xp.v[j]);
       acc_t p = kj.b * ((x - kj.hi) - kj.lo) + kj.c;
       if (has_r) p += static_cast<acc_t>(rp.v[j]);
-      acc_t z = activation_forward(e.act, p, e.slope);
+      acc_t z = device_activation_forward(act, p, e.slope);
       if (has_m) z *= static_cast<acc_t>(mp.v[j]);
       o.v[j] = static_cast<scalar_t>(z);
     }
@@ -1015,7 +1131,7 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e, bool 
   }
   // p is needed for act'(p), and for grad_multiplier = dz * act(p) (act(p) = p without activation).
   const bool want_gm = grad_multiplier != nullptr;
-  const bool need_p = e.act != Activation::None || want_gm;
+  const bool need_p = act != Activation::None || want_gm;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int l = L == 1 ? 0 : j;
@@ -1027,8 +1143,8 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e, bool 
     if (need_p) {
       const acc_t r = has_r ? static_cast<acc_t>(rp.v[j]) : acc_t(0);
       const acc_t p = (k[l].a * xc + pc[l]) + r;
-      g = grad_at_p(e.act, e.slope, g, p);
-      if (want_gm) q = activation_forward(e.act, p, e.slope);
+      g = grad_at_p<A>(act, e.slope, g, p);
+      if (want_gm) q = device_activation_forward(act, p, e.slope);
     }
     o.v[j] = static_cast<scalar_t>(k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c));
     gr.v[j] = static_cast<scalar_t>(g);
@@ -1039,52 +1155,71 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e, bool 
   if (want_gm) grad_multiplier[v] = gm;
 }
 
+// Packs per operand stream in flight per thread in the EPI apply kernels (LANES: the ChannelsLast
+// kernel, which keeps per-lane coefficients). The forward carries at most three input streams (x,
+// residual, multiplier), no dz, and with a compile-time activation A few temporaries: it takes
+// kUnroll where ptxas shows that it fits the register cap without spills, i.e. for packs of fewer
+// than 8 lanes (ChannelsLast, whose loop has no compile-time activation yet: single elements).
+// With 8 lanes of half / bf16 it reaches the cap
+// alone and spills beside the other activations' copies; there, in the kAnyAct loop (the union of
+// the activations' temporaries) and in the backward (four input streams, three outputs), the
+// unroll stays kEpiUnroll / epi_unroll_lanes.
+template <ApplyMode M, int A, int V, bool LANES>
+constexpr int epi_apply_unroll() {
+  if (M == ApplyMode::EpiForward && A != kAnyAct && (LANES ? V == 1 : V < 8)) return kUnroll;
+  return LANES ? epi_unroll_lanes<V>() : kEpiUnroll;
+}
+
 // The EPI part of apply_rows_kernel: packs [v_begin, v_end) by tx_count of row r = (n, c).
-template <int V, typename scalar_t>
+template <ApplyMode M, int V, typename scalar_t>
 __device__ __forceinline__ void apply_row_epi(const WithEpi<ApplyArgs<scalar_t>, scalar_t>& a,
-    int64_t r, int64_t c, int64_t v_begin, int64_t v_end, int64_t tx_count, bool backward) {
+    int64_t r, int64_t c, int64_t v_begin, int64_t v_end, int64_t tx_count) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  constexpr int U = kEpiUnroll;
+  constexpr bool kBackward = M == ApplyMode::EpiBackward;
   // scale and shift are indexed by r = n * C + c.
   const Affine<acc_t> m =
       modulate(a.epi, r, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
-  const Coef<acc_t> coef[1] = {make_coef(a.rec + div_nn(r, a.D) * kRec, backward, m.w, m.b)};
+  const Coef<acc_t> coef[1] = {make_coef(a.rec + div_nn(r, a.D) * kRec, kBackward, m.w, m.b)};
   const acc_t pc[1] = {m.b};
   const int64_t off = r * a.len;
   const P* xr = reinterpret_cast<const P*>(a.x + off);
-  const P* dyr = reinterpret_cast<const P*>(backward ? a.dy + off : a.x + off);
+  const P* dyr = reinterpret_cast<const P*>(kBackward ? a.dy + off : a.x + off);
   const P* rr = reinterpret_cast<const P*>(offset_or_null(a.epi.residual, off));
   const P* mr = reinterpret_cast<const P*>(offset_or_null(a.epi.multiplier, off));
   P* outr = reinterpret_cast<P*>(offset_or_null(a.out, off));
   P* grr = reinterpret_cast<P*>(offset_or_null(a.epi.grad_residual, off));
   P* gmr = reinterpret_cast<P*>(offset_or_null(a.epi.grad_multiplier, off));
-  for (int64_t v0 = v_begin; v0 < v_end; v0 += U * tx_count) {
-    P xp[U], dp[U], rp[U], mp[U];
+  with_activation(a.epi.act, [&](auto act) {
+    constexpr int kA = decltype(act)::value;
+    constexpr int U = epi_apply_unroll<M, kA, V, false>();
+    for (int64_t v0 = v_begin; v0 < v_end; v0 += U * tx_count) {
+      P xp[U], dp[U], rp[U], mp[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * tx_count;
-      if (v < v_end) {
-        xp[u] = xr[v];
-        if (backward) dp[u] = dyr[v];
-        if (rr != nullptr) rp[u] = rr[v];
-        if (mr != nullptr) mp[u] = mr[v];
+      for (int u = 0; u < U; ++u) {
+        const int64_t v = v0 + u * tx_count;
+        if (v < v_end) {
+          xp[u] = xr[v];
+          if (kBackward) dp[u] = dyr[v];
+          if (rr != nullptr) rp[u] = rr[v];
+          if (mr != nullptr) mp[u] = mr[v];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t v = v0 + u * tx_count;
+        if (v < v_end) {
+          apply_epi_pack<M, kA, V, 1>(a.epi, coef, pc, xp[u], dp[u], rp[u], mp[u], outr, grr, gmr, v);
+        }
       }
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * tx_count;
-      if (v < v_end) {
-        apply_epi_pack<V, 1>(a.epi, backward, coef, pc, xp[u], dp[u], rp[u], mp[u], outr, grr, gmr, v);
-      }
-    }
-  }
+  });
 }
 
 // ChannelsFirst with S > 1: a row (n, c) has one coefficient set.
-template <typename scalar_t, int V, bool EPI>
+template <typename scalar_t, int V, ApplyMode M>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
-    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI> a) {
+    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   const bool backward = a.dy != nullptr;
@@ -1099,8 +1234,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
     const int64_t r = (rb << log_ty) + ty;
     if (r >= a.rows) continue;
     const int64_t c = r - div_nn(r, a.C) * a.C;
-    if constexpr (EPI) {
-      apply_row_epi<V>(a, r, c, k * a.chunk + tx, imin(lenv, (k + 1) * a.chunk), tx_count, backward);
+    if constexpr (M != ApplyMode::Plain) {
+      apply_row_epi<M, V>(a, r, c, k * a.chunk + tx, imin(lenv, (k + 1) * a.chunk), tx_count);
       continue;
     }
     const Coef<acc_t> coef = make_coef(a.rec + div_nn(r, a.D) * kRec, backward,
@@ -1140,12 +1275,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
 // channels for a whole tile of rows, so w[c], b[c] and the group of each lane are loaded once per
 // tile; the per-(n, g) coefficients are reloaded only when the row enters another sample (with
 // EPI they are per (n, c), which the same reload covers).
-template <typename scalar_t, int V, bool EPI>
+template <typename scalar_t, int V, ApplyMode M>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
-    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI> a) {
+    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  const bool backward = a.dy != nullptr;
+  constexpr bool EPI = M != ApplyMode::Plain;
+  const bool backward = EPI ? M == ApplyMode::EpiBackward : a.dy != nullptr;
   const int log_ty = kLogThreads - a.log_tx;
   const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
   const int ty = threadIdx.x >> a.log_tx;
@@ -1154,7 +1290,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
   const P* xp = reinterpret_cast<const P*>(a.x);
   const P* dyp = reinterpret_cast<const P*>(backward ? a.dy : a.x);
   P* outp = reinterpret_cast<P*>(a.out);
-  constexpr int U = EPI ? epi_unroll_lanes<V>() : kUnroll;
+  // The activation stays a run-time switch here: hoisting it (a row loop per activation, as in
+  // apply_row_epi) through a closure shared with the plain path changed the plain kernel's code.
+  constexpr int U = EPI ? epi_apply_unroll<M, kAnyAct, V, true>() : kUnroll;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t rt = t / ncb;
     const int64_t cb = t - rt * ncb;
@@ -1214,7 +1352,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
             }
           }
           if constexpr (EPI) {
-            apply_epi_pack<V, V>(a.epi, backward, coef, pc, xv[u], dv[u], rv[u], mv[u], outp,
+            apply_epi_pack<M, kAnyAct, V, V>(a.epi, coef, pc, xv[u], dv[u], rv[u], mv[u], outp,
                 reinterpret_cast<P*>(a.epi.grad_residual), reinterpret_cast<P*>(a.epi.grad_multiplier),
                 r * cvn + cv);
           } else {
@@ -1346,18 +1484,28 @@ void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a) 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, int V, bool EPI>
-void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI>& a) {
+template <typename scalar_t, int V, ApplyMode M>
+void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  apply_rows_kernel<scalar_t, V, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  apply_rows_kernel<scalar_t, V, M><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, int V, bool EPI>
-void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, EPI>& a) {
+template <typename scalar_t, int V, ApplyMode M>
+void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  apply_cols_kernel<scalar_t, V, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  apply_cols_kernel<scalar_t, V, M><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Calls f(std::integral_constant<ApplyMode, M>{}) with the EPI apply mode of the direction.
+template <typename F>
+void with_epi_mode(bool backward, const F& f) {
+  if (backward) {
+    f(std::integral_constant<ApplyMode, ApplyMode::EpiBackward>{});
+  } else {
+    f(std::integral_constant<ApplyMode, ApplyMode::EpiForward>{});
+  }
 }
 
 // The epilogue's operands as the kernels take them. The residual is passed only where p is
@@ -1528,15 +1676,17 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     a.tiles = t.tiles;
     a.log_tx = t.log_tx;
     if (epi != nullptr) {
-      if (vec) {
-        launch_apply_rows<scalar_t, VW, true>(with_epi());
-      } else {
-        launch_apply_rows<scalar_t, 1, true>(with_epi());
-      }
+      with_epi_mode(a.dy != nullptr, [&](auto mode) {
+        if (vec) {
+          launch_apply_rows<scalar_t, VW, decltype(mode)::value>(with_epi());
+        } else {
+          launch_apply_rows<scalar_t, 1, decltype(mode)::value>(with_epi());
+        }
+      });
     } else if (vec) {
-      launch_apply_rows<scalar_t, VW, false>(a);
+      launch_apply_rows<scalar_t, VW, ApplyMode::Plain>(a);
     } else {
-      launch_apply_rows<scalar_t, 1, false>(a);
+      launch_apply_rows<scalar_t, 1, ApplyMode::Plain>(a);
     }
   } else {
     a.rows = sh.N * sh.S;
@@ -1556,15 +1706,17 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     a.tiles = t.tiles;
     a.log_tx = t.log_tx;
     if (epi != nullptr) {
-      if (vec) {
-        launch_apply_cols<scalar_t, VE, true>(with_epi());
-      } else {
-        launch_apply_cols<scalar_t, 1, true>(with_epi());
-      }
+      with_epi_mode(a.dy != nullptr, [&](auto mode) {
+        if (vec) {
+          launch_apply_cols<scalar_t, VE, decltype(mode)::value>(with_epi());
+        } else {
+          launch_apply_cols<scalar_t, 1, decltype(mode)::value>(with_epi());
+        }
+      });
     } else if (vec) {
-      launch_apply_cols<scalar_t, VW, false>(a);
+      launch_apply_cols<scalar_t, VW, ApplyMode::Plain>(a);
     } else {
-      launch_apply_cols<scalar_t, 1, false>(a);
+      launch_apply_cols<scalar_t, 1, ApplyMode::Plain>(a);
     }
   }
 }
@@ -1616,36 +1768,14 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 }
 
-// grad_weight, grad_bias, grad_scale and grad_shift from the per-(n, k, c) partials of the reduce
-// pass (sums of dp and dp * (x - m)), summed over the chunks k in float64 with ATen (fixed-order
-// reductions: deterministic, and no host synchronisation). Used where finalize_param_grads_kernel
-// does not fit: with a scale, each sample's share of grad_weight / grad_bias is weighted by
-// 1 + scale[n, c], and grad_scale / grad_shift are per (n, c).
-void param_grads_from_partials(const Partials& p, const at::Tensor& rec, const at::Tensor& rstd,
-    const at::Tensor& weight, const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh,
-    FusedGrads& g) {
-  const at::Tensor sums = p.part_c.view({sh.N, p.split, sh.C, 2}).to(at::kDouble).sum(1);  // (N, C, 2)
-  const at::Tensor db = sums.select(2, 0);
-  // As in finalize_param_grads_kernel, recentre sum dp * (x - m) on the true mean: delta per (n, g).
-  const at::Tensor delta = rec.view({sh.N, sh.G, 1, kRec})
-                               .select(3, 1)
-                               .to(at::kDouble)
-                               .expand({sh.N, sh.G, sh.D})
-                               .reshape({sh.N, sh.C});
-  const at::Tensor dsc = sums.select(2, 1) - delta * db;
-  param_grads_from_channel_sums(db, dsc, rstd, OptTensor(weight), OptTensor(bias), ep, sh, g);
-}
-
 // grad_weight, grad_bias, grad_scale, grad_shift (those `mask` asks for) from the per-(n, k, c)
 // partials and the (n, g) records of either backward path.
-template <typename acc_t>
-void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor& rstd,
-    const at::Tensor& weight, const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh,
-    const FusedGradMask& mask, FusedGrads& g) {
-  if (ep.scale.defined() || mask[3] || mask[4]) {
-    param_grads_from_partials(p, rec, rstd, weight, bias, ep, sh, g);
-    return;
-  }
+template <typename scalar_t>
+void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor& weight,
+    const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh, const FusedGradMask& mask,
+    FusedGrads& g) {
+  using acc_t = acc_type<scalar_t>;
+  const auto stream = at::cuda::getCurrentCUDAStream();
   ParamGradArgs<acc_t> pg{};
   pg.part_c = p.part_c.data_ptr<acc_t>();
   pg.rec = rec.data_ptr<acc_t>();
@@ -1656,8 +1786,21 @@ void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor
   pg.D = sh.D;
   pg.split = p.split;
   pg.entries = sh.N * p.split;
-  finalize_param_grads_kernel<acc_t>
-      <<<grid_for(ceil_div(sh.C, kWarp)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(pg);
+  const int grid = grid_for(ceil_div(sh.C, kWarp));
+  if (ep.scale.defined() || mask[3] || mask[4]) {
+    // With a scale each sample's share is weighted by 1 + scale[n, c], and grad_scale /
+    // grad_shift are per (n, c).
+    SampleParamGradArgs<acc_t> ps{pg};
+    ps.scale = ep.scale.defined() ? ep.scale.data_ptr<acc_t>() : nullptr;
+    ps.weight = param_ref<scalar_t>(weight);
+    ps.bias = param_ref<scalar_t>(bias);
+    ps.dscale = GradRef{mask[3] ? g.scale.data_ptr() : nullptr, g.scale.scalar_type()};
+    ps.dshift = GradRef{mask[4] ? g.shift.data_ptr() : nullptr, g.shift.scalar_type()};
+    ps.N = sh.N;
+    finalize_param_grads_kernel<acc_t, true><<<grid, kThreads, 0, stream>>>(ps);
+  } else {
+    finalize_param_grads_kernel<acc_t, false><<<grid, kThreads, 0, stream>>>(pg);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1680,7 +1823,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     Partials one;
     if (backward_one_pass<scalar_t>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
             one.part_c, rec)) {
-      if (want_params) param_grads_pass<acc_t>(one, rec, rstd, weight, bias, ep, sh, mask, g);
+      if (want_params) param_grads_pass<scalar_t>(one, rec, weight, bias, ep, sh, mask, g);
       return;
     }
   }
@@ -1703,7 +1846,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     finalize_grad_coefs_kernel<acc_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    if (want_params) param_grads_pass<acc_t>(p, rec, rstd, weight, bias, ep, sh, mask, g);
+    if (want_params) param_grads_pass<scalar_t>(p, rec, weight, bias, ep, sh, mask, g);
   } else {
     // Only grad_residual / grad_multiplier: they need p (hi = m, a = rstd * w_eff), not the dx
     // coefficients, so no reduction at all.

@@ -32,9 +32,9 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kOnePassThreads = 256;
-// Largest group (x and its tensor-sized operands, in bytes) taken by the one-pass kernels: up to 8
-// CTAs of a cluster share it, each holding at most kOnePassCtaBytes where it can (three CTAs of
-// 64 KB fit on an SM) and at most the opt-in shared-memory limit.
+// Largest group (x and its tensor-sized operands, in bytes) taken by the one-pass kernels: the CTAs
+// of a cluster share it, each holding at most kOnePassCtaBytes (three CTAs of 64 KB fit on an SM).
+// The one-CTA backward and devices without clusters take up to the opt-in shared-memory limit.
 constexpr int64_t kOnePassMaxBytes = 1 << 20;
 constexpr int64_t kOnePassCtaBytes = 64 * 1024;
 
@@ -51,9 +51,10 @@ OnePassLimit one_pass_limit() {
   return env != nullptr ? OnePassLimit{std::atoll(env), true} : OnePassLimit{kOnePassMaxBytes, false};
 }
 
-// Calls f(std::integral_constant<Activation, act>()): the activation as a template argument.
+// Calls f(std::integral_constant<Activation, act>()): the activation as a template argument of
+// the one-pass kernels (every activation: their loops are small).
 template <typename F>
-void with_activation(Activation act, const F& f) {
+void dispatch_activation(Activation act, const F& f) {
   switch (act) {
     case Activation::SiLU: return f(std::integral_constant<Activation, Activation::SiLU>());
     case Activation::GELU: return f(std::integral_constant<Activation, Activation::GELU>());
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
       coefficients(c_first + c);
       acc_t p = ((static_cast<acc_t>(xp.v[j]) - K) - shifted_mean) * ca + cb;
       if (r_smem != nullptr) p += static_cast<acc_t>(rp.v[j]);
-      acc_t z = activation_forward(A, p, e.slope);
+      acc_t z = device_activation_forward(A, p, e.slope);
       if (m_smem != nullptr) z *= static_cast<acc_t>(mp.v[j]);
       o.v[j] = static_cast<scalar_t>(z);
     }
@@ -232,6 +233,7 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
     C10_CUDA_CHECK(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
   }
+  if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (a.cluster == 1) {
     kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, stream>>>(a);
@@ -254,14 +256,18 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
 }
 
 // CTAs per group for a group of `bytes` (x and its operands): enough that each CTA holds at most
-// kOnePassCtaBytes, and, while the CTAs would not fill the GPU, more (down to 16 KB a CTA), up to
-// the portable cluster size of 8 on devices with clusters (sm_90). 0: no cluster size fits.
+// kOnePassCtaBytes (with 128 KB a CTA, one per SM, an SM's loads stop while its CTA computes:
+// the 1 MB groups of the InstanceNorm problem ran at half the copy bandwidth), and, while the CTAs
+// would not fill the GPU, more (down to 16 KB a CTA). At most the portable cluster size of 8 on
+// devices with clusters (sm_90); FUSEDNORM_ONE_PASS_MAX_CLUSTER=16 allows H100's non-portable 16.
+// 0: no cluster fits.
 int one_pass_cluster(int64_t bytes, int64_t items, const cudaDeviceProp& prop) {
-  const int max_cluster = prop.major >= 9 ? 8 : 1;
+  const char* env = std::getenv("FUSEDNORM_ONE_PASS_MAX_CLUSTER");
+  const int max_cluster = prop.major < 9 ? 1 : env != nullptr ? std::atoi(env) : 8;
   int k = 1;
   while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
   while (k < max_cluster && items * k < prop.multiProcessorCount && bytes / (2 * k) >= 16 * 1024) k *= 2;
-  return ceil_div(bytes, k) <= static_cast<int64_t>(prop.sharedMemPerBlockOptin) ? k : 0;
+  return ceil_div(bytes, k) <= kOnePassCtaBytes || (k == 1 && bytes <= prop.sharedMemPerBlockOptin) ? k : 0;
 }
 
 // Runs the forward in one pass and returns true when the group fits (see above), the layout is
@@ -312,7 +318,7 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.chunk = ceil_div(len / V, cluster);
     a.eps = static_cast<acc_t>(eps);
     const size_t smem = static_cast<size_t>(streams * a.chunk * V * static_cast<int64_t>(sizeof(scalar_t)));
-    with_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
+    dispatch_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
     return true;
   }
 }
@@ -350,8 +356,8 @@ __device__ __forceinline__ acc_t one_pass_dp(const EpiArgs<scalar_t>& e, acc_t x
   acc_t g = dz * m;
   if (A != Activation::None || want_q) {
     const acc_t p = (ea * xc + pc) + r;
-    g = grad_at_p(A, e.slope, g, p);
-    if (want_q) q = activation_forward(A, p, e.slope);
+    g = grad_at_p<static_cast<int>(A)>(A, e.slope, g, p);
+    if (want_q) q = device_activation_forward(A, p, e.slope);
   }
   return g;
 }
@@ -591,7 +597,7 @@ bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     a.len = len;
     a.log_seg = sh.S == 1 ? 0 : static_cast<int>(std::min<int64_t>(kLogThreads, ceil_log2(sh.S / V)));
     const size_t bytes = static_cast<size_t>(smem);
-    with_activation(ep.activation, [&](auto act) {
+    dispatch_activation(ep.activation, [&](auto act) {
       launch_backward_one_pass<scalar_t, V, decltype(act)::value>(a, items, bytes);
     });
     return true;
