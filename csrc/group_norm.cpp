@@ -190,31 +190,4 @@ FusedGrads empty_fused_grads(
   return g;
 }
 
-void param_grads_from_channel_sums(
-    const at::Tensor& db,
-    const at::Tensor& dsc,
-    const at::Tensor& rstd,
-    const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias,
-    const Epilogue& ep,
-    const GroupNormShape& sh,
-    FusedGrads& grads) {
-  const auto f64 = at::kDouble;
-  // sum_s dp * xhat per (n, c): rstd of the channel's group times the centred sum.
-  const at::Tensor rstd_c =
-      rstd.to(f64).reshape({sh.N, sh.G, 1}).expand({sh.N, sh.G, sh.D}).reshape({sh.N, sh.C});
-  const at::Tensor xhat_sum = rstd_c * dsc;
-  const at::Tensor gain = ep.scale.defined() ? ep.scale.to(f64) + 1 : at::Tensor();
-  if (grads.weight.numel() > 0) {
-    grads.weight.copy_((gain.defined() ? gain * xhat_sum : xhat_sum).sum(0));
-  }
-  if (grads.bias.numel() > 0) grads.bias.copy_((gain.defined() ? gain * db : db).sum(0));
-  if (grads.shift.numel() > 0) grads.shift.copy_(db);
-  if (grads.scale.numel() > 0) {
-    at::Tensor g = defined(weight) ? xhat_sum * weight->to(f64) : xhat_sum;
-    if (defined(bias)) g = g + db * bias->to(f64);
-    grads.scale.copy_(g);
-  }
-}
-
 }  // namespace fusednorm

@@ -116,19 +116,4 @@ using FusedGradMask = std::array<bool, kNumFusedGrads>;
 FusedGrads empty_fused_grads(
     const at::Tensor& x, const GroupNormShape& shape, Layout layout, const FusedGradMask& mask);
 
-// The per-(n, c) gradients of the parameters, from the per-(n, c) sums over s of dp and of
-// dp * (x - mean) (the latter centred on the true mean, see the kernels), all in float64 (N, C):
-//   grad_weight[c] = sum_n (1 + scale) * rstd * dsc,   grad_bias[c] = sum_n (1 + scale) * db,
-//   grad_scale = weight * rstd * dsc + bias * db,      grad_shift = db.
-// Fills those of `grads` that are defined and non-empty. Deterministic (fixed-order sums).
-void param_grads_from_channel_sums(
-    const at::Tensor& db,
-    const at::Tensor& dsc,
-    const at::Tensor& rstd,
-    const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias,
-    const Epilogue& epilogue,
-    const GroupNormShape& shape,
-    FusedGrads& grads);
-
 }  // namespace fusednorm
