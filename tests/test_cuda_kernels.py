@@ -599,6 +599,7 @@ ONE_PASS_CASES = [
     ((2, 32, 40, 40), 2),     # group of 25600 elements: 100 KB in float32 (a cluster of 2 CTAs)
     ((2, 2, 256, 256), 2),    # D = 1, 256 KB in float32: clusters of 4 CTAs
     ((1, 8, 128, 128), 1),    # 512 KB in float32: clusters of 8 CTAs (the backward is split)
+    ((1, 16, 128, 128), 1),   # 1 MB in float32: clusters of 16 CTAs where the device has them
 ]
 
 

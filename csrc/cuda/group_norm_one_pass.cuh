@@ -20,8 +20,10 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
+#include <array>
 
 #include <cstdlib>
 #include <type_traits>
@@ -255,15 +257,50 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the device schedules clusters of 16 CTAs of kOnePassCtaBytes (H100's non-portable
+// maximum; 8 is the portable one). Asked once per device.
+bool clusters_of_16(const cudaDeviceProp& prop) {
+  static std::array<int, 64> known{};  // 0: not asked yet, 1: no, 2: yes
+  const int device = c10::cuda::current_device();
+  if (device >= static_cast<int>(known.size())) return false;
+  if (known[device] == 0) {
+    bool ok = false;
+    if (prop.major >= 9) {
+      auto kernel = group_norm_one_pass_kernel<float, 4, Activation::None>;
+      ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kOnePassCtaBytes) == cudaSuccess;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(16);
+      config.blockDim = dim3(kOnePassThreads);
+      config.dynamicSmemBytes = kOnePassCtaBytes;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 16;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int clusters = 0;
+      ok = ok && cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0;
+      (void)cudaGetLastError();  // a refused query must not surface at the next launch check
+    }
+    known[device] = ok ? 2 : 1;
+  }
+  return known[device] == 2;
+}
+
 // CTAs per group for a group of `bytes` (x and its operands): enough that each CTA holds at most
 // kOnePassCtaBytes (with 128 KB a CTA, one per SM, an SM's loads stop while its CTA computes:
 // the 1 MB groups of the InstanceNorm problem ran at half the copy bandwidth), and, while the CTAs
-// would not fill the GPU, more (down to 16 KB a CTA). At most the portable cluster size of 8 on
-// devices with clusters (sm_90); FUSEDNORM_ONE_PASS_MAX_CLUSTER=16 allows H100's non-portable 16.
-// 0: no cluster fits.
+// would not fill the GPU, more (down to 16 KB a CTA). Clusters exist from sm_90 on, of up to 8
+// CTAs, or 16 where the device schedules them (H100: the InstanceNorm problem's forward took
+// 6.8 ms with 16 CTAs of 64 KB against 7.7 ms split). FUSEDNORM_ONE_PASS_MAX_CLUSTER lowers the
+// limit. 0: no cluster fits.
 int one_pass_cluster(int64_t bytes, int64_t items, const cudaDeviceProp& prop) {
-  const char* env = std::getenv("FUSEDNORM_ONE_PASS_MAX_CLUSTER");
-  const int max_cluster = prop.major < 9 ? 1 : env != nullptr ? std::atoi(env) : 8;
+  int max_cluster = prop.major < 9 ? 1 : clusters_of_16(prop) ? 16 : 8;
+  if (const char* env = std::getenv("FUSEDNORM_ONE_PASS_MAX_CLUSTER")) {
+    max_cluster = std::max(1, std::min(max_cluster, std::atoi(env)));
+  }
   int k = 1;
   while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
   while (k < max_cluster && items * k < prop.multiProcessorCount && bytes / (2 * k) >= 16 * 1024) k *= 2;
