@@ -43,6 +43,10 @@
 //   parameter. The activation is dispatched once per row in the ChannelsFirst apply pass to an
 //   element loop compiled for it (with_activation; a run-time switch per element elsewhere).
 //
+// Groups that fit in shared memory (ChannelsFirst, 16-byte aligned) skip all of the above:
+// group_norm_one_pass.cuh reads them once, in one launch per direction (a cluster of CTAs shares a
+// large group in the forward). The passes above are the path for everything else.
+//
 // Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
 // grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an
 // order fixed by the shape (no atomics), so results are reproducible run to run. Temporaries come
