@@ -473,30 +473,57 @@ void forward_channels_first(
   });
 }
 
+// Channels-last chunks are walked in blocks of kChannelVecs vectors of channels, each block down
+// all rows of the chunk with its per-channel state in registers: a running state in memory would
+// cost a load and a store per vector, as much as the data.
+constexpr int kChannelVecs = 4;
+
+// Calls f(c0, count, u) for the vectors u < kChannelVecs of channels of the block starting at cb
+// (count: channels in the vector, the last one may be partial). The loop over u is unrolled, so
+// that the callers' per-vector state (arrays indexed by u) stays in registers; full blocks take a
+// path with no bounds checks.
+template <typename F>
+inline void for_block_vectors(int64_t cb, int64_t C, int64_t size, F f) {
+  if (cb + kChannelVecs * size <= C) {
+#pragma GCC unroll 4
+    for (int u = 0; u < kChannelVecs; ++u) f(cb + u * size, size, u);
+  } else {
+#pragma GCC unroll 4
+    for (int u = 0; u < kChannelVecs; ++u) {
+      const int64_t c0 = cb + u * size;
+      if (c0 < C) f(c0, std::min<int64_t>(size, C - c0), u);
+    }
+  }
+}
+
 // Per-channel sums over rows [r0, r1) of a channels-last sample: out[k * C + c] for K
 // accumulators. `f(acc, xv, yv, c0, count)` updates the accumulators of channels
-// [c0, c0 + count); lanes past `count` load as zeros and are never stored. Rows are walked in
-// memory order with the C running sums held in a small (L1-resident) buffer.
+// [c0, c0 + count); lanes past `count` load as zeros and are never stored. Each channel's rows are
+// added in row order.
 template <int K, typename T, typename Y = T, typename F>
 void reduce_channels(const T* x, const Y* y, int64_t r0, int64_t r1, int64_t C, double* out, F f) {
   using IO = VecIO<T>;
   using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
   using acc_t = typename IO::acc_t;
-  const int64_t padded = (C + IO::kSize - 1) / IO::kSize * IO::kSize;
-  std::vector<acc_t> acc_buf(K * padded, acc_t(0));
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t c0 = 0; c0 < C; c0 += IO::kSize) {
-      const int64_t count = std::min<int64_t>(IO::kSize, C - c0);
-      const int64_t off = r * C + c0;
-      std::array<Vec, K> acc;
-      for (int k = 0; k < K; ++k) acc[k] = Vec::loadu(&acc_buf[k * padded + c0]);
-      f(acc, IO::load(x + off, count), y ? YIO::load(y + off, count) : Vec(0), c0, count);
-      for (int k = 0; k < K; ++k) acc[k].store(&acc_buf[k * padded + c0]);
+  constexpr int64_t kSize = IO::kSize;
+  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+    std::array<std::array<Vec, K>, kChannelVecs> acc;
+    for (auto& a : acc) a.fill(Vec(0));
+    for (int64_t r = r0; r < r1; ++r) {
+      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+        const int64_t off = r * C + c0;
+        f(acc[u], IO::load(x + off, count), y ? YIO::load(y + off, count) : Vec(0), c0, count);
+      });
     }
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      for (int k = 0; k < K; ++k) {
+        acc_t buf[kSize];
+        acc[u][k].store(buf);
+        for (int64_t i = 0; i < count; ++i) out[k * C + c0 + i] = buf[i];
+      }
+    });
   }
-  for (int k = 0; k < K; ++k)
-    for (int64_t c = 0; c < C; ++c) out[k * C + c] = acc_buf[k * padded + c];
 }
 
 int64_t num_chunks(const GroupNormShape& sh) {
@@ -529,36 +556,59 @@ std::vector<double> channel_totals(const std::vector<double>& partial, const Gro
   return out;
 }
 
-// Moments of every group over one chunk of rows of a channels-last sample: the chunk (a few
-// tens of KB) is read twice, the second time from cache.
+// Moments of every group over one chunk of rows of a channels-last sample. Per block of channels
+// (a few KB: the second read comes from L1), each channel's moments are taken exactly in two
+// passes, the sum of x - x[r0] and then the sums of d and d^2 for d = x - m' (m' the channel mean
+// rounded to opmath, corrected by sum d); the channels are then merged into their groups with
+// Chan's formula in double.
 template <typename T>
 void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh, Moments* out) {
-  using acc_t = at::opmath_type<T>;
-  using Vec = typename VecIO<T>::Vec;
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  using acc_t = typename IO::acc_t;
+  constexpr int64_t kSize = IO::kSize;
   const int64_t C = sh.C, rows = r1 - r0;
-  std::vector<double> sums(C);
-  std::vector<acc_t> first(C), hi(C);
-  for (int64_t c = 0; c < C; ++c) first[c] = static_cast<acc_t>(xn[r0 * C + c]);
-  reduce_channels<1>(xn, static_cast<const T*>(nullptr), r0, r1, C, sums.data(),
-      [&first](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
-        acc[0] += xv - Vec::loadu(&first[c0], count);
+  std::vector<Moments> channel(C);
+  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+    std::array<Vec, kChannelVecs> first, sum, dsum, d2sum;
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      first[u] = IO::load(xn + r0 * C + c0, count);
+      sum[u] = Vec(0);
+    });
+    for (int64_t r = r0; r < r1; ++r) {
+      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+        sum[u] += IO::load(xn + r * C + c0, count) - first[u];
       });
-  for (int64_t g = 0; g < sh.G; ++g) {
-    double total = 0;
-    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) total += sums[c] + rows * static_cast<double>(first[c]);
-    out[g] = Moments{static_cast<double>(rows * sh.D), total / (rows * sh.D), 0.0};
-    const SplitMean<acc_t> m(out[g].mean);
-    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) hi[c] = m.hi;
-    // The lo part of the mean enters as in block_moments.
-    out[g].m2 = -out[g].n * double(m.lo) * m.lo;
+    }
+    std::array<Vec, kChannelVecs> mean;
+    const Vec inv(acc_t(1) / static_cast<acc_t>(rows));
+    for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) {
+      mean[u] = first[u] + sum[u] * inv;
+      dsum[u] = d2sum[u] = Vec(0);
+    });
+    for (int64_t r = r0; r < r1; ++r) {
+      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+        const Vec d = IO::load(xn + r * C + c0, count) - mean[u];
+        dsum[u] += d;
+        d2sum[u] = at::vec::fmadd(d, d, d2sum[u]);
+      });
+    }
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      acc_t m[kSize], ds[kSize], d2[kSize];
+      mean[u].store(m);
+      dsum[u].store(ds);
+      d2sum[u].store(d2);
+      for (int64_t i = 0; i < count; ++i) {
+        const double shift = double(ds[i]) / rows;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift,
+                                  std::max(double(d2[i]) - double(ds[i]) * shift, 0.0)};
+      }
+    });
   }
-  reduce_channels<1>(xn, static_cast<const T*>(nullptr), r0, r1, C, sums.data(),
-      [&hi](auto& acc, const Vec& xv, const Vec&, int64_t c0, int64_t count) {
-        const Vec d = xv - Vec::loadu(&hi[c0], count);
-        acc[0] += d * d;
-      });
-  for (int64_t c = 0; c < C; ++c) out[c / sh.D].m2 += sums[c];
-  for (int64_t g = 0; g < sh.G; ++g) out[g].m2 = std::max(out[g].m2, 0.0);
+  for (int64_t g = 0; g < sh.G; ++g) {
+    out[g] = Moments{};
+    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) out[g].merge(channel[c]);
+  }
 }
 
 template <typename T>
@@ -599,6 +649,26 @@ void forward_channels_last(
 
   // y = (x - hi) * scale + (bias - lo * scale), see SplitMean.
   for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
+    if (!ep.active()) {
+      // Blocks of channels down the rows, their coefficients in registers.
+      constexpr int64_t kSize = VecIO<T>::kSize;
+      for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+        std::array<Vec, kChannelVecs> hi, sc, sh_;
+        for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+          hi[u] = Vec::loadu(&mean_hi[n * C + c0], count);
+          sc[u] = Vec::loadu(&scale[n * C + c0], count);
+          sh_[u] = Vec::loadu(&shift[n * C + c0], count);
+        });
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t off = (n * sh.S + r) * C;
+          for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+            VecIO<T>::store(y + off + c0,
+                at::vec::fmadd(VecIO<T>::load(x + off + c0, count) - hi[u], sc[u], sh_[u]), count);
+          });
+        }
+      }
+      return;
+    }
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t off = (n * sh.S + r) * C;
       auto affine = [&](const Vec& xv, const Vec&, int64_t c0) {
@@ -607,11 +677,7 @@ void forward_channels_last(
         return at::vec::fmadd(xv - Vec::loadu(&mean_hi[nc], count), Vec::loadu(&scale[nc], count),
             Vec::loadu(&shift[nc], count));
       };
-      if (!ep.active()) {
-        map_row(x + off, static_cast<const T*>(nullptr), y + off, C, affine);
-      } else {
-        map_through_buffer(x + off, y + off, off, C, affine, ep);
-      }
+      map_through_buffer(x + off, y + off, off, C, affine, ep);
     }
   });
 }
