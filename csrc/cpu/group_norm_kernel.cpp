@@ -1008,7 +1008,12 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
 // materialised three times over in double (slow: page faults on hundreds of MB for a (1024, 8192)
 // input), so this path keeps per-group sums only (phase 1, parallel over groups) and sums the
 // parameter gradients per channel over the batch (phase 2, parallel over blocks of channels, the
-// batch in order: deterministic). dp is recomputed in each phase, as in the general path.
+// batch in order: deterministic). dp is recomputed in each phase, as in the general path. Both
+// phases work in vectors of opmath values: phase 1 sums runs of at most kBlock elements in vector
+// lanes before moving to double (as reduce_row), phase 2 sums the parameter gradients of
+// kSampleBlock samples per channel in opmath before adding them to double totals.
+constexpr int64_t kSampleBlock = 64;
+
 template <typename T>
 void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormShape& sh,
     const std::vector<at::opmath_type<T>>& w, const std::vector<at::opmath_type<T>>& b,
@@ -1022,27 +1027,31 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
 
   // Per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock), and dp.
   struct Run {
-    std::vector<acc_t> centre, pa, pc, w_eff, r, dp;
+    std::vector<acc_t> centre, pa, pc, w_eff, gain, r, dp;
     Run() {
-      for (auto* v : {&centre, &pa, &pc, &w_eff, &r, &dp}) v->resize(kBlock);
+      for (auto* v : {&centre, &pa, &pc, &w_eff, &gain, &r, &dp}) v->resize(kBlock);
     }
     void fill(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t n, int64_t c0,
         int64_t len, const GroupNormShape& sh, const std::vector<acc_t>& w,
         const std::vector<acc_t>& b, const Modulation<acc_t>& mod, const acc_t* mean,
         const acc_t* rstd, bool write) {
-      int64_t g = c0 / sh.D, d = c0 % sh.D;
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t c = c0 + i, nc = n * sh.C + c, ng = n * sh.G + g;
-        const acc_t gain = mod.gain_at(nc);
-        w_eff[i] = w[c] * gain;
-        r[i] = rstd[ng];
-        centre[i] = mean[ng];
-        pa[i] = w_eff[i] * r[i];
-        pc[i] = b[c] * gain + mod.shift_at(nc);
-        if (++d == sh.D) {
-          d = 0;
-          ++g;
-        }
+      // The group's statistics, run by run of the groups the block spans.
+      for (int64_t i = 0, g = c0 / sh.D, d = c0 % sh.D; i < len; d = 0, ++g) {
+        const int64_t run = std::min(len - i, sh.D - d), ng = n * sh.G + g;
+        std::fill(r.begin() + i, r.begin() + i + run, rstd[ng]);
+        std::fill(centre.begin() + i, centre.begin() + i + run, mean[ng]);
+        i += run;
+      }
+      const int64_t nc0 = n * sh.C + c0;
+      for (int64_t i = 0; i < len; i += IO::kSize) {
+        const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+        const Vec gv = mod.gain.empty() ? Vec(1) : Vec::loadu(&mod.gain[nc0 + i], count);
+        const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
+        const Vec we = Vec::loadu(&w[c0 + i], count) * gv;
+        gv.store(&gain[i], count);
+        we.store(&w_eff[i], count);
+        (we * Vec::loadu(&r[i], count)).store(&pa[i], count);
+        at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
       }
       const int64_t o = n * sh.C + c0;
       if (ep.active()) {
@@ -1055,6 +1064,8 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
       }
     }
   };
+  // Lanes past `count` load as zeros (coefficients and dp), so they add nothing below.
+  auto lanes = [](const std::vector<acc_t>& v, int64_t i, int64_t count) { return Vec::loadu(v.data() + i, count); };
 
   // Phase 1: per group, A = sum w_eff * dp, B = sum w_eff * dp * (x - m), delta = mean(x - m).
   std::vector<double> A(sh.N * G), B(sh.N * G), delta(sh.N * G);
@@ -1067,13 +1078,18 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         const int64_t len = std::min(kBlock, D - start), c0 = g * D + start;
         run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, /*write=*/true);
         const T* xr = x + n * C + c0;
-        for (int64_t i = 0; i < len; ++i) {
-          const double xc = static_cast<double>(static_cast<acc_t>(xr[i]) - run.centre[i]);
-          const double wdp = static_cast<double>(run.w_eff[i]) * run.dp[i];
-          a += wdp;
-          bsum += wdp * xc;
-          dev += xc;
+        Vec va(0), vb(0), vdev(0);
+        for (int64_t i = 0; i < len; i += IO::kSize) {
+          const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+          const Vec xc = IO::load(xr + i, count) - lanes(run.centre, i, count);
+          const Vec wdp = lanes(run.w_eff, i, count) * lanes(run.dp, i, count);
+          va += wdp;
+          vb = at::vec::fmadd(wdp, xc, vb);
+          vdev += xc;
         }
+        a += horizontal_sum(va);
+        bsum += horizontal_sum(vb);
+        dev += horizontal_sum(vdev);
       }
       delta[ng] = M > 0 ? dev / M : 0.0;
       A[ng] = a;
@@ -1082,43 +1098,66 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   });
 
   // Phase 2: dx, and the parameter / modulation gradients summed over the batch per channel.
+  std::vector<acc_t> K1(sh.N * G), K2(sh.N * G);
+  for (int64_t ng = 0; ng < sh.N * G; ++ng) {
+    const double r = rstd[ng];
+    const double b1 = -r * r * r / M * B[ng];
+    K1[ng] = static_cast<acc_t>(b1);
+    K2[ng] = static_cast<acc_t>(-r / M * A[ng] - b1 * delta[ng]);
+  }
   std::vector<double> dw(C, 0.0), dbias(C, 0.0);
   acc_t* dscale = grads.scale.numel() > 0 ? grads.scale.data_ptr<acc_t>() : nullptr;
   acc_t* dshift = grads.shift.numel() > 0 ? grads.shift.data_ptr<acc_t>() : nullptr;
   at::parallel_for(0, C, 512, [&](int64_t cbegin, int64_t cend) {
     Run run;
-    std::vector<acc_t> k1(kBlock), k2(kBlock);
+    std::vector<acc_t> k1(kBlock), k2(kBlock), delta_c(kBlock);
+    // This thread's channels' parameter-gradient sums over the current block of samples.
+    std::vector<acc_t> pw(cend - cbegin, acc_t(0)), pb(cend - cbegin, acc_t(0));
     for (int64_t n = 0; n < sh.N; ++n) {
       for (int64_t c0 = cbegin; c0 < cend; c0 += kBlock) {
         const int64_t len = std::min(kBlock, cend - c0), o = n * C + c0;
         run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, /*write=*/false);
+        // dx = pa * dp + k1 * (x - m) + k2, with k1, k2 and delta per group.
         for (int64_t i = 0, g = c0 / D, d = c0 % D; i < len; ++i) {
-          const int64_t c = c0 + i, nc = n * C + c, ng = n * G + g;
-          const double r = run.r[i];
-          const double b1 = -r * r * r / M * B[ng];
-          k1[i] = static_cast<acc_t>(b1);                              // dx = pa * dp + k1 * (x - m) + k2
-          k2[i] = static_cast<acc_t>(-r / M * A[ng] - b1 * delta[ng]);
-          const double dp = run.dp[i];
-          const double xc = static_cast<double>(static_cast<acc_t>(x[o + i]) - run.centre[i]);
-          const double xhat_sum = (dp * xc - delta[ng] * dp) * r;
-          const double gain = mod.gain_at(nc);
-          dw[c] += gain * xhat_sum;
-          dbias[c] += gain * dp;
-          if (dscale) dscale[nc] = static_cast<acc_t>(w[c] * xhat_sum + b[c] * dp);
-          if (dshift) dshift[nc] = static_cast<acc_t>(dp);
+          const int64_t ng = n * G + g;
+          k1[i] = K1[ng];
+          k2[i] = K2[ng];
+          delta_c[i] = static_cast<acc_t>(delta[ng]);
           if (++d == D) {
             d = 0;
             ++g;
           }
         }
-        if (dx == nullptr) continue;
         for (int64_t i = 0; i < len; i += IO::kSize) {
           const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-          const Vec xc = IO::load(x + o + i, count) - Vec::loadu(run.centre.data() + i, count);
-          const Vec out = at::vec::fmadd(Vec::loadu(run.pa.data() + i, count), Vec::loadu(run.dp.data() + i, count),
-              at::vec::fmadd(Vec::loadu(k1.data() + i, count), xc, Vec::loadu(k2.data() + i, count)));
-          IO::store(dx + o + i, out, count);
+          const Vec xc = IO::load(x + o + i, count) - lanes(run.centre, i, count);
+          const Vec dp = lanes(run.dp, i, count);
+          const Vec gain = lanes(run.gain, i, count);
+          // sum_s dp * xhat for this (n, c): dp * ((x - m) - delta) * rstd.
+          const Vec xhat_sum = dp * (xc - lanes(delta_c, i, count)) * lanes(run.r, i, count);
+          const int64_t p = c0 - cbegin + i;
+          at::vec::fmadd(gain, xhat_sum, Vec::loadu(pw.data() + p, count)).store(pw.data() + p, count);
+          at::vec::fmadd(gain, dp, Vec::loadu(pb.data() + p, count)).store(pb.data() + p, count);
+          if (dscale) {
+            const Vec ws = at::vec::fmadd(Vec::loadu(w.data() + c0 + i, count), xhat_sum,
+                Vec::loadu(b.data() + c0 + i, count) * dp);
+            ws.store(dscale + o + i, count);
+          }
+          if (dshift) dp.store(dshift + o + i, count);
+          if (dx != nullptr) {
+            const Vec out = at::vec::fmadd(lanes(run.pa, i, count), dp,
+                at::vec::fmadd(lanes(k1, i, count), xc, lanes(k2, i, count)));
+            IO::store(dx + o + i, out, count);
+          }
         }
+      }
+      if ((n + 1) % kSampleBlock == 0 || n + 1 == sh.N) {
+        for (int64_t c = cbegin; c < cend; ++c) {
+          dw[c] += pw[c - cbegin];
+          dbias[c] += pb[c - cbegin];
+        }
+        std::fill(pw.begin(), pw.end(), acc_t(0));
+        std::fill(pb.begin(), pb.end(), acc_t(0));
       }
     }
   });
