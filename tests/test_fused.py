@@ -349,3 +349,11 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
                             ((2, 64, 8, 8), 32, torch.bfloat16)):
         for names in (OPERANDS, ["residual", "multiplier"], ["scale"]):
             check_fused(shape, G, dtype, "contiguous", names, activation, "cuda")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_fused_backward_large_groups_cpu(layout):
+    # The CPU backward keeps a group's dp between its passes when the group is small enough
+    # (kMaxGroupDpBytes); a 640 KB group takes the path that recomputes it.
+    torch.manual_seed(11)
+    check_fused((2, 4, 200, 200), 1, torch.float32, layout, OPERANDS, "silu", "cpu")

@@ -759,18 +759,22 @@ struct GradInputCoeffs {
   std::vector<acc_t> a, b, e, mean, pc;
 };
 
-// Recentres the sums on the true mean; returns delta per (n, g).
+// Recentres the sums of group ng on its true mean; returns its delta.
+double recentre_group(const GroupNormShape& sh, int64_t ng, GradSums& sums) {
+  const double M = static_cast<double>(sh.D * sh.S);
+  if (M == 0) return 0.0;
+  double delta = 0.0;
+  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) delta += sums.dev[nc];
+  delta /= M;
+  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) sums.dsc[nc] -= delta * sums.db[nc];
+  return delta;
+}
+
+// Recentres the sums on the true mean; returns delta per (n, g). (Channel nc = ng * D + d belongs
+// to group ng: no division per channel, which dominated when S == 1 and N * C is large.)
 std::vector<double> recentre(const GroupNormShape& sh, GradSums& sums) {
   std::vector<double> delta(sh.N * sh.G, 0.0);
-  const double M = static_cast<double>(sh.D * sh.S);
-  if (M == 0) return delta;
-  // Channel nc = ng * D + d belongs to group ng (nested loops: no division per channel, which
-  // dominated when S == 1 and N * C is large).
-  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng)
-    for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) delta[ng] += sums.dev[nc];
-  for (auto& d : delta) d /= M;
-  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng)
-    for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) sums.dsc[nc] -= delta[ng] * sums.db[nc];
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) delta[ng] = recentre_group(sh, ng, sums);
   return delta;
 }
 
@@ -797,29 +801,31 @@ GradInputCoeffs<acc_t> pre_activation_coeffs(
   return k;
 }
 
+// Fills b and e of `k` for group ng = (n, g) from its recentred sums.
+template <typename acc_t>
+void grad_input_coeffs_group(const GroupNormShape& sh, int64_t ng, const std::vector<acc_t>& w_eff,
+    const acc_t* rstd, const GradSums& sums, double delta, GradInputCoeffs<acc_t>& k) {
+  const double M = static_cast<double>(sh.D * sh.S);
+  if (M == 0) return;
+  double A = 0, B = 0;
+  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
+    A += w_eff[nc] * sums.db[nc];
+    B += w_eff[nc] * sums.dsc[nc];
+  }
+  const double r = rstd[ng];
+  const double b = -r * r * r / M * B;
+  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
+    k.b[nc] = static_cast<acc_t>(b);
+    k.e[nc] = static_cast<acc_t>(-r / M * A - b * delta);
+  }
+}
+
 // Fills b and e of `k` from the recentred sums.
 template <typename acc_t>
 void grad_input_coeffs(
     const GroupNormShape& sh, const std::vector<acc_t>& w_eff, const acc_t* rstd,
     const GradSums& sums, const std::vector<double>& delta, GradInputCoeffs<acc_t>& k) {
-  const double M = static_cast<double>(sh.D * sh.S);
-  if (M == 0) return;
-  for (int64_t n = 0; n < sh.N; ++n) {
-    for (int64_t g = 0; g < sh.G; ++g) {
-      double A = 0, B = 0;
-      for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        A += w_eff[n * sh.C + c] * sums.db[n * sh.C + c];
-        B += w_eff[n * sh.C + c] * sums.dsc[n * sh.C + c];
-      }
-      const int64_t ng = n * sh.G + g;
-      const double r = rstd[ng];
-      const double b = -r * r * r / M * B;
-      for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        k.b[n * sh.C + c] = static_cast<acc_t>(b);
-        k.e[n * sh.C + c] = static_cast<acc_t>(-r / M * A - b * delta[ng]);
-      }
-    }
-  }
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta[ng], k);
 }
 
 // Accumulates dp, dp * (x - m) and x - m.
@@ -831,15 +837,15 @@ void accumulate_grad_sums(std::array<Vec, 3>& acc, const Vec& dp, const Vec& cen
 }
 
 // Calls body(dp, x_run, len) over a contiguous run of `len` elements starting at element `off`
-// of a ChannelsFirst row (n, c): dp is dy itself, or the epilogue's gradient computed into a
-// buffer block by block (blocks aligned as reduce_row's, so sums do not depend on the path).
+// of a ChannelsFirst row (n, c): dp is dy itself, or the epilogue's gradient computed block by
+// block (blocks aligned as reduce_row's, so sums do not depend on the path) into a stack buffer,
+// or, with `cache`, into cache + (off - cache_origin): there the first pass (`write`) computes it
+// and the second reads it back.
 template <typename T, typename Body>
 void for_each_dp_run(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t off,
     int64_t len, at::opmath_type<T> centre, at::opmath_type<T> pa, at::opmath_type<T> pc,
-    bool write, Body body) {
+    bool write, Body body, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
   using acc_t = at::opmath_type<T>;
-  using IO = VecIO<T>;
-  using Vec = typename IO::Vec;
   if (!ep.active()) {
     body(dy + off, x + off, len);
     return;
@@ -848,8 +854,9 @@ void for_each_dp_run(const ElementwiseOperands<T>& ep, const T* dy, const T* x, 
   for (int64_t start = 0; start < len; start += kBlock) {
     const int64_t block = std::min(kBlock, len - start);
     const int64_t o = off + start;
-    ep.template backward_run<false>(dy + o, x + o, o, block, &centre, &pa, &pc, buf, write);
-    body(static_cast<const acc_t*>(buf), x + o, block);
+    acc_t* dp = cache != nullptr ? cache + (o - cache_origin) : buf;
+    if (write || cache == nullptr) ep.template backward_run<false>(dy + o, x + o, o, block, &centre, &pa, &pc, dp, write);
+    body(static_cast<const acc_t*>(dp), x + o, block);
   }
 }
 
@@ -875,28 +882,78 @@ void for_each_dp_chunk(const ElementwiseOperands<T>& ep, const T* dy, const T* x
   body(static_cast<const at::opmath_type<T>*>(buf.data()), x + first, r1 - r0);
 }
 
+// The sums of row (n, c) = nc of a ChannelsFirst input (dp through `cache` as for_each_dp_run).
+template <typename T>
+void channel_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t nc,
+    GradSums& out, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const Vec m(k.mean[nc]);
+  std::array<double, 3> sums{};
+  for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/true,
+      [&](const auto* dp, const T* xr, int64_t len) {
+        const auto part = reduce_row<3>(xr, dp, len,
+            [&m](auto& acc, const Vec& xv, const Vec& dpv, int64_t count) {
+              // Padding lanes hold dp = x = 0: only x - m needs masking.
+              const Vec centred = xv - m;
+              accumulate_grad_sums(acc, dpv, count == Vec::size() ? centred : Vec::set(Vec(0), centred, count));
+            });
+        for (int i = 0; i < 3; ++i) sums[i] += part[i];
+      },
+      cache, cache_origin);
+  out.db[nc] = sums[0];
+  out.dsc[nc] = sums[1];
+  out.dev[nc] = sums[2];
+}
+
+// dx of row nc of a ChannelsFirst input.
+template <typename T>
+void channel_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t nc,
+    at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
+  for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/false,
+      [&](const auto* dp, const T* xr, int64_t len) {
+        map_row(xr, dp, dx + (xr - x), len, [&](const Vec& xv, const Vec& dpv, int64_t) {
+          return at::vec::fmadd(a, dpv, at::vec::fmadd(b, xv - m, e));
+        });
+      },
+      cache, cache_origin);
+}
+
 template <typename T>
 void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
-  using Vec = typename VecIO<T>::Vec;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t nc = begin; nc < end; ++nc) {
-      const Vec m(k.mean[nc]);
-      std::array<double, 3> sums{};
-      for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/true,
-          [&](const auto* dp, const T* xr, int64_t len) {
-            const auto part = reduce_row<3>(xr, dp, len,
-                [&m](auto& acc, const Vec& xv, const Vec& dpv, int64_t count) {
-                  // Padding lanes hold dp = x = 0: only x - m needs masking.
-                  const Vec centred = xv - m;
-                  accumulate_grad_sums(acc, dpv, count == Vec::size() ? centred : Vec::set(Vec(0), centred, count));
-                });
-            for (int i = 0; i < 3; ++i) sums[i] += part[i];
-          });
-      out.db[nc] = sums[0];
-      out.dsc[nc] = sums[1];
-      out.dev[nc] = sums[2];
+    for (int64_t nc = begin; nc < end; ++nc) channel_grad_sums(dy, x, sh, k, ep, nc, out);
+  });
+}
+
+// The ChannelsFirst sums and dx group by group, for an epilogue whose dp is worth computing once:
+// a group's dp (D * S values, at most kMaxGroupDpBytes) goes into a per-thread buffer in the sums'
+// pass and is read back by the dx pass, the group's coefficients computed in between (with the
+// same arithmetic as the two-pass path, so the results are the same bits).
+constexpr int64_t kMaxGroupDpBytes = 512 * 1024;
+
+template <typename T>
+void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const std::vector<at::opmath_type<T>>& w_eff, const at::opmath_type<T>* rstd,
+    GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t M = sh.D * sh.S;
+  at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> group_dp(M);
+    for (int64_t ng = begin; ng < end; ++ng) {
+      for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
+        channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), ng * M);
+      }
+      const double delta = recentre_group(sh, ng, sums);
+      grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
+      for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
+        channel_grad_input(dy, x, dx, sh, k, ep, nc, group_dp.data(), ng * M);
+      }
     }
   });
 }
@@ -929,18 +986,9 @@ void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
 template <typename T>
 void grad_input_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep) {
-  using Vec = typename VecIO<T>::Vec;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t nc = begin; nc < end; ++nc) {
-      const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
-      for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/false,
-          [&](const auto* dp, const T* xr, int64_t len) {
-            map_row(xr, dp, dx + (xr - x), len, [&](const Vec& xv, const Vec& dpv, int64_t) {
-              return at::vec::fmadd(a, dpv, at::vec::fmadd(b, xv - m, e));
-            });
-          });
-    }
+    for (int64_t nc = begin; nc < end; ++nc) channel_grad_input(dy, x, dx, sh, k, ep, nc);
   });
 }
 
@@ -1197,6 +1245,12 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
       for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
 
     GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
+    if (layout == Layout::ChannelsFirst && ep.active() && mask[0] &&
+        sh.D * sh.S * static_cast<int64_t>(sizeof(acc_t)) <= kMaxGroupDpBytes) {
+      backward_groups_channels_first(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);
+      param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
+      return;
+    }
     if (layout == Layout::ChannelsFirst) {
       grad_sums_channels_first(dyp, xp, sh, k, ep, sums);
     } else {
