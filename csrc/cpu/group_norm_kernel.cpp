@@ -861,25 +861,77 @@ void for_each_dp_run(const ElementwiseOperands<T>& ep, const T* dy, const T* x, 
 }
 
 // The same for rows [r0, r1) of a ChannelsLast sample starting at element `base`: body(dp, x,
-// rows) with dp and x pointing at row r0 (rows of C elements).
+// rows) with dp and x pointing at row r0 (rows of C elements); dp in `buf`, or in
+// cache + (element - cache_origin) as for_each_dp_run.
 template <typename T, typename Body>
 void for_each_dp_chunk(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t base,
     int64_t r0, int64_t r1, int64_t C, const GradInputCoeffs<at::opmath_type<T>>& k, int64_t n,
-    bool write, std::vector<at::opmath_type<T>>& buf, Body body) {
-  using IO = VecIO<T>;
-  using Vec = typename IO::Vec;
+    bool write, std::vector<at::opmath_type<T>>& buf, Body body, at::opmath_type<T>* cache = nullptr,
+    int64_t cache_origin = 0) {
+  using acc_t = at::opmath_type<T>;
   const int64_t first = base + r0 * C;
   if (!ep.active()) {
     body(dy + first, x + first, r1 - r0);
     return;
   }
-  buf.resize((r1 - r0) * C);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t o = base + r * C;
-    ep.template backward_run<true>(dy + o, x + o, o, C, &k.mean[n * C], &k.a[n * C], &k.pc[n * C],
-        &buf[(r - r0) * C], write);
+  acc_t* dp = cache;
+  if (cache != nullptr) {
+    dp += first - cache_origin;
+  } else {
+    buf.resize((r1 - r0) * C);
+    dp = buf.data();
   }
-  body(static_cast<const at::opmath_type<T>*>(buf.data()), x + first, r1 - r0);
+  if (write || cache == nullptr) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = base + r * C;
+      ep.template backward_run<true>(dy + o, x + o, o, C, &k.mean[n * C], &k.a[n * C], &k.pc[n * C],
+          dp + (r - r0) * C, write);
+    }
+  }
+  body(static_cast<const acc_t*>(dp), x + first, r1 - r0);
+}
+
+// The per-channel sums of chunk [r0, r1) of ChannelsLast sample n, into `partial` (3 x C).
+template <typename T>
+void chunk_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t n,
+    int64_t r0, int64_t r1, double* partial, std::vector<at::opmath_type<T>>& buf,
+    at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C;
+  const at::opmath_type<T>* mc = &k.mean[n * C];
+  for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/true, buf,
+      [&](const auto* dp, const T* xr, int64_t rows) {
+        reduce_channels<3>(xr, dp, 0, rows, C, partial,
+            [mc](auto& acc, const Vec& xv, const Vec& dpv, int64_t c0, int64_t count) {
+              accumulate_grad_sums(acc, dpv, xv - Vec::loadu(mc + c0, count));
+            });
+      },
+      cache, cache_origin);
+}
+
+// dx of chunk [r0, r1) of ChannelsLast sample n.
+template <typename T>
+void chunk_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t n,
+    int64_t r0, int64_t r1, std::vector<at::opmath_type<T>>& buf, at::opmath_type<T>* cache = nullptr,
+    int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C, first = (n * sh.S + r0) * C;
+  for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/false, buf,
+      [&](const auto* dp, const T* xr, int64_t rows) {
+        for (int64_t r = 0; r < rows; ++r) {
+          map_row(xr + r * C, dp + r * C, dx + first + r * C, C,
+              [&](const Vec& xv, const Vec& dpv, int64_t c0) {
+                const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+                const int64_t nc = n * C + c0;
+                return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dpv,
+                    at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
+                        Vec::loadu(&k.e[nc], count)));
+              });
+        }
+      },
+      cache, cache_origin);
 }
 
 // The sums of row (n, c) = nc of a ChannelsFirst input (dp through `cache` as for_each_dp_run).
@@ -961,26 +1013,57 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
 template <typename T>
 void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
-  using Vec = typename VecIO<T>::Vec;
-  using acc_t = at::opmath_type<T>;
   const int64_t C = sh.C, chunks = num_chunks(sh);
   std::vector<double> partial(sh.N * chunks * 3 * C);
   for_each_chunk(sh, [&](int64_t n, int64_t kk, int64_t r0, int64_t r1) {
-    const acc_t* mc = &k.mean[n * C];
-    std::vector<acc_t> buf;
-    for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/true, buf,
-        [&](const auto* dp, const T* xr, int64_t rows) {
-          reduce_channels<3>(xr, dp, 0, rows, C, &partial[(n * chunks + kk) * 3 * C],
-              [mc](auto& acc, const Vec& xv, const Vec& dpv, int64_t c0, int64_t count) {
-                accumulate_grad_sums(acc, dpv, xv - Vec::loadu(mc + c0, count));
-              });
-        });
+    std::vector<at::opmath_type<T>> buf;
+    chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[(n * chunks + kk) * 3 * C], buf);
   });
   const std::vector<double> totals = channel_totals(partial, sh, 3);
   const int64_t NC = sh.N * C;
   std::copy(totals.begin(), totals.begin() + NC, out.db.begin());
   std::copy(totals.begin() + NC, totals.begin() + 2 * NC, out.dsc.begin());
   std::copy(totals.begin() + 2 * NC, totals.end(), out.dev.begin());
+}
+
+// The ChannelsLast counterpart of backward_groups_channels_first, sample by sample (a group
+// spans its sample's rows): a sample's dp (S * C values, at most kMaxSampleDpBytes) is kept
+// between the sums and dx. Same chunks and summation order as the two-pass path.
+constexpr int64_t kMaxSampleDpBytes = 4 << 20;
+
+template <typename T>
+void backward_samples_channels_last(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const std::vector<at::opmath_type<T>>& w_eff, const at::opmath_type<T>* rstd,
+    GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t C = sh.C, chunks = num_chunks(sh), rows = rows_per_chunk(C);
+  at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> sample_dp(sh.S * C), buf;
+    std::vector<double> partial(chunks * 3 * C);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t origin = n * sh.S * C;
+      for (int64_t kk = 0; kk < chunks; ++kk) {
+        chunk_grad_sums(dy, x, sh, k, ep, n, kk * rows, std::min(sh.S, (kk + 1) * rows),
+            &partial[kk * 3 * C], buf, sample_dp.data(), origin);
+      }
+      // Chunk totals in chunk order, as channel_totals.
+      for (int64_t c = 0; c < C; ++c) {
+        double t[3] = {0, 0, 0};
+        for (int64_t kk = 0; kk < chunks; ++kk)
+          for (int j = 0; j < 3; ++j) t[j] += partial[(kk * 3 + j) * C + c];
+        sums.db[n * C + c] = t[0];
+        sums.dsc[n * C + c] = t[1];
+        sums.dev[n * C + c] = t[2];
+      }
+      for (int64_t ng = n * sh.G; ng < (n + 1) * sh.G; ++ng) {
+        grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, recentre_group(sh, ng, sums), k);
+      }
+      for (int64_t kk = 0; kk < chunks; ++kk) {
+        chunk_grad_input(dy, x, dx, sh, k, ep, n, kk * rows, std::min(sh.S, (kk + 1) * rows), buf,
+            sample_dp.data(), origin);
+      }
+    }
+  });
 }
 
 template <typename T>
@@ -995,25 +1078,9 @@ void grad_input_channels_first(const T* dy, const T* x, T* dx, const GroupNormSh
 template <typename T>
 void grad_input_channels_last(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep) {
-  using Vec = typename VecIO<T>::Vec;
-  using acc_t = at::opmath_type<T>;
-  const int64_t C = sh.C;
   for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
-    std::vector<acc_t> buf;
-    const int64_t first = (n * sh.S + r0) * C;
-    for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/false, buf,
-        [&](const auto* dp, const T* xr, int64_t rows) {
-          for (int64_t r = 0; r < rows; ++r) {
-            map_row(xr + r * C, dp + r * C, dx + first + r * C, C,
-                [&](const Vec& xv, const Vec& dpv, int64_t c0) {
-                  const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
-                  const int64_t nc = n * C + c0;
-                  return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dpv,
-                      at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
-                          Vec::loadu(&k.e[nc], count)));
-                });
-          }
-        });
+    std::vector<at::opmath_type<T>> buf;
+    chunk_grad_input(dy, x, dx, sh, k, ep, n, r0, r1, buf);
   });
 }
 
@@ -1248,6 +1315,13 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     if (layout == Layout::ChannelsFirst && ep.active() && mask[0] &&
         sh.D * sh.S * static_cast<int64_t>(sizeof(acc_t)) <= kMaxGroupDpBytes) {
       backward_groups_channels_first(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);
+      param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
+      return;
+    }
+    // (Parallel over samples: only with a sample for every thread. Either path gives the same bits.)
+    if (layout == Layout::ChannelsLast && ep.active() && mask[0] && sh.N >= at::get_num_threads() &&
+        sh.S * sh.C * static_cast<int64_t>(sizeof(acc_t)) <= kMaxSampleDpBytes) {
+      backward_samples_channels_last(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);
       param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
       return;
     }
