@@ -77,16 +77,22 @@ def _pip_cuda_include_dirs():
 def _host_cpu_flags():
     """at::vec flags for the CPU kernels.
 
-    Source builds target the host, like ATen's own AVX2 kernels: with AVX2 and FMA present the
-    CPU kernels use 256-bit vectors. FUSEDNORM_CPU_CAPABILITY=default builds portable code.
+    Source builds target the host, like ATen's own kernels, which it dispatches by CPU: 512-bit
+    vectors with AVX512 (F, BW, VL, DQ), else 256-bit ones with AVX2 and FMA. On a 2-core AVX512
+    machine the AVX512 build took the fused GN+SiLU forward on (8, 320, 32, 32) float32 from 0.71
+    to 0.53 ms. FUSEDNORM_CPU_CAPABILITY=avx2 or =default builds narrower (portable) code.
     """
-    if os.environ.get("FUSEDNORM_CPU_CAPABILITY", "").lower() == "default":
+    capability = os.environ.get("FUSEDNORM_CPU_CAPABILITY", "").lower()
+    if capability == "default":
         return []
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(re.findall(r"^flags\s*:(.*)$", f.read(), re.M)[0].split())
     except (OSError, IndexError):
         return []
+    if capability != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags:
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if {"avx2", "fma", "f16c"} <= flags:
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
