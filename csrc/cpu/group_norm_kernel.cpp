@@ -621,14 +621,11 @@ void forward_channels_last(
   const int64_t C = sh.C, chunks = num_chunks(sh);
 
   std::vector<Moments> partial(sh.N * chunks * sh.G);
-  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
-    chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
-  });
-
-  // Merged in chunk order; then each group's statistics copied per channel so that the output
-  // pass is a vector loop over channels.
   std::vector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
-  for (int64_t n = 0; n < sh.N; ++n) {
+
+  // Sample n's statistics, merged in chunk order, then each group's copied per channel so that
+  // the output pass is a vector loop over channels.
+  auto sample_coefficients = [&](int64_t n) {
     for (int64_t g = 0; g < sh.G; ++g) {
       Moments stats;
       for (int64_t k = 0; k < chunks; ++k) stats.merge(partial[(n * chunks + k) * sh.G + g]);
@@ -645,10 +642,10 @@ void forward_channels_last(
         shift[nc] = b[c] * gain + mod.shift_at(nc) - m.lo * scale[nc];
       }
     }
-  }
+  };
 
-  // y = (x - hi) * scale + (bias - lo * scale), see SplitMean.
-  for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
+  // y = (x - hi) * scale + (bias - lo * scale) over rows [r0, r1) of sample n, see SplitMean.
+  auto output_chunk = [&](int64_t n, int64_t r0, int64_t r1) {
     if (!ep.active()) {
       // Blocks of channels down the rows, their coefficients in registers.
       constexpr int64_t kSize = VecIO<T>::kSize;
@@ -679,7 +676,29 @@ void forward_channels_last(
       };
       map_through_buffer(x + off, y + off, off, C, affine, ep);
     }
+  };
+
+  if (sh.N >= at::get_num_threads()) {
+    // A sample for every thread: each thread takes whole samples, statistics then output, so that
+    // the output pass rereads x from cache. The same chunks and merge order as below: same bits.
+    const int64_t rows = rows_per_chunk(C);
+    at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t k = 0; k < chunks; ++k) {
+          chunk_moments(x + n * sh.S * C, k * rows, std::min(sh.S, (k + 1) * rows), sh,
+              &partial[(n * chunks + k) * sh.G]);
+        }
+        sample_coefficients(n);
+        for (int64_t k = 0; k < chunks; ++k) output_chunk(n, k * rows, std::min(sh.S, (k + 1) * rows));
+      }
+    });
+    return;
+  }
+  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
+    chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
   });
+  for (int64_t n = 0; n < sh.N; ++n) sample_coefficients(n);
+  for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) { output_chunk(n, r0, r1); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_forward_cpu(
