@@ -148,10 +148,6 @@ at::Tensor like_input(const char* name, const at::Tensor& t, const at::Tensor& i
   return to_layout(t, layout);
 }
 
-bool defined(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined();
-}
-
 }  // namespace
 
 Epilogue make_epilogue(

@@ -12,6 +12,11 @@
 
 namespace fusednorm {
 
+// Whether an optional tensor argument was given (and is defined).
+inline bool defined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined();
+}
+
 // Every input of rank >= 2 is viewed as (N, C, S) with S = prod(spatial sizes).
 // Group g of sample n covers channels [g * D, (g + 1) * D) over all S positions.
 struct GroupNormShape {

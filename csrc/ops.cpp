@@ -38,10 +38,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_group_norm_forward(
   return op.call(input, num_groups, weight, bias, eps);
 }
 
-bool defined(const OptTensor& t) {
-  return t.has_value() && t->defined();
-}
-
 // Product of the spatial sizes, symbolic under torch.compile's dynamic shapes.
 c10::SymInt spatial_numel(const at::Tensor& input) {
   c10::SymInt n = 1;

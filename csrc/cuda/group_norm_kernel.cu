@@ -1872,10 +1872,6 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   }
 }
 
-bool defined(const OptTensor& t) {
-  return t.has_value() && t->defined();
-}
-
 // The plain ops' epilogue.
 Epilogue no_epilogue(const at::Tensor&, const GroupNormShape&, Layout) {
   return Epilogue();
