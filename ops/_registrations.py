@@ -1,8 +1,8 @@
 """Fake (meta) kernels and autograd for the kernel ops defined in csrc/ops.cpp.
 
 The composite ops (group_norm, instance_norm) need neither: they decompose into the kernel ops.
-torch.library.register_fake / register_autograd appeared in torch 2.4; on older torch the same
-functions are registered through the Meta and Autograd dispatch keys (see _compat).
+Fake kernels go through torch.library.register_fake (torch >= 2.4) or its older equivalents, autograd
+through an autograd.Function at the Autograd dispatch key on every torch version (see _compat).
 """
 
 from typing import List, Optional
