@@ -534,29 +534,29 @@ int64_t num_chunks(const GroupNormShape& sh) {
   return (sh.S + rows - 1) / rows;
 }
 
+// Calls body(k, r0, r1) for chunk k = rows [r0, r1) of a sample.
+template <typename F>
+void with_chunk_rows(const GroupNormShape& sh, int64_t k, F body) {
+  const int64_t rows = rows_per_chunk(sh.C);
+  body(k, k * rows, std::min(sh.S, (k + 1) * rows));
+}
+
+// Runs body(chunk, r0, r1) over the chunks of rows of one sample, in order.
+template <typename F>
+void for_sample_chunks(const GroupNormShape& sh, F body) {
+  for (int64_t k = 0, chunks = num_chunks(sh); k < chunks; ++k) with_chunk_rows(sh, k, body);
+}
+
 // Runs body(n, chunk, r0, r1) over every chunk of rows of every sample, in parallel.
 template <typename F>
 void for_each_chunk(const GroupNormShape& sh, F body) {
-  const int64_t rows = rows_per_chunk(sh.C);
   const int64_t chunks = num_chunks(sh);
   at::parallel_for(0, sh.N * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i / chunks, k = i % chunks;
-      body(n, k, k * rows, std::min(sh.S, (k + 1) * rows));
+      const int64_t n = i / chunks;
+      with_chunk_rows(sh, i % chunks, [&](int64_t k, int64_t r0, int64_t r1) { body(n, k, r0, r1); });
     }
   });
-}
-
-// Sums per-chunk partials [N][chunks][K][C] over chunks, in order: per-channel totals [K][N][C].
-std::vector<double> channel_totals(const std::vector<double>& partial, const GroupNormShape& sh, int K) {
-  const int64_t chunks = num_chunks(sh);
-  std::vector<double> out(K * sh.N * sh.C, 0.0);
-  for (int64_t n = 0; n < sh.N; ++n)
-    for (int64_t k = 0; k < chunks; ++k)
-      for (int kk = 0; kk < K; ++kk)
-        for (int64_t c = 0; c < sh.C; ++c)
-          out[(kk * sh.N + n) * sh.C + c] += partial[((n * chunks + k) * K + kk) * sh.C + c];
-  return out;
 }
 
 // Moments of every group over one chunk of rows of a channels-last sample. Per block of channels
@@ -695,15 +695,13 @@ void forward_channels_last(
   if (sh.N >= at::get_num_threads()) {
     // A sample for every thread: each thread takes whole samples, statistics then output, so that
     // the output pass rereads x from cache. The same chunks and merge order as below: same bits.
-    const int64_t rows = rows_per_chunk(C);
     at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        for (int64_t k = 0; k < chunks; ++k) {
-          chunk_moments(x + n * sh.S * C, k * rows, std::min(sh.S, (k + 1) * rows), sh,
-              &partial[(n * chunks + k) * sh.G]);
-        }
+        for_sample_chunks(sh, [&](int64_t k, int64_t r0, int64_t r1) {
+          chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
+        });
         sample_coefficients(n);
-        for (int64_t k = 0; k < chunks; ++k) output_chunk(n, k * rows, std::min(sh.S, (k + 1) * rows));
+        for_sample_chunks(sh, [&](int64_t, int64_t r0, int64_t r1) { output_chunk(n, r0, r1); });
       }
     });
     return;
@@ -1043,6 +1041,19 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
   });
 }
 
+// The backward sums of sample n from its per-chunk partials [chunks][3][C], added in chunk order.
+void sample_grad_totals(const double* partial, const GroupNormShape& sh, int64_t n, GradSums& out) {
+  const int64_t C = sh.C, chunks = num_chunks(sh);
+  for (int64_t c = 0; c < C; ++c) {
+    double t[3] = {0, 0, 0};
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int j = 0; j < 3; ++j) t[j] += partial[(k * 3 + j) * C + c];
+    out.db[n * C + c] = t[0];
+    out.dsc[n * C + c] = t[1];
+    out.dev[n * C + c] = t[2];
+  }
+}
+
 template <typename T>
 void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
@@ -1052,11 +1063,7 @@ void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
     std::vector<at::opmath_type<T>> buf;
     chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[(n * chunks + kk) * 3 * C], buf);
   });
-  const std::vector<double> totals = channel_totals(partial, sh, 3);
-  const int64_t NC = sh.N * C;
-  std::copy(totals.begin(), totals.begin() + NC, out.db.begin());
-  std::copy(totals.begin() + NC, totals.begin() + 2 * NC, out.dsc.begin());
-  std::copy(totals.begin() + 2 * NC, totals.end(), out.dev.begin());
+  for (int64_t n = 0; n < sh.N; ++n) sample_grad_totals(&partial[n * chunks * 3 * C], sh, n, out);
 }
 
 // The ChannelsLast counterpart of backward_groups_channels_first, sample by sample (a group
@@ -1069,32 +1076,22 @@ void backward_samples_channels_last(const T* dy, const T* x, T* dx, const GroupN
     const std::vector<at::opmath_type<T>>& w_eff, const at::opmath_type<T>* rstd,
     GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
   using acc_t = at::opmath_type<T>;
-  const int64_t C = sh.C, chunks = num_chunks(sh), rows = rows_per_chunk(C);
+  const int64_t C = sh.C;
   at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> sample_dp(sh.S * C), buf;
-    std::vector<double> partial(chunks * 3 * C);
+    std::vector<double> partial(num_chunks(sh) * 3 * C);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t origin = n * sh.S * C;
-      for (int64_t kk = 0; kk < chunks; ++kk) {
-        chunk_grad_sums(dy, x, sh, k, ep, n, kk * rows, std::min(sh.S, (kk + 1) * rows),
-            &partial[kk * 3 * C], buf, sample_dp.data(), origin);
-      }
-      // Chunk totals in chunk order, as channel_totals.
-      for (int64_t c = 0; c < C; ++c) {
-        double t[3] = {0, 0, 0};
-        for (int64_t kk = 0; kk < chunks; ++kk)
-          for (int j = 0; j < 3; ++j) t[j] += partial[(kk * 3 + j) * C + c];
-        sums.db[n * C + c] = t[0];
-        sums.dsc[n * C + c] = t[1];
-        sums.dev[n * C + c] = t[2];
-      }
+      for_sample_chunks(sh, [&](int64_t kk, int64_t r0, int64_t r1) {
+        chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[kk * 3 * C], buf, sample_dp.data(), origin);
+      });
+      sample_grad_totals(partial.data(), sh, n, sums);
       for (int64_t ng = n * sh.G; ng < (n + 1) * sh.G; ++ng) {
         grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, recentre_group(sh, ng, sums), k);
       }
-      for (int64_t kk = 0; kk < chunks; ++kk) {
-        chunk_grad_input(dy, x, dx, sh, k, ep, n, kk * rows, std::min(sh.S, (kk + 1) * rows), buf,
-            sample_dp.data(), origin);
-      }
+      for_sample_chunks(sh, [&](int64_t, int64_t r0, int64_t r1) {
+        chunk_grad_input(dy, x, dx, sh, k, ep, n, r0, r1, buf, sample_dp.data(), origin);
+      });
     }
   });
 }
