@@ -16,6 +16,7 @@ CASES = [
     ((1, 8, 257, 129), 2),  # large groups: the split reduction paths
     ((2, 320, 9, 9), 32),
     ((2, 32, 40, 40), 2),  # a 100 KB float32 group: the one-pass forward with opt-in shared memory
+    ((1, 2, 256, 512), 1),  # a 1 MB float32 group: the one-pass forward's largest cluster (16 CTAs on H100)
     ((4, 13), 1),
     ((2, 10, 3, 4, 5), 5),
     ((0, 8, 4, 4), 4),

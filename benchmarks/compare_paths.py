@@ -1,0 +1,61 @@
+"""Times fusednorm's forward on the suite's cases under each kernel path the environment knobs
+select (the default choice, one-pass wherever it fits, split everywhere, and cluster limits),
+beside the copy-bandwidth roofline, so that a path's choice is made on measurements:
+
+    python benchmarks/compare_paths.py [--filter REGEX] [--paths default,split,one_pass,cluster8]
+"""
+
+import argparse
+import os
+import re
+
+import torch
+
+from bench import copy_bandwidth, gpu_suite, implementations, make_inputs, timer
+
+KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER")
+PATHS = {
+    "default": {},
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
+    "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
+    "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
+    "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--filter", default="")
+    parser.add_argument("--paths", default="default,split,one_pass")
+    args = parser.parse_args()
+    measure = timer("cuda")
+    roof = copy_bandwidth("cuda", measure)
+    paths = args.paths.split(",")
+    print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'case':<26} {'shape':<22} {'dtype':<9} {'layout':<6} " + " ".join(f"{p:>16}" for p in paths))
+    for case in gpu_suite():
+        if not re.search(args.filter, case.name):
+            continue
+        x, w, b, ops = make_inputs(case, "cuda")
+        ours = implementations(case, with_compile=False)["fusednorm"]
+        big = len({id(t) for k, t in ops.items() if k in ("residual", "multiplier")})
+        nbytes = (2 + big) * x.numel() * x.element_size()
+        cells = []
+        for path in paths:
+            for name in KNOBS:
+                os.environ.pop(name, None)
+            os.environ.update(PATHS[path])
+            with torch.no_grad():
+                ms = measure(lambda: ours(x, w, b, ops))
+            cells.append(f"{ms:8.4f} ({100 * nbytes / (ms * 1e-3) / 1e9 / roof:3.0f}%)")
+        for name in KNOBS:
+            os.environ.pop(name, None)
+        layout = "CL" if case.channels_last else "CF"
+        print(f"{case.name:<26} {str(tuple(case.shape)):<22} {str(case.dtype)[6:]:<9} {layout:<6} " + " ".join(
+            f"{c:>16}" for c in cells), flush=True)
+        del x, w, b, ops
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
