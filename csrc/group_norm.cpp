@@ -135,7 +135,8 @@ at::Tensor per_sample_channel(const char* name, const at::Tensor& t, const at::T
       sh.N, ", ", sh.C, "), but got ", name, " of shape ", t.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()),
       "Expected ", name, " to be a floating-point tensor, but got ", t.scalar_type());
-  return t.reshape({sh.N, sh.C}).to(stats_dtype(input.scalar_type())).contiguous();
+  // Kept in its own dtype: the kernels convert on load (a cast here is one more launch per call).
+  return t.reshape({sh.N, sh.C}).contiguous();
 }
 
 // residual / multiplier: the input's shape and dtype, in the kernels' layout.
@@ -170,17 +171,32 @@ Epilogue make_epilogue(
   return ep;
 }
 
-FusedGrads empty_fused_grads(
-    const at::Tensor& x, const GroupNormShape& sh, Layout layout, const FusedGradMask& mask) {
+at::ScalarType param_grad_dtype(const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, at::ScalarType input_dtype) {
+  if (defined(bias)) return bias->scalar_type();
+  if (defined(weight)) return weight->scalar_type();
+  return stats_dtype(input_dtype);
+}
+
+FusedGrads empty_fused_grads(const at::Tensor& x, const GroupNormShape& sh, Layout layout,
+    const FusedGradMask& mask, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const Epilogue& ep) {
   const auto none = at::empty({0}, x.options());
-  const auto stats = x.options().dtype(stats_dtype(x.scalar_type()));
+  const at::ScalarType stats = stats_dtype(x.scalar_type());
   auto like_x = [&](bool wanted) { return wanted ? empty_in_layout(x, layout, x.scalar_type()) : none; };
+  auto per_channel = [&](bool wanted, at::ScalarType dtype) {
+    return at::empty({wanted ? sh.C : 0}, x.options().dtype(dtype));
+  };
+  auto per_sample_channel = [&](bool wanted, const at::Tensor& operand) {
+    const auto opts = x.options().dtype(operand.defined() ? operand.scalar_type() : stats);
+    return wanted ? at::empty({sh.N, sh.C}, opts) : at::empty({0}, opts);
+  };
   FusedGrads g;
   g.input = like_x(mask[0]);
-  g.weight = at::empty({mask[1] ? sh.C : 0}, stats);
-  g.bias = at::empty({mask[2] ? sh.C : 0}, stats);
-  g.scale = mask[3] ? at::empty({sh.N, sh.C}, stats) : at::empty({0}, stats);
-  g.shift = mask[4] ? at::empty({sh.N, sh.C}, stats) : at::empty({0}, stats);
+  g.weight = per_channel(mask[1], param_grad_dtype(weight, c10::nullopt, x.scalar_type()));
+  g.bias = per_channel(mask[2], param_grad_dtype(weight, bias, x.scalar_type()));
+  g.scale = per_sample_channel(mask[3], ep.scale);
+  g.shift = per_sample_channel(mask[4], ep.shift);
   g.residual = like_x(mask[5]);
   g.multiplier = like_x(mask[6]);
   return g;

@@ -66,9 +66,7 @@ at::Tensor to_layout(const at::Tensor& t, Layout layout);
 // An uninitialised tensor of `t`'s shape in `layout`, with the given dtype.
 at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dtype);
 
-// dtype of the saved mean and rstd, and of the weight and bias gradients the backward op returns
-// (so that nothing is rounded to bf16/fp16 before autograd casts them to the parameters' dtypes):
-// float32, or float64 for float64 inputs.
+// dtype of the saved mean and rstd: float32, or float64 for float64 inputs.
 inline at::ScalarType stats_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -80,7 +78,7 @@ Activation parse_activation(c10::string_view name);
 // Operands of the fused epilogue (epilogue.h), checked against the input and put in the form the
 // kernels read.
 struct Epilogue {
-  at::Tensor scale, shift;          // undefined, or (N, C) contiguous in stats_dtype(input)
+  at::Tensor scale, shift;          // undefined, or (N, C) contiguous in their own floating dtype
   at::Tensor residual, multiplier;  // undefined, or the input's shape and dtype in its kernel layout
   Activation activation = Activation::None;
   double negative_slope = 0.01;
@@ -110,15 +108,26 @@ Epilogue make_epilogue(
 // Outputs of fused_group_norm_backward, in schema order. An output whose output_mask entry is
 // false is an empty tensor of shape (0,).
 //   grad_input, grad_residual, grad_multiplier: the input's shape and dtype, in its kernel layout;
-//   grad_weight, grad_bias: (C,) in stats_dtype;  grad_scale, grad_shift: (N, C) in stats_dtype.
+//   grad_weight, grad_bias: (C,);  grad_scale, grad_shift: (N, C).
+// Each parameter gradient has its parameter's dtype (the kernels accumulate in float32 or double
+// and round once on the store), so that autograd launches no cast after the op: grad_weight the
+// weight's, grad_bias the bias's (the weight's for the plain op, which is not given the bias),
+// grad_scale / grad_shift the scale's / shift's; stats_dtype where there is no such parameter.
 struct FusedGrads {
   at::Tensor input, weight, bias, scale, shift, residual, multiplier;
 };
 constexpr int kNumFusedGrads = 7;
 using FusedGradMask = std::array<bool, kNumFusedGrads>;
 
-// Allocates the requested gradients (uninitialised) for an input laid out as `x`.
-FusedGrads empty_fused_grads(
-    const at::Tensor& x, const GroupNormShape& shape, Layout layout, const FusedGradMask& mask);
+// dtype of grad_bias (grad_weight: pass no bias): the bias's, else the weight's, else
+// stats_dtype(input_dtype).
+at::ScalarType param_grad_dtype(const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, at::ScalarType input_dtype);
+
+// Allocates the requested gradients (uninitialised) for an input laid out as `x`, with dtypes as
+// above.
+FusedGrads empty_fused_grads(const at::Tensor& x, const GroupNormShape& shape, Layout layout,
+    const FusedGradMask& mask, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const Epilogue& ep);
 
 }  // namespace fusednorm

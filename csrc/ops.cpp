@@ -7,11 +7,13 @@
 //   group_norm_forward  -> (output, mean, rstd); mean and rstd have shape (N, num_groups) and are
 //                          float32 (float64 for float64 input) whatever the input dtype
 //   group_norm_backward -> (grad_input, grad_weight, grad_bias); an output whose output_mask entry is
-//                          false is returned as an empty tensor of shape (0,)
+//                          false is returned as an empty tensor of shape (0,); grad_weight and
+//                          grad_bias have the weight's dtype (float32 / float64 without weight)
 //   fused_group_norm_forward / fused_group_norm_backward: the same with the epilogue of
 //                          epilogue.h (scale, shift, residual, activation, multiplier); backward
 //                          returns the gradients of input, weight, bias, scale, shift, residual and
-//                          multiplier (FusedGrads in group_norm.h)
+//                          multiplier (FusedGrads in group_norm.h), each parameter's gradient in
+//                          that parameter's dtype
 // Composite ops (this file):
 //   group_norm     F.group_norm semantics, plus the optional epilogue keywords
 //   instance_norm  F.instance_norm semantics, running statistics updated in place, plus the

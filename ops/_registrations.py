@@ -52,7 +52,7 @@ def _check_group_norm_args(input: Tensor, num_groups: int, weight: Optional[Tens
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Mean, rstd and parameter gradients: float32, float64 for float64 input (stats_dtype in C++).
+    # Mean and rstd: float32, float64 for float64 input (stats_dtype in C++).
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -101,11 +101,11 @@ def _group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     grad_input, grad_weight, grad_bias = torch.ops.fusednorm.group_norm_backward(
         grad_out, input, mean, rstd, weight, ctx.num_groups, [need_input, need_weight, need_bias]
     )
-    # The op returns parameter gradients in the statistics' precision; round them only now.
+    # The op returns parameter gradients in the weight's dtype; the bias may have another.
     return (
         grad_input if need_input else None,
         None,
-        grad_weight.to(weight.dtype) if need_weight else None,
+        grad_weight if need_weight else None,
         grad_bias.to(ctx.bias_dtype) if need_bias else None,
         None,
     )
@@ -131,8 +131,11 @@ def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, o
         )
     C = input.shape[1]
     grad_input = _empty_like_kernel_output(input, input.dtype) if output_mask[0] else input.new_empty((0,))
-    grad_weight = input.new_empty((C,) if output_mask[1] else (0,), dtype=stats_dtype)
-    grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=stats_dtype)
+    # Parameter gradients in the parameter's dtype (param_grad_dtype in csrc/group_norm.cpp): the
+    # weight's for both, as this op is not given the bias.
+    param_dtype = weight.dtype if weight is not None else stats_dtype
+    grad_weight = input.new_empty((C,) if output_mask[1] else (0,), dtype=param_dtype)
+    grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=param_dtype)
     return grad_input, grad_weight, grad_bias
 
 
@@ -197,17 +200,17 @@ def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
         grad_out, input, mean, rstd, weight, bias, ctx.num_groups, scale, shift, residual,
         ctx.activation, ctx.negative_slope, multiplier, mask,
     )
-    # Parameter and modulation gradients come in the statistics' precision and (N, C) shape:
-    # shape and round them only now.
+    # Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
+    # shape (N, C).
     g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier = grads
     return (
         g_input if mask[0] else None,
         None,
-        g_weight.to(weight.dtype) if mask[1] else None,
-        g_bias.to(bias.dtype) if mask[2] else None,
+        g_weight if mask[1] else None,
+        g_bias if mask[2] else None,
         None,
-        g_scale.reshape(scale.shape).to(scale.dtype) if mask[3] else None,
-        g_shift.reshape(shift.shape).to(shift.dtype) if mask[4] else None,
+        g_scale.reshape(scale.shape) if mask[3] else None,
+        g_shift.reshape(shift.shape) if mask[4] else None,
         g_residual if mask[5] else None,
         None,
         None,
@@ -224,13 +227,18 @@ def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, n
                                     activation, negative_slope, multiplier, output_mask: List[bool]):
     _check_group_norm_args(input, num_groups, weight, bias)
     _check_epilogue_args(input, scale, shift, residual, activation, multiplier)
-    grad_input, grad_weight, grad_bias = _group_norm_backward_fake(
+    grad_input, grad_weight, _ = _group_norm_backward_fake(
         grad_out, input, mean, rstd, weight, num_groups, output_mask[:3]
     )
     stats_dtype = _stats_dtype(input.dtype)
     N, C = input.shape[0], input.shape[1]
-    grad_scale = input.new_empty((N, C) if output_mask[3] else (0,), dtype=stats_dtype)
-    grad_shift = input.new_empty((N, C) if output_mask[4] else (0,), dtype=stats_dtype)
+    # Each parameter gradient in its parameter's dtype (param_grad_dtype in csrc/group_norm.cpp).
+    bias_dtype = bias.dtype if bias is not None else weight.dtype if weight is not None else stats_dtype
+    grad_bias = input.new_empty((C,) if output_mask[2] else (0,), dtype=bias_dtype)
+    scale_dtype = scale.dtype if scale is not None else stats_dtype
+    shift_dtype = shift.dtype if shift is not None else stats_dtype
+    grad_scale = input.new_empty((N, C) if output_mask[3] else (0,), dtype=scale_dtype)
+    grad_shift = input.new_empty((N, C) if output_mask[4] else (0,), dtype=shift_dtype)
     grad_residual = _empty_like_kernel_output(input, input.dtype) if output_mask[5] else input.new_empty((0,))
     grad_multiplier = _empty_like_kernel_output(input, input.dtype) if output_mask[6] else input.new_empty((0,))
     return grad_input, grad_weight, grad_bias, grad_scale, grad_shift, grad_residual, grad_multiplier

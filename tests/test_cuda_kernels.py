@@ -182,9 +182,9 @@ def check_backward(dy, x, G, w, b=None, mask=(True, True, True), eps=EPS):
     dtype = x.dtype
     _, mean, rstd = OPS.group_norm_forward(x, G, w, b, eps)
     dx, dw, db = OPS.group_norm_backward(dy, x, mean, rstd, w, G, list(mask))
-    # The parameter gradients come in the statistics' dtype (param_grad_dtype in group_norm.h):
-    # autograd casts them to the parameters' dtypes.
-    pdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    # The parameter gradients come in the weight's dtype (param_grad_dtype in group_norm.h; this
+    # op is not given the bias), the statistics' without weight.
+    pdtype = w.dtype if w is not None else torch.float64 if dtype == torch.float64 else torch.float32
     C = x.shape[1]
     dx_ref, dw_ref, db_ref = ref_backward(dy, x, w, G, eps)
     if mask[0]:
@@ -625,5 +625,8 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
     torch.testing.assert_close(mean, mean2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rstd, rstd2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[0], grads2[0], **tol)
-    for got, want in zip(grads[1:], grads2[1:]):  # sums over N * S elements
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    # Sums over N * S elements, in float32 and rounded once to the weight's dtype: the two paths'
+    # orders of summation may round to neighbouring values there.
+    param_tol = dict(rtol=1e-2, atol=1e-2) if low else dict(rtol=1e-4, atol=1e-3)
+    for got, want in zip(grads[1:], grads2[1:]):
+        torch.testing.assert_close(got, want, **param_tol)

@@ -357,3 +357,35 @@ def test_fused_backward_large_groups_cpu(layout):
     # (kMaxGroupDpBytes); a 640 KB group takes the path that recomputes it.
     torch.manual_seed(11)
     check_fused((2, 4, 200, 200), 1, torch.float32, layout, OPERANDS, "silu", "cpu")
+
+
+def test_param_grad_dtypes(device):
+    # The backward ops return each parameter's gradient in that parameter's dtype (rounded once
+    # from the float32 sums), so that autograd casts nothing after them: mixed dtypes here.
+    torch.manual_seed(11)
+    x = torch.randn(2, 8, 4, 6, dtype=torch.bfloat16, device=device)
+    w = torch.randn(8, dtype=torch.float32, device=device)
+    b = torch.randn(8, dtype=torch.bfloat16, device=device)
+    scale = 0.1 * torch.randn(2, 8, dtype=torch.float64, device=device)
+    shift = 0.1 * torch.randn(2, 8, dtype=torch.float16, device=device)
+    y, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(
+        x, 4, w, b, 1e-5, scale, shift, None, "silu", 0.01, None)
+    dz = torch.randn_like(y)
+
+    def backward(*params):
+        return torch.ops.fusednorm.fused_group_norm_backward(
+            dz, x, mean, rstd, params[0], params[1], 4, params[2], params[3], None, "silu", 0.01, None, [True] * 5 + [False] * 2)
+
+    grads = backward(w, b, scale, shift)
+    assert [g.dtype for g in grads[1:5]] == [torch.float32, torch.bfloat16, torch.float64, torch.float16]
+    # The same sums with float32 parameters (what the kernels accumulate in), rounded once.
+    reference = backward(w, b.float(), scale.float(), shift.float())
+    for got, want in zip(grads[1:5], reference[1:5]):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-2, atol=1e-2)
+
+    plain = torch.ops.fusednorm.group_norm_backward(dz, x, mean, rstd, w, 4, [True, True, True])
+    assert plain[1].dtype == torch.float32 and plain[2].dtype == torch.float32  # the weight's
+    plain_bf16 = torch.ops.fusednorm.group_norm_backward(dz, x, mean, rstd, w.bfloat16(), 4, [False, True, True])
+    assert plain_bf16[1].dtype == torch.bfloat16 and plain_bf16[2].dtype == torch.bfloat16
+    plain_none = torch.ops.fusednorm.group_norm_backward(dz, x, mean, rstd, None, 4, [False, False, True])
+    assert plain_none[2].dtype == torch.float32  # no parameter: the statistics' dtype

@@ -319,7 +319,8 @@ template <typename acc_t>
 std::vector<acc_t> per_sample_channel_or_empty(const at::Tensor& t, acc_t add) {
   std::vector<acc_t> out;
   if (!t.defined()) return out;
-  const acc_t* p = t.data_ptr<acc_t>();  // (N, C) contiguous in the stats dtype
+  const at::Tensor ta = t.to(c10::CppTypeToScalarType<acc_t>::value);  // (N, C) contiguous
+  const acc_t* p = ta.data_ptr<acc_t>();
   out.resize(t.numel());
   for (int64_t i = 0; i < t.numel(); ++i) out[i] = p[i] + add;
   return out;
@@ -1251,8 +1252,15 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
     K2[ng] = static_cast<acc_t>(-r / M * A[ng] - b1 * delta[ng]);
   }
   std::vector<double> dw(C, 0.0), dbias(C, 0.0);
-  acc_t* dscale = grads.scale.numel() > 0 ? grads.scale.data_ptr<acc_t>() : nullptr;
-  acc_t* dshift = grads.shift.numel() > 0 ? grads.shift.data_ptr<acc_t>() : nullptr;
+  // grad_scale / grad_shift are written in acc_t, then converted to their dtypes (the scale's and
+  // shift's) where those differ.
+  const auto acc_opts = grads.scale.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  auto acc_buffer = [&](const at::Tensor& out) {
+    return out.numel() == 0 || out.scalar_type() == acc_opts.dtype() ? out : at::empty(out.sizes(), acc_opts);
+  };
+  at::Tensor dscale_acc = acc_buffer(grads.scale), dshift_acc = acc_buffer(grads.shift);
+  acc_t* dscale = grads.scale.numel() > 0 ? dscale_acc.data_ptr<acc_t>() : nullptr;
+  acc_t* dshift = grads.shift.numel() > 0 ? dshift_acc.data_ptr<acc_t>() : nullptr;
   at::parallel_for(0, C, 512, [&](int64_t cbegin, int64_t cend) {
     Run run;
     std::vector<acc_t> k1(kBlock), k2(kBlock), delta_c(kBlock);
@@ -1309,6 +1317,8 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   if (grads.weight.numel() > 0) grads.weight.copy_(at::from_blob(dw.data(), {C}, f64));
   if (grads.bias.numel() > 0) grads.bias.copy_(at::from_blob(dbias.data(), {C}, f64));
+  if (!dscale_acc.is_same(grads.scale)) grads.scale.copy_(dscale_acc);
+  if (!dshift_acc.is_same(grads.shift)) grads.shift.copy_(dshift_acc);
 }
 
 FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& input,
@@ -1317,7 +1327,7 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     const FusedGradMask& mask) {
   const at::Tensor dy = to_layout(grad_out, layout);
   const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
-  FusedGrads grads = empty_fused_grads(x, sh, layout, mask);
+  FusedGrads grads = empty_fused_grads(x, sh, layout, mask, weight, bias, epilogue);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t* mp = mean_c.data_ptr<acc_t>();

@@ -205,8 +205,8 @@ __device__ __forceinline__ void load_packs(
 template <typename scalar_t>
 struct EpiArgs {
   using acc_t = acc_type<scalar_t>;
-  const acc_t* scale;          // (N, C) contiguous, index n * C + c
-  const acc_t* shift;          // (N, C)
+  ParamRef scale;              // (N, C) contiguous in any floating dtype, index n * C + c; null: absent
+  ParamRef shift;              // (N, C)
   const scalar_t* residual;    // x's shape and layout
   const scalar_t* multiplier;  // x's shape and layout
   scalar_t* grad_residual;     // backward apply: outputs in x's layout, null if not requested
@@ -250,12 +250,12 @@ struct Affine {
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ Affine<acc_t> modulate(const EpiArgs<scalar_t>& e, int64_t nc, acc_t w, acc_t b) {
   Affine<acc_t> m{w, b};
-  if (e.scale != nullptr) {
-    const acc_t gain = acc_t(1) + e.scale[nc];
+  if (e.scale.ptr != nullptr) {
+    const acc_t gain = acc_t(1) + load_param(e.scale, nc, acc_t(0));
     m.w = w * gain;
     m.b = b * gain;
   }
-  if (e.shift != nullptr) m.b += e.shift[nc];
+  m.b += load_param(e.shift, nc, acc_t(0));
   return m;
 }
 
@@ -974,7 +974,7 @@ struct ParamGradArgs {
 // The PER_SAMPLE kernel's arguments (the plain kernel keeps exactly its own struct).
 template <typename acc_t>
 struct SampleParamGradArgs : ParamGradArgs<acc_t> {
-  const acc_t* scale;      // (N, C) contiguous; null: gain 1
+  ParamRef scale;          // (N, C) contiguous; null: gain 1
   ParamRef weight, bias;   // for grad_scale
   GradRef dscale, dshift;  // (N, C) contiguous; null: not requested
   int64_t N;
@@ -1008,7 +1008,7 @@ __global__ void __launch_bounds__(kThreads) finalize_param_grads_kernel(
           const acc_t* rec = a.rec + (n * a.G + g) * kRec;
           const acc_t xs = rec[2] * (dsc_n - rec[1] * db_n);
           const int64_t nc = n * a.C + c;
-          const acc_t gain = a.scale == nullptr ? acc_t(1) : acc_t(1) + a.scale[nc];
+          const acc_t gain = acc_t(1) + load_param(a.scale, nc, acc_t(0));
           dw += gain * xs;
           db += gain * db_n;
           store_grad(a.dshift, nc, db_n);
@@ -1163,11 +1163,10 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
 // kernel, which keeps per-lane coefficients). The forward carries at most three input streams (x,
 // residual, multiplier), no dz, and with a compile-time activation A few temporaries: it takes
 // kUnroll where ptxas shows that it fits the register cap without spills, i.e. for packs of fewer
-// than 8 lanes (ChannelsLast, whose loop has no compile-time activation yet: single elements).
-// With 8 lanes of half / bf16 it reaches the cap
-// alone and spills beside the other activations' copies; there, in the kAnyAct loop (the union of
-// the activations' temporaries) and in the backward (four input streams, three outputs), the
-// unroll stays kEpiUnroll / epi_unroll_lanes.
+// than 8 lanes (by rows) or single elements (by columns). With 8 lanes of half / bf16 it reaches
+// the cap alone and spills beside the other activations' copies; there, in the kAnyAct loop (the
+// union of the activations' temporaries) and in the backward (four input streams, three outputs),
+// the unroll stays kEpiUnroll / epi_unroll_lanes.
 template <ApplyMode M, int A, int V, bool LANES>
 constexpr int epi_apply_unroll() {
   if (M == ApplyMode::EpiForward && A != kAnyAct && (LANES ? V == 1 : V < 8)) return kUnroll;
@@ -1275,13 +1274,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
   }
 }
 
-// ChannelsLast (and ChannelsFirst with S == 1, the same memory): a thread keeps one pack of
-// channels for a whole tile of rows, so w[c], b[c] and the group of each lane are loaded once per
-// tile; the per-(n, g) coefficients are reloaded only when the row enters another sample (with
-// EPI they are per (n, c), which the same reload covers).
-template <typename scalar_t, int V, ApplyMode M>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
-    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain> a) {
+// The tiles of apply_cols_kernel, with the activation A (EPI) and U packs per thread in flight as
+// template arguments.
+template <ApplyMode M, int A, int U, int V, typename scalar_t>
+__device__ __forceinline__ void apply_cols_tiles(
+    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   constexpr bool EPI = M != ApplyMode::Plain;
@@ -1294,9 +1291,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
   const P* xp = reinterpret_cast<const P*>(a.x);
   const P* dyp = reinterpret_cast<const P*>(backward ? a.dy : a.x);
   P* outp = reinterpret_cast<P*>(a.out);
-  // The activation stays a run-time switch here: hoisting it (a row loop per activation, as in
-  // apply_row_epi) through a closure shared with the plain path changed the plain kernel's code.
-  constexpr int U = EPI ? epi_apply_unroll<M, kAnyAct, V, true>() : kUnroll;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t rt = t / ncb;
     const int64_t cb = t - rt * ncb;
@@ -1356,7 +1350,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
             }
           }
           if constexpr (EPI) {
-            apply_epi_pack<M, kAnyAct, V, V>(a.epi, coef, pc, xv[u], dv[u], rv[u], mv[u], outp,
+            apply_epi_pack<M, A, V, V>(a.epi, coef, pc, xv[u], dv[u], rv[u], mv[u], outp,
                 reinterpret_cast<P*>(a.epi.grad_residual), reinterpret_cast<P*>(a.epi.grad_multiplier),
                 r * cvn + cv);
           } else {
@@ -1371,6 +1365,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
         }
       }
     }
+  }
+}
+
+
+// ChannelsLast (and ChannelsFirst with S == 1, the same memory): a thread keeps one pack of
+// channels for a whole tile of rows, so w[c], b[c] and the group of each lane are loaded once per
+// tile; the per-(n, g) coefficients are reloaded only when the row enters another sample (with
+// EPI they are per (n, c), which the same reload covers). EPI: the activation is chosen once per
+// launch (with_activation), so that the element loop has no switch for the common ones.
+template <typename scalar_t, int V, ApplyMode M>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
+    const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain> a) {
+  if constexpr (M == ApplyMode::Plain) {
+    apply_cols_tiles<M, kAnyAct, kUnroll, V, scalar_t>(a);
+  } else {
+    with_activation(a.epi.act, [&](auto act) {
+      constexpr int kA = decltype(act)::value;
+      apply_cols_tiles<M, kA, epi_apply_unroll<M, kA, V, true>(), V, scalar_t>(a);
+    });
   }
 }
 
@@ -1518,8 +1531,8 @@ template <typename scalar_t>
 EpiArgs<scalar_t> epi_args(const Epilogue& ep, bool with_residual) {
   using acc_t = acc_type<scalar_t>;
   EpiArgs<scalar_t> e{};
-  e.scale = ep.scale.defined() ? ep.scale.data_ptr<acc_t>() : nullptr;
-  e.shift = ep.shift.defined() ? ep.shift.data_ptr<acc_t>() : nullptr;
+  e.scale = param_ref<scalar_t>(ep.scale);
+  e.shift = param_ref<scalar_t>(ep.shift);
   e.residual = with_residual && ep.residual.defined() ? ep.residual.data_ptr<scalar_t>() : nullptr;
   e.multiplier = ep.multiplier.defined() ? ep.multiplier.data_ptr<scalar_t>() : nullptr;
   e.grad_residual = nullptr;
@@ -1695,10 +1708,11 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
   } else {
     a.rows = sh.N * sh.S;
     a.len = sh.C;
-    // The EPI column kernel keeps six coefficients per lane (a, b, hi, lo, c and the folded bias):
-    // with 8 lanes they do not fit its register cap, so 2-byte types take 4-wide (8-byte) packs.
+    // The EPI backward column kernel keeps six coefficients per lane (a, b, hi, lo, c and the
+    // folded bias): with 8 lanes they do not fit its register cap, so 2-byte types take 4-wide
+    // (8-byte) packs there. The forward, with a compile-time activation, fits 16-byte packs.
     constexpr int VE = VW > 4 ? 4 : VW;
-    const int width = epi != nullptr ? VE : VW;
+    const int width = epi != nullptr && a.dy != nullptr ? VE : VW;
     const size_t bytes = static_cast<size_t>(width) * sizeof(scalar_t);
     const bool vec = width > 1 && sh.C % width == 0 &&
                      (epi == nullptr ? ptrs_aligned
@@ -1711,8 +1725,9 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     a.log_tx = t.log_tx;
     if (epi != nullptr) {
       with_epi_mode(a.dy != nullptr, [&](auto mode) {
+        constexpr ApplyMode kMode = decltype(mode)::value;
         if (vec) {
-          launch_apply_cols<scalar_t, VE, decltype(mode)::value>(with_epi());
+          launch_apply_cols<scalar_t, kMode == ApplyMode::EpiForward ? VW : VE, kMode>(with_epi());
         } else {
           launch_apply_cols<scalar_t, 1, decltype(mode)::value>(with_epi());
         }
@@ -1795,7 +1810,7 @@ void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor
     // With a scale each sample's share is weighted by 1 + scale[n, c], and grad_scale /
     // grad_shift are per (n, c).
     SampleParamGradArgs<acc_t> ps{pg};
-    ps.scale = ep.scale.defined() ? ep.scale.data_ptr<acc_t>() : nullptr;
+    ps.scale = param_ref<scalar_t>(ep.scale);
     ps.weight = param_ref<scalar_t>(weight);
     ps.bias = param_ref<scalar_t>(bias);
     ps.dscale = GradRef{mask[3] ? g.scale.data_ptr() : nullptr, g.scale.scalar_type()};
@@ -1918,7 +1933,7 @@ FusedGrads backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, co
   const Layout layout = layout_for(input);
   const at::Tensor x = to_layout(input, layout);
   const Epilogue ep = make_ep(x, sh, layout);
-  FusedGrads g = empty_fused_grads(x, sh, layout, mask);
+  FusedGrads g = empty_fused_grads(x, sh, layout, mask, weight, bias, ep);
   if (std::none_of(mask.begin(), mask.end(), [](bool wanted) { return wanted; })) return g;
   if (x.numel() == 0) {
     // The elementwise gradients are empty too; the others are sums over nothing.
