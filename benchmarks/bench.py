@@ -331,8 +331,9 @@ def main():
     for direction in ("forward", "backward"):
         sel = [r for r in rows if r.direction == direction and "fusednorm" in r.ms and r.case != "problem 3 full model"]
         for base in ("eager", "compile"):
-            g = geomean([r.ms[base] / r.ms["fusednorm"] for r in sel if base in r.ms])
-            print(f"geomean speedup {direction} vs {base}: {g:.2f}x")
+            ratios = [r.ms[base] / r.ms["fusednorm"] for r in sel if base in r.ms]
+            if ratios:
+                print(f"geomean speedup {direction} vs {base}: {geomean(ratios):.2f}x ({len(ratios)} rows)")
 
     stamp = time.strftime("%Y-%m-%d")
     with open(os.path.join(args.out, f"bench_{device}.json"), "w") as f:
