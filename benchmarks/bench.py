@@ -124,6 +124,9 @@ def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
         functorch_config = getattr(getattr(torch, "_functorch", None), "config", None)
         if functorch_config is not None and hasattr(functorch_config, "donated_buffer"):
             functorch_config.donated_buffer = False
+        # Every case's `eager` shares one code object: without a reset, Dynamo's recompile limit
+        # (8 per code object) is reached after a few cases and later ones silently run eager.
+        torch._dynamo.reset()
         impls["compile"] = torch.compile(eager)
     try:
         from liger_kernel.ops.group_norm import LigerGroupNormFunction  # type: ignore
