@@ -59,6 +59,12 @@ def register_autograd(name, backward, setup_context):
             return backward(ctx, *grads)
 
     def autograd_kernel(*args):
-        return _Function.apply(*args)
+        # As torch.library.register_autograd does: without grad mode or without an input that
+        # requires grad there is no graph to record, and the Function (its ctx, setup_context and
+        # saved tensors) would be pure host cost on every inference call.
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return _Function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
 
     _library().impl(name, autograd_kernel, "Autograd")

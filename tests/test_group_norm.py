@@ -266,3 +266,31 @@ def test_autocast_runs_in_the_input_dtype(device, input_dtype):
     assert_close(y, ref, input_dtype)
     ref, _, _, _ = group_norm_reference_with_grads(x, 8, w, b, 1e-5, torch.zeros_like(x))
     assert_close(z, ref, input_dtype)
+
+
+def test_graph_recorded_only_when_needed(device):
+    # The autograd kernel records a node only in grad mode with an input that requires grad
+    # (_compat.register_autograd); otherwise it calls the kernel directly. Either way the values
+    # are the same, and a graph is built for whichever input requires grad.
+    torch.manual_seed(3)
+    x = torch.randn(2, 6, 5, device=device)
+    w = torch.randn(6, device=device)
+    b = torch.randn(6, device=device)
+    plain = fusednorm.group_norm(x, 3, w, b)
+    assert not plain.requires_grad and plain.grad_fn is None
+    with torch.no_grad():
+        no_grad = fusednorm.group_norm(x.requires_grad_(), 3, w, b, activation="silu")
+    assert not no_grad.requires_grad and no_grad.grad_fn is None
+    with torch.inference_mode():
+        inference = fusednorm.group_norm(x.detach(), 3, w, b, activation="silu")
+    torch.testing.assert_close(no_grad, inference)
+    w.requires_grad_()
+    b.requires_grad_()
+    for i in range(3):  # one input requiring grad at a time
+        args = [t if j == i else t.detach() for j, t in enumerate((x, w, b))]
+        y = fusednorm.group_norm(args[0], 3, args[1], args[2], activation="silu")
+        assert y.requires_grad and y.grad_fn is not None
+        torch.testing.assert_close(y.detach(), no_grad)
+        (grad,) = torch.autograd.grad(y.sum(), [args[i]])
+        assert grad.shape == args[i].shape and torch.isfinite(grad).all()
+    torch.testing.assert_close(plain, F.group_norm(x.detach(), 3, w.detach(), b.detach()))
