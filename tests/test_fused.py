@@ -359,15 +359,19 @@ def test_fused_backward_large_groups_cpu(layout):
     check_fused((2, 4, 200, 200), 1, torch.float32, layout, OPERANDS, "silu", "cpu")
 
 
-def test_param_grad_dtypes(device):
+@pytest.mark.parametrize("shape,layout", [((2, 8, 4, 6), "contiguous"), ((2, 8, 4, 6), "channels_last"),
+                                          ((4, 8), "contiguous")])
+def test_param_grad_dtypes(device, shape, layout):
     # The backward ops return each parameter's gradient in that parameter's dtype (rounded once
-    # from the float32 sums), so that autograd casts nothing after them: mixed dtypes here.
+    # from the float32 sums), so that autograd casts nothing after them: mixed dtypes here, in
+    # both layouts and with one element per channel (S == 1: the CPU kernel writes grad_scale and
+    # grad_shift through an opmath buffer there).
     torch.manual_seed(11)
-    x = torch.randn(2, 8, 4, 6, dtype=torch.bfloat16, device=device)
+    x = to_layout(torch.randn(*shape, dtype=torch.bfloat16, device=device), layout)
     w = torch.randn(8, dtype=torch.float32, device=device)
     b = torch.randn(8, dtype=torch.bfloat16, device=device)
-    scale = 0.1 * torch.randn(2, 8, dtype=torch.float64, device=device)
-    shift = 0.1 * torch.randn(2, 8, dtype=torch.float16, device=device)
+    scale = 0.1 * torch.randn(shape[0], 8, dtype=torch.float64, device=device)
+    shift = 0.1 * torch.randn(shape[0], 8, dtype=torch.float16, device=device)
     y, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(
         x, 4, w, b, 1e-5, scale, shift, None, "silu", 0.01, None)
     dz = torch.randn_like(y)
