@@ -1368,7 +1368,6 @@ __device__ __forceinline__ void apply_cols_tiles(
   }
 }
 
-
 // ChannelsLast (and ChannelsFirst with S == 1, the same memory): a thread keeps one pack of
 // channels for a whole tile of rows, so w[c], b[c] and the group of each lane are loaded once per
 // tile; the per-(n, g) coefficients are reloaded only when the row enters another sample (with
