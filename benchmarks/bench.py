@@ -219,6 +219,18 @@ def make_inputs(case: Case, device: str):
     return x, w, b, ops
 
 
+def grad_inputs(case: Case, x, w, b, ops):
+    """Copies of x, weight, bias and the operands that require grad (problem 3's residual and
+    multiplier stay one tensor), and the distinct leaves among them to differentiate."""
+    xg = x.detach().requires_grad_()
+    wg, bg = (None if p is None else p.detach().requires_grad_() for p in (w, b))
+    opsg = {k: t.detach().requires_grad_() for k, t in ops.items()}
+    if case.same_operand and "multiplier" in opsg:
+        opsg["multiplier"] = opsg["residual"]
+    leaves = [xg] + [p for p in (wg, bg) if p is not None] + list({id(t): t for t in opsg.values()}.values())
+    return xg, wg, bg, opsg, leaves
+
+
 def run_case(case: Case, device: str, measure, roofline: float, with_compile: bool) -> List[Row]:
     x, w, b, ops = make_inputs(case, device)
     elem = x.element_size()
@@ -233,14 +245,9 @@ def run_case(case: Case, device: str, measure, roofline: float, with_compile: bo
         try:
             with torch.no_grad():
                 fwd.ms[name] = measure(lambda: fn(x, w, b, ops))
-            xg = x.detach().requires_grad_()
-            wg, bg = (None if p is None else p.detach().requires_grad_() for p in (w, b))
-            opsg = {k: t.detach().requires_grad_() for k, t in ops.items()}
-            if case.same_operand and "multiplier" in opsg:
-                opsg["multiplier"] = opsg["residual"]
+            xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
             y = fn(xg, wg, bg, opsg)
             dy = torch.randn_like(y)
-            leaves = [xg] + [p for p in (wg, bg) if p is not None] + list({id(t): t for t in opsg.values()}.values())
             bwd.ms[name] = measure(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True))
             del y, dy, xg, leaves
         except Exception as e:  # one implementation failing must not hide the others

@@ -19,7 +19,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench import gpu_suite, implementations, make_inputs
+from bench import gpu_suite, grad_inputs, implementations, make_inputs
 
 
 def short(name: str, width: int = 42) -> str:
@@ -67,14 +67,7 @@ def main():
         for name, fn in implementations(case, with_compile=False).items():
             if name not in wanted:
                 continue
-            leaves = [t.detach().requires_grad_() for t in [x, w, b] if t is not None]
-            xg = leaves[0]
-            wg = leaves[1] if w is not None else None
-            bg = leaves[2] if b is not None else None
-            opsg = {k: t.detach().requires_grad_() for k, t in ops.items()}
-            if case.same_operand and "multiplier" in opsg:
-                opsg["multiplier"] = opsg["residual"]
-            leaves += list({id(t): t for t in opsg.values()}.values())
+            xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
 
             def forward():
                 with torch.no_grad():

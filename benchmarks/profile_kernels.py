@@ -11,8 +11,7 @@ import argparse
 
 import torch
 
-import fusednorm
-from bench import gpu_suite, make_inputs
+from bench import gpu_suite, grad_inputs, implementations, make_inputs
 
 
 def main():
@@ -28,14 +27,9 @@ def main():
              and (args.layout == "any" or c.channels_last == (args.layout == "channels_last"))]
     for case in cases:
         x, w, b, ops = make_inputs(case, "cuda")
-        if case.kind == "group":
-            def run(x, w, b, ops):
-                return fusednorm.group_norm(x, case.groups, w, b, 1e-5, activation=case.activation, **ops)
-        else:
-            def run(x, w, b, ops):
-                return fusednorm.instance_norm(x, weight=w, bias=b, eps=1e-5, activation=case.activation, **ops)
-        leaves = [t.requires_grad_() for t in [x, w, b, *ops.values()] if t is not None]
-        y = run(x, w, b, ops)
+        run = implementations(case, with_compile=False)["fusednorm"]
+        xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
+        y = run(xg, wg, bg, opsg)
         dy = torch.randn_like(y)
         for _ in range(3):  # warm-up: first-call costs stay out of the profile
             run(x, w, b, ops)

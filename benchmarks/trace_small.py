@@ -11,7 +11,7 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench import gpu_suite, implementations, make_inputs
+from bench import gpu_suite, grad_inputs, implementations, make_inputs
 
 
 def main():
@@ -29,9 +29,7 @@ def main():
         for name, fn in implementations(case, with_compile=False).items():
             if name not in ("fusednorm", "eager"):
                 continue
-            leaves = [t.detach().requires_grad_() for t in [x, w, b, *ops.values()] if t is not None]
-            xg, wg, bg = leaves[0], leaves[1] if w is not None else None, leaves[2] if b is not None else None
-            opsg = dict(zip(ops, leaves[len(leaves) - len(ops):]))
+            xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
             y = fn(xg, wg, bg, opsg)
             dy = torch.randn_like(y)
             for _ in range(5):
