@@ -2,7 +2,7 @@
 select (the default choice, one-pass wherever it fits, split everywhere, and cluster limits),
 beside the copy-bandwidth roofline, so that a path's choice is made on measurements:
 
-    python benchmarks/compare_paths.py [--filter REGEX] [--paths default,split,one_pass,cluster8]
+    python benchmarks/compare_paths.py [--filter REGEX] [--paths default,split,one_pass,shared,cluster8]
 """
 
 import argparse
@@ -13,11 +13,12 @@ import torch
 
 from bench import copy_bandwidth, gpu_suite, implementations, make_inputs, timer
 
-KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER")
+KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_ONE_PASS_REGISTERS")
 PATHS = {
     "default": {},
     "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
     "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
+    "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
     "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
 }

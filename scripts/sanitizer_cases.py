@@ -1,7 +1,8 @@
 """Runs each CUDA kernel path once on small inputs, for compute-sanitizer (scripts/sanitize.sh):
 both layouts, every dtype, with and without weight/bias, tails that are not multiples of the vector
 width, groups split over several CTAs, misaligned (offset) storage, and empty inputs; the fused ops
-with every epilogue operand, their forward on both its one-pass and split paths."""
+with every epilogue operand, their forward on each of its paths (one pass with the group in
+registers or in shared memory, split)."""
 
 import os
 
@@ -18,6 +19,8 @@ CASES = [
     ((2, 32, 40, 40), 2),  # a 100 KB float32 group: the one-pass forward with opt-in shared memory
     ((1, 2, 256, 512), 1),  # a 1 MB float32 group: the one-pass forward's largest cluster (16 CTAs on H100)
     ((4, 13), 1),
+    ((6, 3000), 1),  # S == 1 rows of 750 packs: the register forward with 2 packs a thread
+    ((4, 6000), 1),  # 1500 packs (float32): 4 packs a thread, a partial last round
     ((2, 10, 3, 4, 5), 5),
     ((0, 8, 4, 4), 4),
     ((2, 8, 0, 4), 4),
@@ -49,12 +52,14 @@ def run_fused(x, groups, weight, bias, activation, operands):
 
 
 def main():
-    # The fused forward twice: groups in one pass wherever they fit (up to 1 MB, capped by the
-    # device's shared memory), then the split passes everywhere.
-    for limit in (str(1 << 20), "0"):
+    # The fused forward three times: groups in one pass wherever they fit (up to 1 MB, capped by
+    # the device's shared memory; in registers where they fit there), the same without the
+    # register kernel, then the split passes everywhere.
+    for limit, registers in ((str(1 << 20), "1"), (str(1 << 20), "0"), ("0", "1")):
         os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"] = limit
+        os.environ["FUSEDNORM_ONE_PASS_REGISTERS"] = registers
         run_all_fused()
-    del os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"]
+    del os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"], os.environ["FUSEDNORM_ONE_PASS_REGISTERS"]
     run_all_plain()
     torch.cuda.synchronize()
     print("sanitizer cases done")
@@ -67,6 +72,10 @@ def run_all_fused():
             w = torch.randn(shape[1], device="cuda", dtype=dtype)
             run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
             run_fused(x, groups, None, None, "mish", ("residual",))
+            run_fused(x, groups, None, None, "silu", ("residual",))
+            if x.dim() == 2:  # problem 3's (h + y) * y: one tensor as the residual and the multiplier
+                y = torch.randn_like(x)
+                torch.ops.fusednorm.fused_group_norm_forward(x, groups, None, None, 1e-5, None, None, y, "none", 0.0, y)
             if x.dim() >= 3:
                 cl = x.movedim(1, -1).contiguous().movedim(-1, 1)
                 run_fused(cl, groups, w, None, "gelu", ("scale", "multiplier"))

@@ -583,16 +583,21 @@ def test_large_bf16_more_than_2_31_elements():
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward and backward have two paths each: one pass with the group in shared memory
-# (ChannelsFirst, groups up to FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned; the forward spreads
-# a large group over a cluster of CTAs; the backward takes one CTA a group and needs S == 1 or S a
-# multiple of the pack width), and the split reduce / finalize / apply passes.
-# Most shapes above take the one-pass paths; here each case runs both, and they must agree.
+# Forward and backward have two paths each: one pass (ChannelsFirst, groups up to
+# FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned) and the split reduce / finalize / apply passes.
+# The one-pass forward holds a group in registers where it fits (one CTA a group, at most 4 packs
+# a thread; FUSEDNORM_ONE_PASS_REGISTERS=0 turns that off), else in shared memory, spread over a
+# cluster of CTAs when large; the one-pass backward takes one CTA a group and needs S == 1 or S a
+# multiple of the pack width. Most shapes above take the one-pass paths; here each case runs every
+# path, and each must agree with the reference and with the split path.
 
 ONE_PASS_CASES = [
     ((2, 64, 8, 8), 32),      # D = 2, S = 64
     ((3, 40, 9, 7), 4),       # S = 63: packs straddle channels (the backward takes the split path)
-    ((8, 8192), 1),           # problem 3's rows: S = 1, one group of 8192 channels
+    ((8, 8192), 1),           # problem 3's rows: S = 1, one group of 8192 channels (a cluster of 2)
+    ((160, 8192), 1),         # the same rows, enough of them for one CTA a group: in registers
+    ((16, 6000), 1),          # in registers, 4 packs a thread (float32), a partial last round
+    ((8, 4000), 1),           # in registers with a partial last round of packs
     ((4, 24), 3),             # S = 1, D = 8
     ((2, 12, 5, 4), 3),       # one pack per thread or fewer
     ((2, 4, 64, 64), 4),      # D = 1, S = 4096: the whole CTA sums one channel
@@ -602,21 +607,34 @@ ONE_PASS_CASES = [
     ((1, 16, 128, 128), 1),   # 1 MB in float32: clusters of 16 CTAs where the device has them
 ]
 
+# The environment of each path (test_fused.py and scripts/sanitizer_cases.py use the same knobs).
+PATH_ENV = {
+    "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
+    "one_pass_shared": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
+}
 
-@pytest.mark.parametrize("path", ["one_pass", "split"])
+
+def set_path(monkeypatch, path):
+    for name in ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_REGISTERS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in PATH_ENV[path].items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("path", list(PATH_ENV))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ONE_PASS_CASES, ids=_id)
 def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
     shape, G = case
-    limit = {"one_pass": str(1 << 20), "split": "0"}
-    other = "split" if path == "one_pass" else "one_pass"
-    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", limit[path])
+    other = "split" if path != "split" else "one_pass"
+    set_path(monkeypatch, path)
     x = make(shape, dtype, seed=3, offset=3.0)
     w, b = make_params(shape[1], dtype)
     dy = make(shape, dtype, seed=5)
     y, mean, rstd = check_forward(x, G, w, b)
     grads = check_backward(dy, x, G, w, b)
-    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", limit[other])
+    set_path(monkeypatch, other)
     y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
     grads2 = OPS.group_norm_backward(dy, x, mean, rstd, w, G, [True, True, True])
     low = dtype != torch.float32

@@ -336,19 +336,55 @@ def test_gradients_of_absent_operands_are_taken_at_their_neutral_values(activati
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
+CUDA_PATH_ENV = {
+    "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
+    "one_pass_shared": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
+}
+
+
+def set_cuda_path(monkeypatch, path):
+    for name in ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_REGISTERS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in CUDA_PATH_ENV[path].items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["one_pass", "split"])
+@pytest.mark.parametrize("path", list(CUDA_PATH_ENV))
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_fused_paths_cuda(activation, path, monkeypatch):
-    # The CUDA kernels run small ChannelsFirst groups in one pass (group in shared memory) and the
-    # rest in split passes; the epilogue, forward and backward, must be right on both
-    # (test_cuda_kernels.py covers the plain op).
-    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", str(1 << 20) if path == "one_pass" else "0")
+    # The CUDA forward runs small ChannelsFirst groups in one pass, with the group in registers
+    # (up to 2 packs a thread with any operands, 4 with at most one tensor-sized operand) or in
+    # shared memory, and the rest in split passes; the epilogue, forward and backward, must be
+    # right on each (test_cuda_kernels.py covers the plain op).
+    set_cuda_path(monkeypatch, path)
     torch.manual_seed(10)
     for shape, G, dtype in (((2, 40, 9, 7), 4, torch.float32), ((4, 512), 1, torch.float32),
-                            ((2, 64, 8, 8), 32, torch.bfloat16)):
-        for names in (OPERANDS, ["residual", "multiplier"], ["scale"]):
+                            ((8, 3072), 1, torch.float32), ((2, 64, 8, 8), 32, torch.bfloat16)):
+        for names in (OPERANDS, ["residual", "multiplier"], ["residual"], ["multiplier"], ["scale"]):
             check_fused(shape, G, dtype, "contiguous", names, activation, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", list(CUDA_PATH_ENV))
+@pytest.mark.parametrize("shape", [(1024, 8192), (6, 3000), (12, 6000)], ids=str)
+def test_residual_that_is_the_multiplier_cuda(shape, path, monkeypatch):
+    # Problem 3's tail, (instance_norm(h) + y) * y with y one tensor: the one-pass kernels load it
+    # once for both roles (in registers: 4 packs a thread, 2, and 4 with a partial round).
+    set_cuda_path(monkeypatch, path)
+    torch.manual_seed(12)
+    h = torch.randn(shape, device="cuda", requires_grad=True)
+    y = torch.randn(shape, device="cuda", requires_grad=True)
+    z = fusednorm.group_norm(h, 1, eps=1e-5, residual=y, multiplier=y)
+    dz = torch.randn_like(z)
+    grads = torch.autograd.grad(z, [h, y], dz)
+    h64, y64 = (t.detach().double().requires_grad_() for t in (h, y))
+    z64 = (group_norm_reference(h64, 1, None, None, 1e-5) + y64) * y64
+    grads64 = torch.autograd.grad(z64, [h64, y64], dz.double())
+    assert_close(z, z64, torch.float32, scale=z64.abs().max().item(), msg="output")
+    for name, g, g64 in zip(("input", "y"), grads, grads64):
+        assert_close(g, g64, torch.float32, scale=g64.abs().max().item(), msg=f"grad of {name}")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])

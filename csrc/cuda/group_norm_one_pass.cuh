@@ -12,7 +12,9 @@
 //   3. writes y = act(((x - mean) * rstd * w_eff + b_eff) + residual) * multiplier from shared
 //      memory, with the per-(n, c) modulation of epilogue.h folded into w_eff and b_eff.
 // x is read from DRAM once. The activation is a template parameter, so that the element loop has
-// no switch in it.
+// no switch in it. Groups that fit in registers (at most 4 packs a thread of 512; problem 3's rows
+// of 8192, UNet's small groups) take group_norm_registers_kernel instead: the same arithmetic
+// without the shared-memory staging, whose 64 KB per CTA bounded how many groups an SM held.
 
 #include <cooperative_groups.h>
 #include <cuda_pipeline.h>
@@ -83,18 +85,42 @@ struct OnePassArgs {
   EpiArgs<scalar_t> epi;
 };
 
-// Sum of v over the CTA, in a fixed order; every thread gets the total.
-template <typename acc_t>
+// Sum of v over the CTA (whole warps, at most MaxThreads threads; smem holds one value a warp), in
+// a fixed order; every thread gets the total.
+template <int MaxThreads = kOnePassThreads, typename acc_t>
 __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) v += shfl_xor(v, off);
   if ((threadIdx.x & (kWarp - 1)) == 0) smem[threadIdx.x >> kLogWarp] = v;
   __syncthreads();
+  const int warps = static_cast<int>(blockDim.x >> kLogWarp);
   acc_t total = acc_t(0);
 #pragma unroll
-  for (int w = 0; w < kOnePassThreads / kWarp; ++w) total += smem[w];
+  for (int w = 0; w < MaxThreads / kWarp; ++w) {
+    if (w < warps) total += smem[w];
+  }
   __syncthreads();  // smem is reused by the next sum
   return total;
+}
+
+// Sum over a pack of x - K, and of ((x - K) - shifted_mean)^2: the terms of the two-pass moments.
+template <typename acc_t, typename scalar_t, int V>
+__device__ __forceinline__ acc_t pack_shifted_sum(const Pack<scalar_t, V>& p, acc_t K) {
+  acc_t s = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < V; ++j) s += static_cast<acc_t>(p.v[j]) - K;
+  return s;
+}
+
+template <typename acc_t, typename scalar_t, int V>
+__device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>& p, acc_t K, acc_t shifted_mean) {
+  acc_t s = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const acc_t d = (static_cast<acc_t>(p.v[j]) - K) - shifted_mean;
+    s += d * d;
+  }
+  return s;
 }
 
 // Thread blocks clusters (sm_90): the CTAs of a cluster read each other's shared memory.
@@ -121,6 +147,73 @@ __device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* sl
 #endif
   return cta_total;
 }
+
+// y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
+// of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
+// channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation
+// as with_activation gives it (kAnyAct: a.epi.act, switched per element).
+template <typename scalar_t, int V, int A>
+struct OnePassOutput {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  const OnePassArgs<scalar_t>& a;
+  int64_t n, c_first;
+  acc_t K, shifted_mean, rstd;
+  int64_t cached_c = -1;
+  acc_t ca = acc_t(0), cb = acc_t(0);
+
+  __device__ __forceinline__ OnePassOutput(
+      const OnePassArgs<scalar_t>& args, int64_t n_, int64_t g, acc_t K_, acc_t shifted_mean_, acc_t rstd_)
+      : a(args), n(n_), c_first(g * args.D), K(K_), shifted_mean(shifted_mean_), rstd(rstd_) {}
+
+  // Pack v (counted from the group's start) of x, with the residual's and multiplier's packs where
+  // they are present.
+  __device__ __forceinline__ P operator()(int64_t v, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) {
+    // Channel of the pack's first element, then counted forward element by element.
+    int64_t c = div_nn(v * V, a.S);
+    int64_t rem = v * V - c * a.S;
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (j > 0 && ++rem == a.S) {
+        rem = 0;
+        ++c;
+      }
+      coefficients(c_first + c);
+      o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    }
+    return o;
+  }
+
+  // The same for a pack whose elements share their coefficients: S a multiple of V (a pack lies in
+  // one channel) or no per-channel parameter at all. The element loop then holds no channel logic,
+  // which matters where it is unrolled over a thread's R packs (the register kernel).
+  __device__ __forceinline__ P uniform_pack(int64_t v, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) {
+    coefficients(c_first + div_nn(v * V, a.S));
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    return o;
+  }
+
+  __device__ __forceinline__ scalar_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
+    acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * ca + cb;
+    if (has_r) p += static_cast<acc_t>(r);
+    acc_t z = device_activation_forward(act_of<A>(a.epi.act), p, a.epi.slope);
+    if (has_m) z *= static_cast<acc_t>(m);
+    return static_cast<scalar_t>(z);
+  }
+
+  __device__ __forceinline__ void coefficients(int64_t c) {
+    if (c != cached_c) {
+      const Affine<acc_t> m =
+          modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+      ca = rstd * m.w;
+      cb = m.b;
+      cached_c = c;
+    }
+  }
+};
 
 template <typename scalar_t, int V, Activation A>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(const OnePassArgs<scalar_t> a) {
@@ -161,22 +254,13 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits.
   const acc_t K = static_cast<acc_t>(a.x[off]);
   acc_t sum = acc_t(0);
-  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-    const P p = x_smem[v];
-#pragma unroll
-    for (int j = 0; j < V; ++j) sum += static_cast<acc_t>(p.v[j]) - K;
-  }
+  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) sum += pack_shifted_sum(x_smem[v], K);
   const acc_t total = static_cast<acc_t>(a.len);
   const acc_t shifted_mean =
       one_pass_cluster_sum(one_pass_block_sum(sum, red), &exchange[0], a.cluster) / total;
   acc_t m2 = acc_t(0);
   for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-    const P p = x_smem[v];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const acc_t d = (static_cast<acc_t>(p.v[j]) - K) - shifted_mean;
-      m2 += d * d;
-    }
+    m2 += pack_squared_deviations(x_smem[v], K, shifted_mean);
   }
   const acc_t var = one_pass_cluster_sum(one_pass_block_sum(m2, red), &exchange[1], a.cluster) / total;
   const acc_t group_rstd = acc_t(1) / sqrt(var + a.eps);
@@ -185,42 +269,13 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
     a.rstd[item] = group_rstd;
   }
 
-  // Coefficients of channel c (absolute), cached: with S >= V a pack lies in one channel.
-  int64_t cached_c = -1;
-  acc_t ca = acc_t(0), cb = acc_t(0);
-  auto coefficients = [&](int64_t c) {
-    if (c != cached_c) {
-      const Affine<acc_t> m =
-          modulate(e, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
-      ca = group_rstd * m.w;
-      cb = m.b;
-      cached_c = c;
-    }
-  };
+  OnePassOutput<scalar_t, V, static_cast<int>(A)> out(a, n, g, K, shifted_mean, group_rstd);
   P* yg = reinterpret_cast<P*>(a.y + off) + v_begin;
-  const int64_t c_first = g * a.D;
   for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-    const P xp = x_smem[v];
-    P rp, mp, o;
+    P rp, mp;
     if (r_smem != nullptr) rp = r_smem[v];
     if (m_smem != nullptr) mp = m_smem[v];
-    // Channel of the pack's first element, then counted forward element by element.
-    int64_t c = div_nn((v_begin + v) * V, a.S);
-    int64_t rem = (v_begin + v) * V - c * a.S;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      if (j > 0 && ++rem == a.S) {
-        rem = 0;
-        ++c;
-      }
-      coefficients(c_first + c);
-      acc_t p = ((static_cast<acc_t>(xp.v[j]) - K) - shifted_mean) * ca + cb;
-      if (r_smem != nullptr) p += static_cast<acc_t>(rp.v[j]);
-      acc_t z = device_activation_forward(A, p, e.slope);
-      if (m_smem != nullptr) z *= static_cast<acc_t>(mp.v[j]);
-      o.v[j] = static_cast<scalar_t>(z);
-    }
-    yg[v] = o;
+    yg[v] = out(v_begin + v, x_smem[v], rp, r_smem != nullptr, mp, m_smem != nullptr);
   }
 #if FUSEDNORM_CLUSTERS
   // No CTA may leave while another can still read its `exchange`.
@@ -228,13 +283,112 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 #endif
 }
 
+// The one-pass forward with the group in registers, for groups of at most R packs per thread of
+// a CTA (S == 1 rows such as problem 3's, UNet's small groups). The arithmetic is the
+// shared-memory kernel's, but without its staging: every load of a thread is issued up front into
+// registers, and a CTA holds no shared memory, so that the SM's register file rather than 64 KB per
+// CTA bounds how many groups are in flight. E is the number of extra tensor-sized streams held: 0,
+// 1 (the residual, the multiplier, or both when they are one tensor, as in problem 3's
+// (h + y) * y) or 2; it is a template parameter because registers are allocated for the worst path
+// of a kernel, and R * (1 + E) packs must stay within the budget. A is the activation, a
+// compile-time one (the output is unrolled over R * V elements, and a switch over every
+// activation in it took ptxas ~10 s per kernel with R = 8).
+template <typename scalar_t, int V, int R, int E>
+struct RegisterGroup {
+  using P = Pack<scalar_t, V>;
+  P x[R];
+  P extra[E > 0 ? E : 1][R];  // extra[0]: the residual if given, else the multiplier; [1]: the multiplier
+  scalar_t first;             // x's first element, K
+
+  // Issues every load of group `item` (the thread's packs threadIdx.x + k * blockDim.x).
+  __device__ __forceinline__ void load(const OnePassArgs<scalar_t>& a, int64_t item) {
+    const int64_t off = item * a.len;
+    const int lenv = static_cast<int>(a.len / V);
+    const scalar_t* extra0 = a.epi.residual != nullptr ? a.epi.residual : a.epi.multiplier;
+    const P* xg = reinterpret_cast<const P*>(a.x + off);
+    const P* eg0 = reinterpret_cast<const P*>(offset_or_null(extra0, off));
+    const P* eg1 = reinterpret_cast<const P*>(offset_or_null(a.epi.multiplier, off));
+    first = a.x[off];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
+      if (v < lenv) {
+        x[k] = xg[v];
+        if (E >= 1) extra[0][k] = eg0[v];
+        if (E >= 2) extra[1][k] = eg1[v];
+      }
+    }
+  }
+
+  // Moments (two-pass, from registers), the statistics, and y of group `item`, once its loads
+  // are in. `red`: MaxThreads / kWarp values of shared memory.
+  template <int MaxThreads, Activation A>
+  __device__ __forceinline__ void finish(const OnePassArgs<scalar_t>& a, int64_t item, acc_type<scalar_t>* red) const {
+    using acc_t = acc_type<scalar_t>;
+    const int lenv = static_cast<int>(a.len / V);
+    const auto valid = [&](int k) { return static_cast<int>(threadIdx.x + k * blockDim.x) < lenv; };
+    const acc_t K = static_cast<acc_t>(first);
+    acc_t sum = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      if (valid(k)) sum += pack_shifted_sum(x[k], K);
+    }
+    const acc_t total = static_cast<acc_t>(a.len);
+    const acc_t shifted_mean = one_pass_block_sum<MaxThreads>(sum, red) / total;
+    acc_t m2 = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      if (valid(k)) m2 += pack_squared_deviations(x[k], K, shifted_mean);
+    }
+    const acc_t rstd = acc_t(1) / sqrt(one_pass_block_sum<MaxThreads>(m2, red) / total + a.eps);
+    if (threadIdx.x == 0) {
+      a.mean[item] = K + shifted_mean;
+      a.rstd[item] = rstd;
+    }
+    const int64_t n = div_nn(item, a.G);
+    OnePassOutput<scalar_t, V, static_cast<int>(A)> out(a, n, item - n * a.G, K, shifted_mean, rstd);
+    const bool has_r = E >= 1 && a.epi.residual != nullptr;
+    const bool has_m = E >= 1 && a.epi.multiplier != nullptr;
+    P* yg = reinterpret_cast<P*>(a.y + item * a.len);
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      if (valid(k)) {
+        const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
+        yg[v] = out.uniform_pack(v, x[k], extra[0][k], has_r, extra[E >= 2 ? 1 : 0][k], has_m);
+      }
+    }
+  }
+};
+
+// One CTA a group, of up to kRegisterThreads threads, two CTAs an SM (at most 64 registers a
+// thread): warps enough to hide the latency of the reductions' barriers and shuffles. With 256
+// threads of 8 packs (96 registers, 16 warps an SM) problem 3's rows ran at 71% of the copy
+// bandwidth; persistent CTAs that loaded the next group during the current one's reductions, with
+// 16 warps an SM, did no better (67%): the SM was waiting on its own instruction latencies.
+constexpr int kRegisterThreads = 512;
+
+template <typename scalar_t, int V, int R, int E, Activation A>
+__global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kernel(const OnePassArgs<scalar_t> a) {
+  __shared__ acc_type<scalar_t> red[kRegisterThreads / kWarp];
+  RegisterGroup<scalar_t, V, R, E> group;
+  group.load(a, blockIdx.x);
+  group.finish<kRegisterThreads, A>(a, blockIdx.x, red);
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory. Without the opt-in a CTA gets 48 KB in all,
+// its static shared memory (under 1 KB in these kernels) included: a 48 KB group of the one-pass
+// backward failed to launch ("invalid argument") when the opt-in began above 48 KB.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  if (bytes + 1024 > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+}
+
 template <typename scalar_t, int V, Activation A>
 void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
   auto kernel = group_norm_one_pass_kernel<scalar_t, V, A>;
-  if (smem_bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  }
+  allow_dynamic_smem(kernel, smem_bytes);
   if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (a.cluster == 1) {
@@ -255,6 +409,67 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
     C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Packs per thread of the register kernel, and its extra streams: R * (1 + E) <= kRegisterPacks
+// 16-byte packs a thread (32 registers) fit two CTAs of kRegisterThreads per SM under the kernel's
+// register cap of 64.
+constexpr int kRegisterPacks = 8;
+
+template <typename scalar_t, int V, int R, int E>
+void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
+  static_assert(R * (1 + E) <= kRegisterPacks, "register kernel over its budget");
+  const int64_t lenv = a.len / V;
+  const int threads = static_cast<int>(std::min<int64_t>(kRegisterThreads, ceil_div(ceil_div(lenv, R), kWarp) * kWarp));
+  const auto launch = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(items), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  switch (a.epi.act) {
+    case Activation::SiLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::SiLU>);
+    case Activation::ReLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::ReLU>);
+    default: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::None>);
+  }
+}
+
+// Runs the register kernel and returns true when the group fits its registers (2 packs a thread
+// with up to two extra streams, 4 with at most one; one fewer in bfloat16), the activation is none, SiLU or ReLU (the
+// common ones; the others keep the shared-memory kernel rather than add instantiations), and each
+// pack's elements share their coefficients (OnePassOutput::uniform_pack).
+// FUSEDNORM_ONE_PASS_REGISTERS=0 turns it off (the tests cover the shared-memory kernel with it).
+template <typename scalar_t, int V>
+bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items, int extra_streams) {
+  const char* env = std::getenv("FUSEDNORM_ONE_PASS_REGISTERS");
+  if (env != nullptr && std::atoi(env) == 0) return false;
+  if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
+    return false;
+  }
+  const bool per_channel = a.weight.ptr != nullptr || a.bias.ptr != nullptr || a.epi.scale.ptr != nullptr ||
+      a.epi.shift.ptr != nullptr;
+  if (per_channel && a.S % V != 0) return false;
+  // bfloat16 takes more registers than float16 for the same packs (its kernels with 2 packs and
+  // two extra streams, or 4 packs and one, spilled under the cap): one fewer stream there.
+  constexpr int max_extra = std::is_same_v<scalar_t, at::BFloat16> ? 1 : 2;
+  const int64_t lenv = a.len / V;
+  if (lenv <= 2 * kRegisterThreads && extra_streams <= max_extra) {
+    if (extra_streams == 0) {
+      launch_registers<scalar_t, V, 2, 0>(a, items);
+    } else if (extra_streams == 1) {
+      launch_registers<scalar_t, V, 2, 1>(a, items);
+    } else if constexpr (max_extra >= 2) {
+      launch_registers<scalar_t, V, 2, 2>(a, items);
+    }
+    return true;
+  }
+  if (lenv <= 4 * kRegisterThreads && extra_streams <= max_extra - 1) {
+    if (extra_streams == 0) {
+      launch_registers<scalar_t, V, 4, 0>(a, items);
+    } else if constexpr (max_extra >= 2) {
+      launch_registers<scalar_t, V, 4, 1>(a, items);
+    }
+    return true;
+  }
+  return false;
 }
 
 // Whether the device schedules clusters of 16 CTAs of kOnePassCtaBytes (H100's non-portable
@@ -354,6 +569,9 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.cluster = cluster;
     a.chunk = ceil_div(len / V, cluster);
     a.eps = static_cast<acc_t>(eps);
+    if (cluster == 1 && launch_registers_if_fits<scalar_t, V>(a, items, static_cast<int>(streams - 1))) {
+      return true;
+    }
     const size_t smem = static_cast<size_t>(streams * a.chunk * V * static_cast<int64_t>(sizeof(scalar_t)));
     dispatch_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
     return true;
@@ -565,10 +783,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
 template <typename scalar_t, int V, Activation A>
 void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
   auto kernel = group_norm_backward_one_pass_kernel<scalar_t, V, A>;
-  if (smem_bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  }
+  allow_dynamic_smem(kernel, smem_bytes);
   kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
