@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fusednorm  # noqa: F401  (loads the native library)
+import kernel_paths
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -607,34 +608,19 @@ ONE_PASS_CASES = [
     ((1, 16, 128, 128), 1),   # 1 MB in float32: clusters of 16 CTAs where the device has them
 ]
 
-# The environment of each path (test_fused.py and scripts/sanitizer_cases.py use the same knobs).
-PATH_ENV = {
-    "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
-    "one_pass_shared": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
-    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
-}
-
-
-def set_path(monkeypatch, path):
-    for name in ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_REGISTERS"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in PATH_ENV[path].items():
-        monkeypatch.setenv(name, value)
-
-
-@pytest.mark.parametrize("path", list(PATH_ENV))
+@pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ONE_PASS_CASES, ids=_id)
 def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
     shape, G = case
     other = "split" if path != "split" else "one_pass"
-    set_path(monkeypatch, path)
+    kernel_paths.set_path(monkeypatch, path)
     x = make(shape, dtype, seed=3, offset=3.0)
     w, b = make_params(shape[1], dtype)
     dy = make(shape, dtype, seed=5)
     y, mean, rstd = check_forward(x, G, w, b)
     grads = check_backward(dy, x, G, w, b)
-    set_path(monkeypatch, other)
+    kernel_paths.set_path(monkeypatch, other)
     y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
     grads2 = OPS.group_norm_backward(dy, x, mean, rstd, w, G, [True, True, True])
     low = dtype != torch.float32

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import fusednorm
 import fusednorm.nn as fnn
+import kernel_paths
 from reference import assert_close, epilogue_reference, group_norm_reference, to_layout
 from test_group_norm import group_norm_cases
 
@@ -336,29 +337,15 @@ def test_gradients_of_absent_operands_are_taken_at_their_neutral_values(activati
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
-CUDA_PATH_ENV = {
-    "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
-    "one_pass_shared": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
-    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
-}
-
-
-def set_cuda_path(monkeypatch, path):
-    for name in ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_REGISTERS"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in CUDA_PATH_ENV[path].items():
-        monkeypatch.setenv(name, value)
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", list(CUDA_PATH_ENV))
+@pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_fused_paths_cuda(activation, path, monkeypatch):
     # The CUDA forward runs small ChannelsFirst groups in one pass, with the group in registers
     # (up to 2 packs a thread with any operands, 4 with at most one tensor-sized operand) or in
     # shared memory, and the rest in split passes; the epilogue, forward and backward, must be
     # right on each (test_cuda_kernels.py covers the plain op).
-    set_cuda_path(monkeypatch, path)
+    kernel_paths.set_path(monkeypatch, path)
     torch.manual_seed(10)
     for shape, G, dtype in (((2, 40, 9, 7), 4, torch.float32), ((4, 512), 1, torch.float32),
                             ((8, 3072), 1, torch.float32), ((2, 64, 8, 8), 32, torch.bfloat16)):
@@ -367,12 +354,12 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", list(CUDA_PATH_ENV))
+@pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 @pytest.mark.parametrize("shape", [(1024, 8192), (6, 3000), (12, 6000)], ids=str)
 def test_residual_that_is_the_multiplier_cuda(shape, path, monkeypatch):
     # Problem 3's tail, (instance_norm(h) + y) * y with y one tensor: the one-pass kernels load it
     # once for both roles (in registers: 4 packs a thread, 2, and 4 with a partial round).
-    set_cuda_path(monkeypatch, path)
+    kernel_paths.set_path(monkeypatch, path)
     torch.manual_seed(12)
     h = torch.randn(shape, device="cuda", requires_grad=True)
     y = torch.randn(shape, device="cuda", requires_grad=True)
