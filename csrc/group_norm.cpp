@@ -178,9 +178,21 @@ at::ScalarType param_grad_dtype(const c10::optional<at::Tensor>& weight,
   return stats_dtype(input_dtype);
 }
 
+FusedGradMask kernel_grad_mask(const FusedGradMask& output_mask, bool sum_residual_multiplier_grads) {
+  FusedGradMask mask = output_mask;
+  if (sum_residual_multiplier_grads) mask[5] = mask[6] = output_mask[5] || output_mask[6];
+  return mask;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+fused_grads_outputs(const FusedGrads& g, bool sum_residual_multiplier_grads) {
+  const at::Tensor multiplier = sum_residual_multiplier_grads ? at::empty({0}, g.input.options()) : g.multiplier;
+  return {g.input, g.weight, g.bias, g.scale, g.shift, g.residual, multiplier};
+}
+
 FusedGrads empty_fused_grads(const at::Tensor& x, const GroupNormShape& sh, Layout layout,
     const FusedGradMask& mask, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const Epilogue& ep) {
+    const c10::optional<at::Tensor>& bias, const Epilogue& ep, bool sum_residual_multiplier_grads) {
   const auto none = at::empty({0}, x.options());
   const at::ScalarType stats = stats_dtype(x.scalar_type());
   auto like_x = [&](bool wanted) { return wanted ? empty_in_layout(x, layout, x.scalar_type()) : none; };
@@ -198,7 +210,7 @@ FusedGrads empty_fused_grads(const at::Tensor& x, const GroupNormShape& sh, Layo
   g.scale = per_sample_channel(mask[3], ep.scale);
   g.shift = per_sample_channel(mask[4], ep.shift);
   g.residual = like_x(mask[5]);
-  g.multiplier = like_x(mask[6]);
+  g.multiplier = sum_residual_multiplier_grads ? g.residual : like_x(mask[6]);
   return g;
 }
 

@@ -119,15 +119,25 @@ struct FusedGrads {
 constexpr int kNumFusedGrads = 7;
 using FusedGradMask = std::array<bool, kNumFusedGrads>;
 
+// With sum_residual_multiplier_grads, output 5 is grad_residual + grad_multiplier (wanted when
+// output_mask asks for either) and output 6 is empty: the gradient of a tensor that is both the
+// residual and the multiplier (problem 3's (h + y) * y), which autograd would otherwise add up in a
+// pass of its own. The backends then compute both gradients (kernel_grad_mask) into one buffer
+// (empty_fused_grads aliases them), and their kernels write the sum once where the two output
+// pointers are equal; fused_grads_outputs empties output 6.
+FusedGradMask kernel_grad_mask(const FusedGradMask& output_mask, bool sum_residual_multiplier_grads);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+fused_grads_outputs(const FusedGrads& g, bool sum_residual_multiplier_grads);
+
 // dtype of grad_bias (grad_weight: pass no bias): the bias's, else the weight's, else
 // stats_dtype(input_dtype).
 at::ScalarType param_grad_dtype(const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, at::ScalarType input_dtype);
 
 // Allocates the requested gradients (uninitialised) for an input laid out as `x`, with dtypes as
-// above.
+// above; grad_multiplier is grad_residual's buffer with sum_residual_multiplier_grads.
 FusedGrads empty_fused_grads(const at::Tensor& x, const GroupNormShape& shape, Layout layout,
     const FusedGradMask& mask, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const Epilogue& ep);
+    const c10::optional<at::Tensor>& bias, const Epilogue& ep, bool sum_residual_multiplier_grads = false);
 
 }  // namespace fusednorm

@@ -227,7 +227,8 @@ TORCH_LIBRARY(fusednorm, m) {
       "fused_group_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd,"
       " Tensor? weight, Tensor? bias, int num_groups, Tensor? scale, Tensor? shift,"
       " Tensor? residual, str activation, float negative_slope, Tensor? multiplier,"
-      " bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      " bool[7] output_mask, bool sum_residual_multiplier_grads=False)"
+      " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "group_norm(Tensor input, int num_groups, Tensor? weight=None, Tensor? bias=None,"
       " float eps=1e-05, *, str? activation=None, float negative_slope=0.01,"

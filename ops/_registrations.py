@@ -187,6 +187,9 @@ def _fused_group_norm_forward_setup_context(ctx, inputs, output):
     ctx.num_groups = num_groups
     ctx.activation = activation
     ctx.negative_slope = negative_slope
+    # One tensor as both residual and multiplier (problem 3's (h + y) * y): the backward op returns
+    # its whole gradient, rather than two that autograd would add in a pass of its own.
+    ctx.residual_is_multiplier = residual is not None and residual is multiplier
 
 
 def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
@@ -196,9 +199,10 @@ def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     needs = ctx.needs_input_grad
     # Differentiable inputs, in the order of the backward op's outputs.
     mask = [needs[0], needs[2], needs[3], needs[5], needs[6], needs[7], needs[10]]
+    summed = ctx.residual_is_multiplier
     grads = torch.ops.fusednorm.fused_group_norm_backward(
         grad_out, input, mean, rstd, weight, bias, ctx.num_groups, scale, shift, residual,
-        ctx.activation, ctx.negative_slope, multiplier, mask,
+        ctx.activation, ctx.negative_slope, multiplier, mask, summed,
     )
     # Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
     # shape (N, C).
@@ -211,10 +215,10 @@ def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
         None,
         g_scale.reshape(scale.shape) if mask[3] else None,
         g_shift.reshape(shift.shape) if mask[4] else None,
-        g_residual if mask[5] else None,
+        g_residual if mask[5] or (summed and mask[6]) else None,
         None,
         None,
-        g_multiplier if mask[6] else None,
+        g_multiplier if mask[6] and not summed else None,
     )
 
 
@@ -224,7 +228,8 @@ register_autograd("fused_group_norm_forward", _fused_group_norm_forward_backward
 
 @register_fake("fused_group_norm_backward")
 def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, num_groups, scale, shift, residual,
-                                    activation, negative_slope, multiplier, output_mask: List[bool]):
+                                    activation, negative_slope, multiplier, output_mask: List[bool],
+                                    sum_residual_multiplier_grads: bool = False):
     _check_group_norm_args(input, num_groups, weight, bias)
     _check_epilogue_args(input, scale, shift, residual, activation, multiplier)
     grad_input, grad_weight, _ = _group_norm_backward_fake(
@@ -239,6 +244,10 @@ def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, n
     shift_dtype = shift.dtype if shift is not None else stats_dtype
     grad_scale = input.new_empty((N, C) if output_mask[3] else (0,), dtype=scale_dtype)
     grad_shift = input.new_empty((N, C) if output_mask[4] else (0,), dtype=shift_dtype)
-    grad_residual = _empty_like_kernel_output(input, input.dtype) if output_mask[5] else input.new_empty((0,))
-    grad_multiplier = _empty_like_kernel_output(input, input.dtype) if output_mask[6] else input.new_empty((0,))
+    # With sum_residual_multiplier_grads, grad_residual holds both (csrc/group_norm.h).
+    summed = sum_residual_multiplier_grads
+    wants_residual = output_mask[5] or (summed and output_mask[6])
+    wants_multiplier = output_mask[6] and not summed
+    grad_residual = _empty_like_kernel_output(input, input.dtype) if wants_residual else input.new_empty((0,))
+    grad_multiplier = _empty_like_kernel_output(input, input.dtype) if wants_multiplier else input.new_empty((0,))
     return grad_input, grad_weight, grad_bias, grad_scale, grad_shift, grad_residual, grad_multiplier

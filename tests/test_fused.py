@@ -170,6 +170,55 @@ def test_opcheck_fused_ops(requires_grad, device):
     torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_backward.default, bw_args)
     bw_args = bw_args[:-1] + ([True, False, True, False, True, False, True],)
     torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_backward.default, bw_args)
+    torch.library.opcheck(torch.ops.fusednorm.fused_group_norm_backward.default, bw_args + (True,))
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_one_tensor_as_residual_and_multiplier(activation, device):
+    # Autograd gives y of (norm(h) + y) * y the sum of its two gradients (the backward op sums them
+    # when residual is multiplier): the same as with two copies of y.
+    torch.manual_seed(14)
+    h = torch.randn(4, 40, device=device, requires_grad=True)
+    y = torch.randn(4, 40, device=device, requires_grad=True)
+    z = fusednorm.group_norm(h, 1, activation=activation, residual=y, multiplier=y)
+    dz = torch.randn_like(z)
+    grad_h, grad_y = torch.autograd.grad(z, [h, y], dz)
+    y1, y2 = (y.detach().clone().requires_grad_() for _ in range(2))
+    z2 = fusednorm.group_norm(h, 1, activation=activation, residual=y1, multiplier=y2)
+    grad_h2, grad_y1, grad_y2 = torch.autograd.grad(z2, [h, y1, y2], dz)
+    torch.testing.assert_close(z, z2)
+    torch.testing.assert_close(grad_h, grad_h2)
+    torch.testing.assert_close(grad_y, grad_y1 + grad_y2)
+
+
+@pytest.mark.parametrize("path", list(kernel_paths.PATHS))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("activation", [None, "silu", "gelu"])
+def test_summed_residual_multiplier_grads(activation, layout, path, device, monkeypatch):
+    # sum_residual_multiplier_grads: output 5 is grad_residual + grad_multiplier and output 6 is
+    # empty, whichever of the two the mask asks for; the other outputs are unchanged. (The CUDA
+    # kernels write the sum where the two output buffers are one; every kernel path here.)
+    kernel_paths.set_path(monkeypatch, path)
+    torch.manual_seed(13)
+    op = torch.ops.fusednorm.fused_group_norm_backward
+    for shape, G in (((2, 8, 5, 6), 4), ((2, 16, 4, 8), 2), ((3, 64), 1)):
+        x = to_layout(torch.randn(shape, device=device), layout)
+        y = to_layout(torch.randn(shape, device=device), layout)
+        w, b = torch.randn(shape[1], device=device), torch.randn(shape[1], device=device)
+        act = activation or "none"
+        _, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(x, G, w, b, 1e-5, None, None, y, act, 0.1, y)
+        dz = to_layout(torch.randn(shape, device=device), layout)
+        args = (dz, x, mean, rstd, w, b, G, None, None, y, act, 0.1, y)
+        separate = op(*args, [True] * 7)
+        for mask in ([True] * 7, [False] * 5 + [True, False], [True] + [False] * 5 + [True]):
+            summed = op(*args, mask, True)
+            assert summed[6].numel() == 0
+            torch.testing.assert_close(summed[5], separate[5] + separate[6], rtol=1e-5, atol=1e-5)
+            for i in range(5):
+                if mask[i]:
+                    torch.testing.assert_close(summed[i], separate[i], rtol=1e-5, atol=1e-5)
+            if mask[0]:
+                assert summed[5].stride() == separate[5].stride(), "the kernel layout"
 
 
 def test_gradcheck_every_operand(device):
@@ -358,7 +407,8 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
 @pytest.mark.parametrize("shape", [(1024, 8192), (6, 3000), (12, 6000)], ids=str)
 def test_residual_that_is_the_multiplier_cuda(shape, path, monkeypatch):
     # Problem 3's tail, (instance_norm(h) + y) * y with y one tensor: the one-pass kernels load it
-    # once for both roles (in registers: 4 packs a thread, 2, and 4 with a partial round).
+    # once for both roles (in registers: 4 packs a thread, 2, and 4 with a partial round), and the
+    # backward op returns y's whole gradient (sum_residual_multiplier_grads).
     kernel_paths.set_path(monkeypatch, path)
     torch.manual_seed(12)
     h = torch.randn(shape, device="cuda", requires_grad=True)

@@ -283,8 +283,9 @@ struct ElementwiseOperands {
 
   // dp[i] for i < len, the gradient at the pre-activation p = (x - centre) * pa + pc + residual of
   // element off + i, from dz; also grad_residual (= dp) and grad_multiplier (= dz * act(p)) there
-  // when `write` and requested. dz and x point at element off. The coefficients are one value
-  // for the run, or (PerLane) one per element of it.
+  // when `write` and requested (their sum into grad_residual when the two are one buffer). dz and
+  // x point at element off. The coefficients are one value for the run, or (PerLane) one per
+  // element of it.
   template <bool PerLane>
   void backward_run(const T* dz, const T* x, int64_t off, int64_t len, const acc_t* centre,
       const acc_t* pa, const acc_t* pc, acc_t* dp, bool write) const {
@@ -294,17 +295,21 @@ struct ElementwiseOperands {
         const int64_t count = std::min<int64_t>(IO::kSize, len - i);
         const Vec dzv = IO::load(dz + i, count);
         Vec g = dzv;
+        Vec grad_m(acc_t(0));
         if (needs_p_) {
           auto coef = [&](const acc_t* c) { return PerLane ? Vec::loadu(c + i, count) : Vec(*c); };
           Vec p = at::vec::fmadd(IO::load(x + i, count) - coef(centre), coef(pa), coef(pc));
           if (residual) p = p + IO::load(residual + off + i, count);
           if (write && grad_multiplier) {
-            IO::store(grad_multiplier + off + i, dzv * vec_activation<A>(p, slope), count);
+            grad_m = dzv * vec_activation<A>(p, slope);
+            if (grad_multiplier != grad_residual) IO::store(grad_multiplier + off + i, grad_m, count);
           }
           if constexpr (A != Activation::None) g = g * vec_activation_derivative<A>(p, slope);
         }
         if (multiplier) g = g * IO::load(multiplier + off + i, count);
-        if (write && grad_residual) IO::store(grad_residual + off + i, g, count);
+        if (write && grad_residual) {
+          IO::store(grad_residual + off + i, grad_multiplier == grad_residual ? g + grad_m : g, count);
+        }
         g.store(dp + i, count);
       }
     });
@@ -1324,10 +1329,10 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
 FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& input,
     const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
     const GroupNormShape& sh, Layout layout, const at::Tensor& x, const Epilogue& epilogue,
-    const FusedGradMask& mask) {
+    const FusedGradMask& mask, bool sum_residual_multiplier_grads = false) {
   const at::Tensor dy = to_layout(grad_out, layout);
   const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
-  FusedGrads grads = empty_fused_grads(x, sh, layout, mask, weight, bias, epilogue);
+  FusedGrads grads = empty_fused_grads(x, sh, layout, mask, weight, bias, epilogue, sum_residual_multiplier_grads);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t* mp = mean_c.data_ptr<acc_t>();
@@ -1404,7 +1409,7 @@ fused_group_norm_backward_cpu(
     const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, int64_t num_groups,
     const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
     c10::string_view activation, double negative_slope, const OptTensor& multiplier,
-    std::array<bool, 7> output_mask) {
+    std::array<bool, 7> output_mask, bool sum_residual_multiplier_grads) {
   const GroupNormShape sh =
       check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
   check_group_norm_args(input, num_groups, weight, bias);
@@ -1412,8 +1417,9 @@ fused_group_norm_backward_cpu(
   const at::Tensor x = to_layout(input, layout);
   const Epilogue ep =
       make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
-  FusedGrads g = fused_backward_cpu(grad_out, input, mean, rstd, weight, bias, sh, layout, x, ep, output_mask);
-  return {g.input, g.weight, g.bias, g.scale, g.shift, g.residual, g.multiplier};
+  const FusedGrads g = fused_backward_cpu(grad_out, input, mean, rstd, weight, bias, sh, layout, x, ep,
+      kernel_grad_mask(output_mask, sum_residual_multiplier_grads), sum_residual_multiplier_grads);
+  return fused_grads_outputs(g, sum_residual_multiplier_grads);
 }
 
 }  // namespace

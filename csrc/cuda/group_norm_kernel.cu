@@ -1107,7 +1107,8 @@ __device__ __forceinline__ scalar_t apply_one(const Coef<acc_t>& k, acc_t x, acc
 //   forward:  p = b * ((x - hi) - lo) + c + residual, out = act(p) * multiplier;
 //   backward: dp = dz * multiplier * act'(p) with p = a * (x - m) + pc + residual (as in dz_to_dp),
 //             dx = a * dp + b1 * ((x - m) - delta) + b2 (apply_one's arithmetic on dp),
-//             grad_residual = dp, grad_multiplier = dz * act(p).
+//             grad_residual = dp, grad_multiplier = dz * act(p); their sum into grad_residual
+//             when the two are one buffer (sum_residual_multiplier_grads).
 template <ApplyMode M, int A, int V, int L, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
     const Coef<acc_t> (&k)[L], const acc_t (&pc)[L], const Pack<scalar_t, V>& xp,
@@ -1135,6 +1136,7 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
   }
   // p is needed for act'(p), and for grad_multiplier = dz * act(p) (act(p) = p without activation).
   const bool want_gm = grad_multiplier != nullptr;
+  const bool sum_grads = want_gm && grad_multiplier == grad_residual;
   const bool need_p = act != Activation::None || want_gm;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -1151,12 +1153,12 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
       if (want_gm) q = device_activation_forward(act, p, e.slope);
     }
     o.v[j] = static_cast<scalar_t>(k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c));
-    gr.v[j] = static_cast<scalar_t>(g);
+    gr.v[j] = static_cast<scalar_t>(sum_grads ? g + dz * q : g);
     gm.v[j] = static_cast<scalar_t>(dz * q);
   }
   if (out != nullptr) out[v] = o;
   if (grad_residual != nullptr) grad_residual[v] = gr;
-  if (want_gm) grad_multiplier[v] = gm;
+  if (want_gm && !sum_grads) grad_multiplier[v] = gm;
 }
 
 // Packs per operand stream in flight per thread in the EPI apply kernels (LANES: the ChannelsLast
@@ -1924,7 +1926,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& in
 template <typename MakeEpilogue>
 FusedGrads backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, int64_t num_groups,
-    const MakeEpilogue& make_ep, const FusedGradMask& mask) {
+    const MakeEpilogue& make_ep, const FusedGradMask& mask, bool sum_residual_multiplier_grads = false) {
   const GroupNormShape sh =
       check_group_norm_backward_args(grad_out, input, mean, rstd, weight, num_groups);
   if (defined(bias)) check_input_and_params(input, c10::nullopt, bias);
@@ -1932,7 +1934,7 @@ FusedGrads backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, co
   const Layout layout = layout_for(input);
   const at::Tensor x = to_layout(input, layout);
   const Epilogue ep = make_ep(x, sh, layout);
-  FusedGrads g = empty_fused_grads(x, sh, layout, mask, weight, bias, ep);
+  FusedGrads g = empty_fused_grads(x, sh, layout, mask, weight, bias, ep, sum_residual_multiplier_grads);
   if (std::none_of(mask.begin(), mask.end(), [](bool wanted) { return wanted; })) return g;
   if (x.numel() == 0) {
     // The elementwise gradients are empty too; the others are sums over nothing.
@@ -1985,13 +1987,13 @@ fused_group_norm_backward_cuda(
     const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, int64_t num_groups,
     const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
     c10::string_view activation, double negative_slope, const OptTensor& multiplier,
-    std::array<bool, 7> output_mask) {
+    std::array<bool, 7> output_mask, bool sum_residual_multiplier_grads) {
   const FusedGrads g = backward_cuda(grad_out, input, mean, rstd, weight, bias, num_groups,
       [&](const at::Tensor& x, const GroupNormShape& sh, Layout layout) {
         return make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
       },
-      output_mask);
-  return {g.input, g.weight, g.bias, g.scale, g.shift, g.residual, g.multiplier};
+      kernel_grad_mask(output_mask, sum_residual_multiplier_grads), sum_residual_multiplier_grads);
+  return fused_grads_outputs(g, sum_residual_multiplier_grads);
 }
 
 }  // namespace

@@ -747,10 +747,12 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
     rec[4] = b2;
   }
 
-  // dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier = dz * act(p).
+  // dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier = dz * act(p)
+  // (their sum into grad_residual when the two outputs are one buffer).
   P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
   P* grg = reinterpret_cast<P*>(offset_or_null(e.grad_residual, off));
   P* gmg = reinterpret_cast<P*>(offset_or_null(e.grad_multiplier, off));
+  const bool sum_grads = grg != nullptr && grg == gmg;
   int64_t cached_c = -1;
   acc_t w_eff = acc_t(0), pc = acc_t(0), ea = acc_t(0);
   for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
@@ -771,12 +773,12 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
       element(v, j, xc, dz, r, m);
       const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, want_q, q);
       o.v[j] = static_cast<scalar_t>(ea * dp + (b1 * (xc - delta) + b2));
-      gr.v[j] = static_cast<scalar_t>(dp);
+      gr.v[j] = static_cast<scalar_t>(sum_grads ? dp + dz * q : dp);
       gm.v[j] = static_cast<scalar_t>(dz * q);
     }
     if (dxg != nullptr) dxg[v] = o;
     if (grg != nullptr) grg[v] = gr;
-    if (gmg != nullptr) gmg[v] = gm;
+    if (gmg != nullptr && !sum_grads) gmg[v] = gm;
   }
 }
 
