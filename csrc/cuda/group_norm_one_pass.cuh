@@ -150,9 +150,9 @@ __device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* sl
 
 // y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
 // of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
-// channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation
-// as with_activation gives it (kAnyAct: a.epi.act, switched per element).
-template <typename scalar_t, int V, int A>
+// channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation,
+// fixed at compile time.
+template <typename scalar_t, int V, Activation A>
 struct OnePassOutput {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
@@ -199,7 +199,7 @@ struct OnePassOutput {
   __device__ __forceinline__ scalar_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
     acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * ca + cb;
     if (has_r) p += static_cast<acc_t>(r);
-    acc_t z = device_activation_forward(act_of<A>(a.epi.act), p, a.epi.slope);
+    acc_t z = device_activation_forward(A, p, a.epi.slope);
     if (has_m) z *= static_cast<acc_t>(m);
     return static_cast<scalar_t>(z);
   }
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
     a.rstd[item] = group_rstd;
   }
 
-  OnePassOutput<scalar_t, V, static_cast<int>(A)> out(a, n, g, K, shifted_mean, group_rstd);
+  OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
   P* yg = reinterpret_cast<P*>(a.y + off) + v_begin;
   for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
     P rp, mp;
@@ -290,8 +290,8 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 // CTA bounds how many groups are in flight. E is the number of extra tensor-sized streams held: 0,
 // 1 (the residual, the multiplier, or both when they are one tensor, as in problem 3's
 // (h + y) * y) or 2; it is a template parameter because registers are allocated for the worst path
-// of a kernel, and R * (1 + E) packs must stay within the budget. A is the activation, a
-// compile-time one (the output is unrolled over R * V elements, and a switch over every
+// of a kernel, and R * (1 + E) packs must stay within the budget. finish() takes the activation
+// A at compile time (the output is unrolled over R * V elements, and a switch over every
 // activation in it took ptxas ~10 s per kernel with R = 8).
 template <typename scalar_t, int V, int R, int E>
 struct RegisterGroup {
@@ -346,7 +346,7 @@ struct RegisterGroup {
       a.rstd[item] = rstd;
     }
     const int64_t n = div_nn(item, a.G);
-    OnePassOutput<scalar_t, V, static_cast<int>(A)> out(a, n, item - n * a.G, K, shifted_mean, rstd);
+    OnePassOutput<scalar_t, V, A> out(a, n, item - n * a.G, K, shifted_mean, rstd);
     const bool has_r = E >= 1 && a.epi.residual != nullptr;
     const bool has_m = E >= 1 && a.epi.multiplier != nullptr;
     P* yg = reinterpret_cast<P*>(a.y + item * a.len);
@@ -433,9 +433,9 @@ void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
 }
 
 // Runs the register kernel and returns true when the group fits its registers (2 packs a thread
-// with up to two extra streams, 4 with at most one; one fewer in bfloat16), the activation is none, SiLU or ReLU (the
-// common ones; the others keep the shared-memory kernel rather than add instantiations), and each
-// pack's elements share their coefficients (OnePassOutput::uniform_pack).
+// with up to two extra streams, 4 with at most one; one fewer in bfloat16), the activation is
+// none, SiLU or ReLU (the common ones; the others keep the shared-memory kernel rather than add
+// instantiations), and each pack's elements share their coefficients (OnePassOutput::uniform_pack).
 // FUSEDNORM_ONE_PASS_REGISTERS=0 turns it off (the tests cover the shared-memory kernel with it).
 template <typename scalar_t, int V>
 bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items, int extra_streams) {
