@@ -1182,6 +1182,8 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   const double M = static_cast<double>(D);
 
   // Per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock), and dp.
+  // Phase 2 reads centre, r, gain and pa; w_eff and pc (for phase 1's sums and dp) are made only
+  // with dp.
   struct Run {
     std::vector<acc_t> centre, pa, pc, w_eff, gain, r;
     Run() {
@@ -1203,15 +1205,17 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
       for (int64_t i = 0; i < len; i += IO::kSize) {
         const int64_t count = std::min<int64_t>(IO::kSize, len - i);
         const Vec gv = mod.gain.empty() ? Vec(1) : Vec::loadu(&mod.gain[nc0 + i], count);
-        const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
         const Vec we = Vec::loadu(&w[c0 + i], count) * gv;
         gv.store(&gain[i], count);
-        we.store(&w_eff[i], count);
         (we * Vec::loadu(&r[i], count)).store(&pa[i], count);
-        at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
+        if (dp_out != nullptr) {
+          const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
+          we.store(&w_eff[i], count);
+          at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
+        }
       }
-      const int64_t o = n * sh.C + c0;
       if (dp_out == nullptr) return;
+      const int64_t o = n * sh.C + c0;
       if (ep.active()) {
         ep.template backward_run<true>(dy + o, x + o, o, len, centre.data(), pa.data(), pc.data(), dp_out, /*write=*/true);
       } else {
