@@ -608,6 +608,7 @@ ONE_PASS_CASES = [
     ((1, 16, 128, 128), 1),   # 1 MB in float32: clusters of 16 CTAs where the device has them
 ]
 
+
 @pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ONE_PASS_CASES, ids=_id)
