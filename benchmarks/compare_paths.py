@@ -2,7 +2,7 @@
 select (the default choice, one-pass wherever it fits, split everywhere, and cluster limits),
 beside the copy-bandwidth roofline, so that a path's choice is made on measurements:
 
-    python benchmarks/compare_paths.py [--filter REGEX] [--paths default,split,one_pass,shared,cluster8]
+    python benchmarks/compare_paths.py [--filter REGEX] [--paths default,split,one_pass,shared,noteam,team,cluster8]
 """
 
 import argparse
@@ -13,10 +13,14 @@ import torch
 
 from bench import copy_bandwidth, gpu_suite, implementations, make_inputs, timer
 
-KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_ONE_PASS_REGISTERS")
+KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_ONE_PASS_REGISTERS",
+         "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_TEAM_CTA_KB")
 PATHS = {
     "default": {},
-    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"},
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "0"},
+    "noteam": {"FUSEDNORM_TEAM_FORWARD": "0"},  # the default without the team forward
+    "team": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1"},  # every group it takes
+    "team64": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_CTA_KB": "64"},
     "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
     "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},

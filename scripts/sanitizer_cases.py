@@ -2,7 +2,7 @@
 both layouts, every dtype, with and without weight/bias, tails that are not multiples of the vector
 width, groups split over several CTAs, misaligned (offset) storage, and empty inputs; the fused ops
 with every epilogue operand, their forward on each of its paths (one pass with the group in
-registers or in shared memory, split)."""
+registers or in shared memory, split, team)."""
 
 import os
 
@@ -52,14 +52,20 @@ def run_fused(x, groups, weight, bias, activation, operands):
 
 
 def main():
-    # The fused forward three times: groups in one pass wherever they fit (up to 1 MB, capped by
+    # The fused forward four times: groups in one pass wherever they fit (up to 1 MB, capped by
     # the device's shared memory; in registers where they fit there), the same without the
-    # register kernel, then the split passes everywhere.
-    for limit, registers in ((str(1 << 20), "1"), (str(1 << 20), "0"), ("0", "1")):
-        os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"] = limit
-        os.environ["FUSEDNORM_ONE_PASS_REGISTERS"] = registers
+    # register kernel, the split passes everywhere, and the team forward for every group.
+    modes = (
+        {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
+        {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
+        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "0"},
+        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1"},
+    )
+    for mode in modes:
+        os.environ.update(mode)
         run_all_fused()
-    del os.environ["FUSEDNORM_ONE_PASS_MAX_BYTES"], os.environ["FUSEDNORM_ONE_PASS_REGISTERS"]
+        for name in mode:
+            del os.environ[name]
     run_all_plain()
     torch.cuda.synchronize()
     print("sanitizer cases done")
@@ -73,6 +79,7 @@ def run_all_fused():
             run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
             run_fused(x, groups, None, None, "mish", ("residual",))
             run_fused(x, groups, None, None, "silu", ("residual",))
+            torch.ops.fusednorm.group_norm_forward(x, groups, w, w, 1e-5)  # the plain instantiations
             if x.dim() == 2:  # problem 3's (h + y) * y: one tensor as the residual and the multiplier
                 y = torch.randn_like(x)
                 torch.ops.fusednorm.fused_group_norm_forward(x, groups, None, None, 1e-5, None, None, y, "none", 0.0, y)

@@ -585,7 +585,9 @@ def test_large_bf16_more_than_2_31_elements():
 
 # ---------------------------------------------------------------------------------------------
 # Forward and backward have two paths each: one pass (ChannelsFirst, groups up to
-# FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned) and the split reduce / finalize / apply passes.
+# FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned) and the split reduce / finalize / apply passes;
+# by default ChannelsFirst groups over 36 KB take the team forward (group_norm_team.cuh), which
+# the "team" path forces on every group.
 # The one-pass forward holds a group in registers where it fits (one CTA a group, at most 4 packs
 # a thread; FUSEDNORM_ONE_PASS_REGISTERS=0 turns that off), else in shared memory, spread over a
 # cluster of CTAs when large; the one-pass backward takes one CTA a group and needs S == 1 or S a
@@ -595,6 +597,7 @@ def test_large_bf16_more_than_2_31_elements():
 ONE_PASS_CASES = [
     ((2, 64, 8, 8), 32),      # D = 2, S = 64
     ((3, 40, 9, 7), 4),       # S = 63: packs straddle channels (the backward takes the split path)
+    ((3, 40, 9, 7), 10),      # the same with D * S a multiple of the pack width (the team path too)
     ((8, 8192), 1),           # problem 3's rows: S = 1, one group of 8192 channels (a cluster of 2)
     ((160, 8192), 1),         # the same rows, enough of them for one CTA a group: in registers
     ((16, 6000), 1),          # in registers, 4 packs a thread (float32), a partial last round
@@ -606,6 +609,8 @@ ONE_PASS_CASES = [
     ((2, 2, 256, 256), 2),    # D = 1, 256 KB in float32: clusters of 4 CTAs
     ((1, 8, 128, 128), 1),    # 512 KB in float32: clusters of 8 CTAs (the backward is split)
     ((1, 16, 128, 128), 1),   # 1 MB in float32: clusters of 16 CTAs where the device has them
+    ((3, 64, 128, 128), 2),   # 2 MB in float32: the team forward by default (6 teams of 44 CTAs on an H100)
+    ((100, 4, 160, 128), 2),  # 160 KB float32 groups: 100 teams of 2 CTAs, 2 rounds
 ]
 
 
@@ -635,3 +640,17 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
     param_tol = dict(rtol=1e-2, atol=1e-2) if low else dict(rtol=1e-4, atol=1e-3)
     for got, want in zip(grads[1:], grads2[1:]):
         torch.testing.assert_close(got, want, **param_tol)
+
+
+def test_team_forward_edges(monkeypatch):
+    # The team forward on rounds fewer and more than one a team, teams of one CTA and of many, and
+    # a constant group (variance exactly 0, y exactly the bias).
+    kernel_paths.set_path(monkeypatch, "team")
+    for shape, G in (((3, 64, 128, 128), 2), ((100, 4, 160, 128), 2), ((40, 12, 33, 20), 3), ((2, 8, 4, 4), 8)):
+        x = make(shape, torch.float32, seed=7, offset=3.0)
+        D = shape[1] // G
+        x[0, :D] = 2.5
+        w, b = make_params(shape[1], torch.float32)
+        y, mean, rstd = check_forward(x, G, w, b)
+        assert mean[0, 0] == 2.5
+        assert torch.all(y[0, :D] == b[:D].view(-1, *([1] * (x.dim() - 2))))

@@ -1745,6 +1745,7 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
 }  // namespace fusednorm
 
 #include "group_norm_one_pass.cuh"
+#include "group_norm_team.cuh"
 
 namespace fusednorm {
 namespace {
@@ -1757,6 +1758,7 @@ template <typename scalar_t>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
+  if (forward_team<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
   if (forward_one_pass<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
   using acc_t = acc_type<scalar_t>;
   const auto stream = at::cuda::getCurrentCUDAStream();
