@@ -83,7 +83,48 @@ struct OnePassArgs {
   int cluster;
   acc_t eps;
   EpiArgs<scalar_t> epi;
+
+  // x and its distinct tensor-sized operands (the residual and the multiplier may be one tensor).
+  int streams() const {
+    return 1 + (epi.residual != nullptr) + (epi.multiplier != nullptr && epi.multiplier != epi.residual);
+  }
+
+  // Whether the elements of each V-element pack share their coefficients (OnePassOutput's
+  // uniform_pack): S a multiple of V (a pack lies in one channel) or no per-channel parameter.
+  template <int V>
+  __host__ __device__ bool uniform_packs() const {
+    return S % V == 0 ||
+        (weight.ptr == nullptr && bias.ptr == nullptr && epi.scale.ptr == nullptr && epi.shift.ptr == nullptr);
+  }
 };
+
+// The arguments of the one-pass and team forwards, but for chunk and cluster; false where the
+// layout, the group's length or a tensor-sized operand's alignment rules out 16-byte packs.
+template <typename scalar_t, int V>
+bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
+    const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd, OnePassArgs<scalar_t>& a) {
+  using acc_t = acc_type<scalar_t>;
+  if (layout != Layout::ChannelsFirst || (sh.D * sh.S) % V != 0) return false;
+  a.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
+  a.x = x.data_ptr<scalar_t>();
+  a.y = y.data_ptr<scalar_t>();
+  if (!aligned16(a.x) || !aligned16(a.y) || (a.epi.residual != nullptr && !aligned16(a.epi.residual)) ||
+      (a.epi.multiplier != nullptr && !aligned16(a.epi.multiplier))) {
+    return false;
+  }
+  a.weight = param_ref<scalar_t>(weight);
+  a.bias = param_ref<scalar_t>(bias);
+  a.mean = mean.data_ptr<acc_t>();
+  a.rstd = rstd.data_ptr<acc_t>();
+  a.C = sh.C;
+  a.S = sh.S;
+  a.G = sh.G;
+  a.D = sh.D;
+  a.len = sh.D * sh.S;
+  a.eps = static_cast<acc_t>(eps);
+  return true;
+}
 
 // Sum of v over the CTA (whole warps, at most MaxThreads threads; smem holds one value a warp), in
 // a fixed order; every thread gets the total.
@@ -438,15 +479,14 @@ void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
 // instantiations), and each pack's elements share their coefficients (OnePassOutput::uniform_pack).
 // FUSEDNORM_ONE_PASS_REGISTERS=0 turns it off (the tests cover the shared-memory kernel with it).
 template <typename scalar_t, int V>
-bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items, int extra_streams) {
+bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
   const char* env = std::getenv("FUSEDNORM_ONE_PASS_REGISTERS");
   if (env != nullptr && std::atoi(env) == 0) return false;
   if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
     return false;
   }
-  const bool per_channel = a.weight.ptr != nullptr || a.bias.ptr != nullptr || a.epi.scale.ptr != nullptr ||
-      a.epi.shift.ptr != nullptr;
-  if (per_channel && a.S % V != 0) return false;
+  if (!a.template uniform_packs<V>()) return false;
+  const int extra_streams = a.streams() - 1;
   // bfloat16 takes more registers than float16 for the same packs (its kernels with 2 packs and
   // two extra streams, or 4 packs and one, spilled under the cap): one fewer stream there.
   constexpr int max_extra = std::is_same_v<scalar_t, at::BFloat16> ? 1 : 2;
@@ -529,25 +569,15 @@ template <typename scalar_t>
 bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
-  using acc_t = acc_type<scalar_t>;
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
     return false;  // double: the split path (cp.async copies 16-byte packs here)
   } else {
-    const int64_t len = sh.D * sh.S;
-    const int64_t items = sh.N * sh.G;
-    if (layout != Layout::ChannelsFirst || len % V != 0) return false;
     OnePassArgs<scalar_t> a{};
-    a.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
-    a.x = x.data_ptr<scalar_t>();
-    a.y = y.data_ptr<scalar_t>();
-    if (!aligned16(a.x) || !aligned16(a.y) || (a.epi.residual != nullptr && !aligned16(a.epi.residual)) ||
-        (a.epi.multiplier != nullptr && !aligned16(a.epi.multiplier))) {
-      return false;
-    }
-    const int64_t streams = 1 + (a.epi.residual != nullptr) +
-        (a.epi.multiplier != nullptr && a.epi.multiplier != a.epi.residual);
-    const int64_t bytes = streams * len * static_cast<int64_t>(sizeof(scalar_t));
+    if (!make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, a)) return false;
+    const int64_t items = sh.N * sh.G;
+    const int64_t streams = a.streams();
+    const int64_t bytes = streams * a.len * static_cast<int64_t>(sizeof(scalar_t));
     const OnePassLimit limit = one_pass_limit();
     if (bytes > limit.max_bytes) return false;
     const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
@@ -557,19 +587,9 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     // occupy every SM, the split passes (which spread a group over many CTAs) are faster. Measured
     // on an H100: 64 groups of 80 KB took 38 us in one pass against 33 us split.
     if (!limit.forced && cluster == 1 && bytes > 48 * 1024 && items < prop.multiProcessorCount) return false;
-    a.weight = param_ref<scalar_t>(weight);
-    a.bias = param_ref<scalar_t>(bias);
-    a.mean = mean.data_ptr<acc_t>();
-    a.rstd = rstd.data_ptr<acc_t>();
-    a.C = sh.C;
-    a.S = sh.S;
-    a.G = sh.G;
-    a.D = sh.D;
-    a.len = len;
     a.cluster = cluster;
-    a.chunk = ceil_div(len / V, cluster);
-    a.eps = static_cast<acc_t>(eps);
-    if (cluster == 1 && launch_registers_if_fits<scalar_t, V>(a, items, static_cast<int>(streams - 1))) {
+    a.chunk = ceil_div(a.len / V, cluster);
+    if (cluster == 1 && launch_registers_if_fits<scalar_t, V>(a, items)) {
       return true;
     }
     const size_t smem = static_cast<size_t>(streams * a.chunk * V * static_cast<int64_t>(sizeof(scalar_t)));

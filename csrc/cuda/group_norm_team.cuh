@@ -1,9 +1,10 @@
-// The team forward, for ChannelsFirst groups over kOnePassMaxBytes (the GroupNorm problem's 8 MB
-// groups, the VAE's 2-8 MB ones). Included after group_norm_one_pass.cuh, whose output stage it
-// shares.
+// The team forward, for ChannelsFirst groups of kTeamMinBytes and more (the GroupNorm problem's
+// 8 MB groups, the VAE's 0.5-8 MB ones, attention's 128 KB). Included after
+// group_norm_one_pass.cuh, whose arguments and output stage it shares.
 //
-// Such a group fits no CTA and no cluster, so the split forward reads x twice from DRAM. Here a
-// persistent grid, every CTA resident at once (a cooperative launch guarantees it, so the spin
+// A group over kOnePassMaxBytes fits no CTA and no cluster, so the split forward read x twice
+// from DRAM; smaller ones took a cluster of CTAs each, which loaded, reduced and wrote in turn,
+// with no other work to overlap. Here a persistent grid, every CTA resident at once (a cooperative launch guarantees it, so the spin
 // barrier below cannot wait on a CTA that never runs), is cut into teams of CTAs; a team takes
 // its groups in turn (rounds), each CTA holding a contiguous chunk of each group in shared memory
 // (an 8 MB float32 group is spread over ~80 CTAs, two an SM). For round i a CTA:
@@ -11,7 +12,7 @@
 //      first element), writes them to global memory and arrives at the team's barrier (a
 //      counter in global memory);
 //   2. once the whole team has arrived, merges its partials in one fixed order (every CTA and
-//      every run gets the same bits: Chan's pairwise formula);
+//      every run gets the same bits: Chan's pairwise formula, the split path's merge());
 //   3. writes y from shared memory through OnePassOutput, and, as each pack is written, issues
 //      the copy of the same pack of round i + 1 into its place, so that reads overlap writes.
 // Holding two or three rounds a CTA (round i + 1's moments taken before round i's barrier) was
@@ -26,7 +27,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
-#include <array>
 #include <cstdlib>
 #include <limits>
 
@@ -62,7 +62,6 @@ int64_t team_cta_bytes() {
   return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) * 1024 : kTeamCtaBytes;
 }
 
-
 template <typename scalar_t>
 struct TeamArgs {
   using acc_t = acc_type<scalar_t>;
@@ -72,22 +71,6 @@ struct TeamArgs {
   int64_t groups;            // N * G
   int team_size, teams;
 };
-
-// A chunk's moments, merged with Chan's formula (an empty side leaves the other unchanged).
-template <typename acc_t>
-struct ChunkMoments {
-  acc_t n, mean, m2;
-};
-
-template <typename acc_t>
-__device__ __forceinline__ ChunkMoments<acc_t> merge_chunks(const ChunkMoments<acc_t>& a, const ChunkMoments<acc_t>& b) {
-  const acc_t n = a.n + b.n;
-  if (b.n == acc_t(0)) return a;
-  if (a.n == acc_t(0)) return b;
-  const acc_t delta = b.mean - a.mean;
-  const acc_t fb = b.n / n;
-  return {n, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.n * fb};
-}
 
 __device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
   unsigned v;
@@ -148,9 +131,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   };
   // The group's first element, loaded well before moments() needs it.
   const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[item_of(i) * o.len]); };
-  // Each pack's elements share their coefficients: OnePassOutput::uniform_pack.
-  const bool uniform = o.S % V == 0 || (o.weight.ptr == nullptr && o.bias.ptr == nullptr &&
-      e.scale.ptr == nullptr && e.shift.ptr == nullptr);
+  const bool uniform = o.template uniform_packs<V>();
 
   acc_t K = acc_t(0);
   if (rounds > 0) {
@@ -176,23 +157,28 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if (threadIdx.x < kWarp) {
       // Lane l merges ranks l, l + 32, ... in order, then the lanes merge pairwise (fixed tree).
       const acc_t* team_part = a.part + ((i & 1) * a.teams + team) * a.team_size * 3;
-      ChunkMoments<acc_t> m{acc_t(0), acc_t(0), acc_t(0)};
+      Moments<acc_t, 1> m;
+      clear(m);
       for (int r = threadIdx.x; r < a.team_size; r += kWarp) {
         const acc_t* p = team_part + r * 3;  // written by other SMs: read from L2
-        m = merge_chunks(m, ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)});
+        Moments<acc_t, 1> chunk;
+        chunk.n = __ldcg(p);
+        chunk.mean[0] = __ldcg(p + 1);
+        chunk.m2[0] = __ldcg(p + 2);
+        m = merge(m, chunk);
       }
 #pragma unroll
       for (int off = 1; off < kWarp; off <<= 1) {
-        const ChunkMoments<acc_t> other{shfl_xor(m.n, off), shfl_xor(m.mean, off), shfl_xor(m.m2, off)};
+        const Moments<acc_t, 1> other = shfl_xor(m, off);
         // Both lanes of a pair merge in the same order, so that they get the same bits.
-        m = (threadIdx.x & off) ? merge_chunks(other, m) : merge_chunks(m, other);
+        m = (threadIdx.x & off) ? merge(other, m) : merge(m, other);
       }
       if (threadIdx.x == 0) {
-        const acc_t var = m.m2 > acc_t(0) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
-        merged[0] = m.mean;
+        const acc_t var = m.m2[0] > acc_t(0) ? m.m2[0] / static_cast<acc_t>(o.len) : acc_t(0);
+        merged[0] = m.mean[0];
         merged[1] = acc_t(1) / sqrt(var + o.eps);
         if (rank == 0) {
-          o.mean[item] = K + m.mean;
+          o.mean[item] = K + m.mean[0];
           o.rstd[item] = merged[1];
         }
       }
@@ -280,14 +266,20 @@ bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
   a.teams = static_cast<int>(teams);
   a.team_size = static_cast<int>(team_size);
   a.op.chunk = chunk;
-  at::Tensor part = at::empty({2 * teams * team_size * 3}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  at::Tensor arrived = at::zeros({teams}, x.options().dtype(at::kInt));
-  a.part = part.data_ptr<acc_t>();
-  a.arrived = reinterpret_cast<unsigned*>(arrived.data_ptr<int>());
+  // One buffer for the barrier counters and the partials; the counters are zeroed by a memset on
+  // the stream (at::zeros would launch a fill kernel of its own on every forward).
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t counter_bytes = ceil_div(teams * static_cast<int64_t>(sizeof(unsigned)), 16) * 16;
+  at::Tensor buffer = at::empty(
+      {counter_bytes + 2 * teams * team_size * 3 * static_cast<int64_t>(sizeof(acc_t))}, x.options().dtype(at::kByte));
+  unsigned char* base = static_cast<unsigned char*>(buffer.data_ptr());
+  C10_CUDA_CHECK(cudaMemsetAsync(base, 0, static_cast<size_t>(counter_bytes), stream));
+  a.arrived = reinterpret_cast<unsigned*>(base);
+  a.part = reinterpret_cast<acc_t*>(base + counter_bytes);
   void* args[] = {&a};
   const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
       dim3(static_cast<unsigned>(teams * team_size)), dim3(kTeamThreads), args,
-      static_cast<size_t>(chunk * pack_bytes), at::cuda::getCurrentCUDAStream());
+      static_cast<size_t>(chunk * pack_bytes), stream);
   if (err == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // e.g. another context holds part of the device: the split path
     return false;
@@ -303,42 +295,22 @@ template <typename scalar_t>
 bool forward_team(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
-  using acc_t = acc_type<scalar_t>;
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
     return false;  // double: the split path
   } else {
     const int mode = team_forward_mode();
-    const int64_t len = sh.D * sh.S;
-    if (mode == 0 || layout != Layout::ChannelsFirst || len == 0 || len % V != 0 || sh.N * sh.G == 0) return false;
+    if (mode == 0 || sh.N * sh.G == 0 || sh.D * sh.S == 0) return false;
     TeamArgs<scalar_t> a{};
     OnePassArgs<scalar_t>& o = a.op;
-    o.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
-    o.x = x.data_ptr<scalar_t>();
-    o.y = y.data_ptr<scalar_t>();
-    if (!aligned16(o.x) || !aligned16(o.y) || (o.epi.residual != nullptr && !aligned16(o.epi.residual)) ||
-        (o.epi.multiplier != nullptr && !aligned16(o.epi.multiplier))) {
-      return false;
-    }
-    const int64_t streams = 1 + (o.epi.residual != nullptr) +
-        (o.epi.multiplier != nullptr && o.epi.multiplier != o.epi.residual);
+    if (!make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o)) return false;
     if (mode != 1) {
-      const int64_t x_bytes = len * static_cast<int64_t>(sizeof(scalar_t));
-      const int64_t bytes = streams * x_bytes;
+      const int64_t x_bytes = o.len * static_cast<int64_t>(sizeof(scalar_t));
+      const int64_t bytes = o.streams() * x_bytes;
       const OnePassLimit limit = one_pass_limit();
       if (limit.forced ? bytes <= limit.max_bytes : bytes <= kOnePassMaxBytes && x_bytes < kTeamMinBytes) return false;
     }
-    o.weight = param_ref<scalar_t>(weight);
-    o.bias = param_ref<scalar_t>(bias);
-    o.mean = mean.data_ptr<acc_t>();
-    o.rstd = rstd.data_ptr<acc_t>();
-    o.C = sh.C;
-    o.S = sh.S;
-    o.G = sh.G;
-    o.D = sh.D;
-    o.len = len;
     o.cluster = 1;
-    o.eps = static_cast<acc_t>(eps);
     a.groups = sh.N * sh.G;
     bool launched = false;
     dispatch_activation(ep.activation, [&](auto act) { launched = launch_team<scalar_t, V, decltype(act)::value>(a, x); });
