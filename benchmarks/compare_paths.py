@@ -1,8 +1,9 @@
-"""Times fusednorm's forward on the suite's cases under each kernel path the environment knobs
-select (the default choice, one-pass wherever it fits, split everywhere, and cluster limits),
-beside the copy-bandwidth roofline, so that a path's choice is made on measurements:
+"""Times fusednorm's forward (or, with --backward, its backward) on the suite's cases under each
+kernel path the environment knobs select (the default choice, one-pass wherever it fits, split
+everywhere, and cluster limits), beside the copy-bandwidth roofline, so that a path's choice is
+made on measurements:
 
-    python benchmarks/compare_paths.py [--filter REGEX] [--paths default,split,one_pass,shared,noteam,team,cluster8]
+    python benchmarks/compare_paths.py [--filter REGEX] [--backward] [--paths default,split,one_pass,shared,noteam,team,cluster8]
 """
 
 import argparse
@@ -11,16 +12,18 @@ import re
 
 import torch
 
-from bench import copy_bandwidth, gpu_suite, implementations, make_inputs, timer
+from bench import copy_bandwidth, gpu_suite, grad_inputs, implementations, make_inputs, timer
 
 KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_ONE_PASS_REGISTERS",
-         "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_TEAM_CTA_KB")
+         "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_TEAM_BACKWARD", "FUSEDNORM_TEAM_CTA_KB")
+TEAM_OFF = {"FUSEDNORM_TEAM_FORWARD": "0", "FUSEDNORM_TEAM_BACKWARD": "0"}
+TEAM_ON = {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_BACKWARD": "1"}
 PATHS = {
     "default": {},
-    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "0"},
-    "noteam": {"FUSEDNORM_TEAM_FORWARD": "0"},  # the default without the team forward
-    "team": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1"},  # every group it takes
-    "team64": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_CTA_KB": "64"},
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **TEAM_OFF},
+    "noteam": TEAM_OFF,  # the default without the team kernels
+    "team": TEAM_ON,  # every group they take
+    "team64": {**TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},
     "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
     "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
@@ -32,6 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--filter", default="")
     parser.add_argument("--paths", default="default,split,one_pass")
+    parser.add_argument("--backward", action="store_true", help="time the backward (autograd) instead")
     args = parser.parse_args()
     measure = timer("cuda")
     roof = copy_bandwidth("cuda", measure)
@@ -44,14 +48,22 @@ def main():
         x, w, b, ops = make_inputs(case, "cuda")
         ours = implementations(case, with_compile=False)["fusednorm"]
         big = len({id(t) for k, t in ops.items() if k in ("residual", "multiplier")})
-        nbytes = (2 + big) * x.numel() * x.element_size()
+        # The floor: bench.py's (forward: x, operands, y; backward: x, dy, operands, dx, their grads).
+        nbytes = ((3 + 2 * big) if args.backward else (2 + big)) * x.numel() * x.element_size()
         cells = []
         for path in paths:
             for name in KNOBS:
                 os.environ.pop(name, None)
             os.environ.update(PATHS[path])
-            with torch.no_grad():
-                ms = measure(lambda: ours(x, w, b, ops))
+            if args.backward:
+                xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
+                y = ours(xg, wg, bg, opsg)
+                dy = torch.randn_like(y)
+                ms = measure(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True))
+                del y, dy, xg, leaves
+            else:
+                with torch.no_grad():
+                    ms = measure(lambda: ours(x, w, b, ops))
             cells.append(f"{ms:8.4f} ({100 * nbytes / (ms * 1e-3) / 1e9 / roof:3.0f}%)")
         for name in KNOBS:
             os.environ.pop(name, None)

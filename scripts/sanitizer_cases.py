@@ -52,14 +52,14 @@ def run_fused(x, groups, weight, bias, activation, operands):
 
 
 def main():
-    # The fused forward four times: groups in one pass wherever they fit (up to 1 MB, capped by
-    # the device's shared memory; in registers where they fit there), the same without the
-    # register kernel, the split passes everywhere, and the team forward for every group.
+    # The fused forward and backward four times: groups in one pass wherever they fit (up to 1 MB,
+    # capped by the device's shared memory; in registers where they fit there), the same without
+    # the register kernel, the split passes everywhere, and the team kernels for every group.
     modes = (
         {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
         {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
-        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "0"},
-        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1"},
+        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "0", "FUSEDNORM_TEAM_BACKWARD": "0"},
+        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_BACKWARD": "1"},
     )
     for mode in modes:
         os.environ.update(mode)

@@ -642,11 +642,13 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
         torch.testing.assert_close(got, want, **param_tol)
 
 
-def test_team_forward_edges(monkeypatch):
-    # The team forward on rounds fewer and more than one a team, teams of one CTA and of many, and
-    # a constant group (variance exactly 0, y exactly the bias).
+def test_team_edges(monkeypatch):
+    # The team kernels on rounds fewer and more than one a team, teams of one CTA and of many
+    # (channels split over several CTAs, and CTAs holding several channels), and a constant group
+    # (forward: variance exactly 0, y exactly the bias; backward: against the float64 reference).
     kernel_paths.set_path(monkeypatch, "team")
-    for shape, G in (((3, 64, 128, 128), 2), ((100, 4, 160, 128), 2), ((40, 12, 33, 20), 3), ((2, 8, 4, 4), 8)):
+    for shape, G in (((3, 64, 128, 128), 2), ((100, 4, 160, 128), 2), ((40, 12, 33, 20), 3), ((2, 8, 4, 4), 8),
+                     ((2, 4, 64, 64), 4)):
         x = make(shape, torch.float32, seed=7, offset=3.0)
         D = shape[1] // G
         x[0, :D] = 2.5
@@ -654,3 +656,6 @@ def test_team_forward_edges(monkeypatch):
         y, mean, rstd = check_forward(x, G, w, b)
         assert mean[0, 0] == 2.5
         assert torch.all(y[0, :D] == b[:D].view(-1, *([1] * (x.dim() - 2))))
+        dy = make(shape, torch.float32, seed=8)
+        for mask in ((True, True, True), (True, False, True), (True, False, False)):
+            check_backward(dy, x, G, w, b, mask)

@@ -45,7 +45,9 @@
 //
 // Groups that fit in shared memory (ChannelsFirst, 16-byte aligned) skip all of the above:
 // group_norm_one_pass.cuh reads them once, in one launch per direction (a cluster of CTAs shares a
-// large group in the forward). The passes above are the path for everything else.
+// large group in the forward), and group_norm_team.cuh spreads larger ones over the shared memory
+// of a team of persistent CTAs, in both directions. The passes above are the path for everything
+// else (ChannelsLast, unaligned or odd sizes, double).
 //
 // Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
 // grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an
@@ -1842,9 +1844,17 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   const bool want_params = mask[1] || mask[2] || mask[3] || mask[4];
   at::Tensor rec;
   {
+    // Groups in one CTA's shared memory, else spread over a team's (the team first where forced).
     Partials one;
-    if (backward_one_pass<scalar_t>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
-            one.part_c, rec)) {
+    const bool team_first = team_backward_mode() == 1;
+    const auto team = [&] {
+      return backward_team<scalar_t>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
+          one.part_c, rec);
+    };
+    if ((team_first && team()) ||
+        backward_one_pass<scalar_t>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
+            one.part_c, rec) ||
+        (!team_first && team())) {
       if (want_params) param_grads_pass<scalar_t>(one, rec, weight, bias, ep, sh, mask, g);
       return;
     }

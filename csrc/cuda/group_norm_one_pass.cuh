@@ -621,6 +621,11 @@ struct OnePassBackwardArgs {
   int64_t C, S, G, D, len;
   int log_seg;
   EpiArgs<scalar_t> epi;  // residual only where p is needed; grad_residual / grad_multiplier outputs
+
+  // x, dz and the distinct tensor-sized operands read (the residual only where p is needed).
+  int streams() const {
+    return 2 + (epi.residual != nullptr) + (epi.multiplier != nullptr && epi.multiplier != epi.residual);
+  }
 };
 
 // dp, and q = act(p) when grad_multiplier is wanted, at one element: the arithmetic of the split
@@ -810,6 +815,36 @@ void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t it
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The arguments of the one-pass and team backwards (dx, grad_residual, grad_multiplier as `mask`
+// asks; part_c and rec left null); false where the layout, S or a tensor-sized operand's alignment
+// rules out 16-byte packs: both need S to be 1 or a multiple of V (a pack in one channel).
+template <typename scalar_t, int V>
+bool make_one_pass_backward_args(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, OnePassBackwardArgs<scalar_t>& a) {
+  using acc_t = acc_type<scalar_t>;
+  const int64_t len = sh.D * sh.S;
+  if (layout != Layout::ChannelsFirst || len % V != 0 || (sh.S != 1 && sh.S % V != 0)) return false;
+  // p is needed for act'(p) and for grad_multiplier = dz * act(p); only then the residual.
+  a.epi = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
+  a.epi.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
+  a.epi.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
+  a.x = x.data_ptr<scalar_t>();
+  a.dz = dy.data_ptr<scalar_t>();
+  a.dx = mask[0] ? g.input.data_ptr<scalar_t>() : nullptr;
+  if (!aligned16(a.x) || !aligned16(a.dz) || !aligned_to(a.dx, 16) || !epi_aligned(a.epi)) return false;
+  a.mean = mean.data_ptr<acc_t>();
+  a.rstd = rstd.data_ptr<acc_t>();
+  a.weight = param_ref<scalar_t>(weight);
+  a.bias = param_ref<scalar_t>(bias);
+  a.C = sh.C;
+  a.S = sh.S;
+  a.G = sh.G;
+  a.D = sh.D;
+  a.len = len;
+  return true;
+}
+
 // Runs the backward's elementwise outputs (dx, grad_residual, grad_multiplier, as `mask` asks) in
 // one pass and returns true when the group fits (as forward_one_pass, counting x, dz and the
 // operands p needs) and S is 1 or a multiple of the pack width; part_c and rec are then set for the
@@ -824,29 +859,13 @@ bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   if constexpr (V == 1) {
     return false;
   } else {
-    const int64_t len = sh.D * sh.S;
     const int64_t items = sh.N * sh.G;
-    if (layout != Layout::ChannelsFirst || len % V != 0 || (sh.S != 1 && sh.S % V != 0) ||
-        items > std::numeric_limits<int>::max()) {
+    OnePassBackwardArgs<scalar_t> a{};
+    if (items > std::numeric_limits<int>::max() ||
+        !make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, a)) {
       return false;
     }
-    OnePassBackwardArgs<scalar_t> a{};
-    // p is needed for act'(p) and for grad_multiplier = dz * act(p); only then the residual.
-    a.epi = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
-    a.epi.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
-    a.epi.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
-    a.x = x.data_ptr<scalar_t>();
-    a.dz = dy.data_ptr<scalar_t>();
-    a.dx = mask[0] ? g.input.data_ptr<scalar_t>() : nullptr;
-    for (const void* p : {static_cast<const void*>(a.x), static_cast<const void*>(a.dz),
-             static_cast<const void*>(a.dx), static_cast<const void*>(a.epi.residual),
-             static_cast<const void*>(a.epi.multiplier), static_cast<const void*>(a.epi.grad_residual),
-             static_cast<const void*>(a.epi.grad_multiplier)}) {
-      if (p != nullptr && !aligned16(p)) return false;
-    }
-    const int64_t streams = 2 + (a.epi.residual != nullptr) +
-        (a.epi.multiplier != nullptr && a.epi.multiplier != a.epi.residual);
-    const int64_t smem = streams * len * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t smem = a.streams() * a.len * static_cast<int64_t>(sizeof(scalar_t));
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     const OnePassLimit limit = one_pass_limit();
     if (smem > std::min<int64_t>(limit.max_bytes, static_cast<int64_t>(prop->sharedMemPerBlockOptin))) {
@@ -860,15 +879,6 @@ bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tens
       a.part_c = part_c.data_ptr<acc_t>();
       a.rec = rec.data_ptr<acc_t>();
     }
-    a.mean = mean.data_ptr<acc_t>();
-    a.rstd = rstd.data_ptr<acc_t>();
-    a.weight = param_ref<scalar_t>(weight);
-    a.bias = param_ref<scalar_t>(bias);
-    a.C = sh.C;
-    a.S = sh.S;
-    a.G = sh.G;
-    a.D = sh.D;
-    a.len = len;
     a.log_seg = sh.S == 1 ? 0 : static_cast<int>(std::min<int64_t>(kLogThreads, ceil_log2(sh.S / V)));
     const size_t bytes = static_cast<size_t>(smem);
     dispatch_activation(ep.activation, [&](auto act) {

@@ -1,6 +1,7 @@
-// The team forward, for ChannelsFirst groups of kTeamMinBytes and more (the GroupNorm problem's
-// 8 MB groups, the VAE's 0.5-8 MB ones, attention's 128 KB). Included after
-// group_norm_one_pass.cuh, whose arguments and output stage it shares.
+// The team forward and backward, for ChannelsFirst groups of kTeamMinBytes and more (the GroupNorm
+// problem's 8 MB groups, the VAE's 0.5-8 MB ones, attention's 128 KB) and, in the backward, the
+// groups the one-CTA backward cannot hold. Included after group_norm_one_pass.cuh, whose
+// arguments, output stage and backward arithmetic they share. The forward first:
 //
 // A group over kOnePassMaxBytes fits no CTA and no cluster, so the split forward read x twice
 // from DRAM; smaller ones took a cluster of CTAs each, which loaded, reduced and wrote in turn,
@@ -57,19 +58,72 @@ int team_forward_mode() {
   return env == nullptr ? -1 : std::atoi(env);
 }
 
+// FUSEDNORM_TEAM_BACKWARD: the same for the backward ("0" off, "1" every group it can take;
+// unset, the groups the one-CTA backward cannot take).
+int team_backward_mode() {
+  const char* env = std::getenv("FUSEDNORM_TEAM_BACKWARD");
+  return env == nullptr ? -1 : std::atoi(env);
+}
+
 int64_t team_cta_bytes() {
   const char* env = std::getenv("FUSEDNORM_TEAM_CTA_KB");
   return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) * 1024 : kTeamCtaBytes;
 }
 
+// Values a CTA publishes per round: the forward's chunk moments (count, mean, M2), the
+// backward's sums (see group_norm_team_backward_kernel).
+constexpr int kTeamPartials = 3;
+
+__device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// A persistent grid of teams of CTAs, each team taking groups team, team + teams, ... (rounds),
+// each CTA a chunk of every group; shared by the forward and backward team kernels.
+template <typename acc_t>
+struct TeamGrid {
+  acc_t* part;        // kTeamPartials per (round parity, CTA)
+  unsigned* arrived;  // one counter per team, zero at launch
+  int64_t groups;     // N * G
+  int64_t chunk;      // packs of a group per CTA
+  int team_size, teams;
+
+  // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
+  __device__ int64_t rounds(int team) const { return team < groups ? ceil_div(groups - team, teams) : 0; }
+  __device__ int64_t item_of(int team, int64_t round) const { return team + round * teams; }
+  // The team's partials of round i (one slot of kTeamPartials a rank).
+  __device__ acc_t* team_part(int team, int64_t i) const {
+    return part + ((i & 1) * teams + team) * team_size * kTeamPartials;
+  }
+
+  // Thread 0, once its CTA's partials of round i are written: publishes them and arrives.
+  __device__ void arrive(int team) const {
+    __threadfence();
+    atomicAdd(arrived + team, 1u);
+  }
+
+  // The whole CTA: returns once every CTA of the team has arrived at round i's barrier. The
+  // counter also counts round i + 1's arrivals, but a CTA arrives there only after the whole
+  // team arrived at round i.
+  __device__ void wait(int team, int64_t i) const {
+    if (threadIdx.x == 0) {
+      const unsigned target = static_cast<unsigned>((i + 1) * team_size);
+      while (team_load_acquire(arrived + team) < target) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        __nanosleep(20);
+#endif
+      }
+    }
+    __syncthreads();
+  }
+};
+
 template <typename scalar_t>
 struct TeamArgs {
-  using acc_t = acc_type<scalar_t>;
-  OnePassArgs<scalar_t> op;  // op.chunk: packs per CTA
-  acc_t* part;               // 3 per (round parity, CTA): a chunk's count, mean and M2
-  unsigned* arrived;         // one counter per team, zero at launch
-  int64_t groups;            // N * G
-  int team_size, teams;
+  OnePassArgs<scalar_t> op;           // op.chunk and op.cluster unused
+  TeamGrid<acc_type<scalar_t>> team;  // partials: a chunk's count, mean and M2
 };
 
 // A chunk's moments. Merged with Chan's formula, as merge() of the split path does, but returning
@@ -92,10 +146,40 @@ __device__ __forceinline__ ChunkMoments<acc_t> merge_chunks(const ChunkMoments<a
   return {n, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.n * fb};
 }
 
-__device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+template <typename acc_t>
+__device__ __forceinline__ ChunkMoments<acc_t> shfl_xor(const ChunkMoments<acc_t>& v, int mask) {
+  return {shfl_xor(v.n, mask), shfl_xor(v.mean, mask), shfl_xor(v.m2, mask)};
+}
+
+// Combines every thread's `v` over the CTA in a fixed order: a butterfly in each warp (both
+// lanes of a pair combine in the same order, so they get the same bits), then the warps' results
+// in warp order. Every thread returns the same bits. `smem` (kTeamThreads / kWarp states) may be
+// written again only after a later __syncthreads.
+template <typename State, typename Combine>
+__device__ __forceinline__ State team_block_fold(State v, const Combine& combine, State* smem) {
+#pragma unroll
+  for (int off = 1; off < kWarp; off <<= 1) {
+    const State other = shfl_xor(v, off);
+    v = (threadIdx.x & off) ? combine(other, v) : combine(v, other);
+  }
+  if ((threadIdx.x & (kWarp - 1)) == 0) smem[threadIdx.x >> kLogWarp] = v;
+  __syncthreads();
+  State total = smem[0];
+#pragma unroll
+  for (int w = 1; w < kTeamThreads / kWarp; ++w) total = combine(total, smem[w]);
+  return total;
+}
+
+// The team's partials of a round, one state a rank (`load` reads one from its slot), combined
+// over the CTA as team_block_fold: thread t takes ranks t, t + kTeamThreads, ... in order. The
+// whole CTA loads at once: one warp reading the ranks in turn waited team_size / 32 round trips
+// to L2 (9 on the GroupNorm problem's backward, with every SM idle meanwhile).
+template <typename State, typename Load, typename Combine>
+__device__ __forceinline__ State team_fold(const State& identity, int team_size, const Load& load,
+    const Combine& combine, State* smem) {
+  State v = identity;
+  for (int r = threadIdx.x; r < team_size; r += kTeamThreads) v = combine(v, load(r));
+  return team_block_fold(v, combine, smem);
 }
 
 template <typename scalar_t, int V, Activation A>
@@ -104,25 +188,26 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char team_smem[];
   __shared__ acc_t red[kTeamThreads / kWarp];
-  __shared__ acc_t merged[2];  // the group's mean and rstd
+  __shared__ ChunkMoments<acc_t> fold[kTeamThreads / kWarp];
   const OnePassArgs<scalar_t>& o = a.op;
+  const TeamGrid<acc_t>& t = a.team;
   const EpiArgs<scalar_t>& e = o.epi;
-  const int team = static_cast<int>(blockIdx.x) / a.team_size;
-  const int rank = static_cast<int>(blockIdx.x) - team * a.team_size;
+  const int team = static_cast<int>(blockIdx.x) / t.team_size;
+  const int rank = static_cast<int>(blockIdx.x) - team * t.team_size;
   const int64_t lenv = o.len / V;
-  const int64_t v_begin = imin(lenv, rank * o.chunk);  // this CTA's packs of a group: [v_begin, v_end)
-  const int count = static_cast<int>(imin(lenv, v_begin + o.chunk) - v_begin);
-  const int64_t rounds = team < a.groups ? ceil_div(a.groups - team, a.teams) : 0;
-  // Round i is the team's group team + i * teams. A thread's packs are threadIdx.x + k *
-  // kTeamThreads in every step, so that it writes only packs it copied itself.
-  const auto item_of = [&](int64_t i) { return team + i * a.teams; };
+  const int64_t v_begin = imin(lenv, rank * t.chunk);  // this CTA's packs of a group: [v_begin, v_end)
+  const int count = static_cast<int>(imin(lenv, v_begin + t.chunk) - v_begin);
+  const int64_t rounds = t.rounds(team);
+  // A thread's packs are threadIdx.x + k * kTeamThreads in every step, so that it writes only
+  // packs it copied itself.
   P* x = reinterpret_cast<P*>(team_smem);
-  // Round i's chunk moments (count, mean, M2) of x - K, to slot i % 2, and the arrival at round
-  // i's barrier, once its copies are in. K is the group's first element, as on the other paths:
-  // the team merges and the output uses the shifted mean, so that a mean far from 0 keeps its
-  // digits (each CTA's K + mean rounded to float32 cost the 1e4-offset test its y accuracy), and
-  // a constant group gives exactly M2 = 0. A CTA writes round i's partials after passing round
-  // i - 1's barrier, which the whole team reaches after reading round i - 2's: two slots suffice.
+  // Round i's chunk moments (count, mean, M2) of x - K, to its partials slot, and the arrival at
+  // round i's barrier, once its copies are in. K is the group's first element, as on the other
+  // paths: the team merges and the output uses the shifted mean, so that a mean far from 0 keeps
+  // its digits (each CTA's K + mean rounded to float32 cost the 1e4-offset test its y accuracy),
+  // and a constant group gives exactly M2 = 0. A CTA writes round i's partials after passing
+  // round i - 1's barrier, which the whole team reaches after reading round i - 2's: two slots
+  // (round parities) suffice.
   const auto moments = [&](int64_t i, acc_t K) {
     __pipeline_wait_prior(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
@@ -141,68 +226,44 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if (threadIdx.x == 0) {
       const acc_t shifted_mean = count > 0 ? s1 / n : acc_t(0);
       const acc_t m2 = s2 - s1 * shifted_mean;
-      acc_t* p = a.part + (((i & 1) * a.teams + team) * a.team_size + rank) * 3;
+      acc_t* p = t.team_part(team, i) + rank * kTeamPartials;
       p[0] = n;
       p[1] = shifted_mean;
       p[2] = m2 > acc_t(0) ? m2 : acc_t(0);
-      __threadfence();
-      atomicAdd(a.arrived + team, 1u);
+      t.arrive(team);
     }
   };
   // The group's first element, loaded well before moments() needs it.
-  const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[item_of(i) * o.len]); };
+  const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
   const bool uniform = o.template uniform_packs<V>();
 
   acc_t K = acc_t(0);
   if (rounds > 0) {
-    const P* src = reinterpret_cast<const P*>(o.x + item_of(0) * o.len) + v_begin;
+    const P* src = reinterpret_cast<const P*>(o.x + t.item_of(team, 0) * o.len) + v_begin;
     for (int v = threadIdx.x; v < count; v += kTeamThreads) __pipeline_memcpy_async(&x[v], &src[v], sizeof(P));
     __pipeline_commit();
     K = first_of(0);
     moments(0, K);
   }
   for (int64_t i = 0; i < rounds; ++i) {
-    if (threadIdx.x == 0) {
-      // The counter also counts round i + 1's arrivals, but a CTA arrives there only after the
-      // whole team arrived at round i.
-      const unsigned target = static_cast<unsigned>((i + 1) * a.team_size);
-      while (team_load_acquire(a.arrived + team) < target) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-        __nanosleep(20);
-#endif
-      }
+    t.wait(team, i);
+    const int64_t item = t.item_of(team, i);
+    const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
+    const ChunkMoments<acc_t> m = team_fold(
+        ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
+        [&](int r) {
+          const acc_t* p = team_part + r * kTeamPartials;
+          return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
+        },
+        [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+    const acc_t var = m.m2 > acc_t(0) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
+    const acc_t rstd = acc_t(1) / sqrt(var + o.eps);
+    if (rank == 0 && threadIdx.x == 0) {
+      o.mean[item] = K + m.mean;
+      o.rstd[item] = rstd;
     }
-    __syncthreads();
-    const int64_t item = item_of(i);
-    if (threadIdx.x < kWarp) {
-      // Lane l merges ranks l, l + 32, ... in order, then the lanes merge pairwise (fixed tree).
-      const acc_t* team_part = a.part + ((i & 1) * a.teams + team) * a.team_size * 3;
-      ChunkMoments<acc_t> m{acc_t(0), acc_t(0), acc_t(0)};
-      for (int r = threadIdx.x; r < a.team_size; r += kWarp) {
-        const acc_t* p = team_part + r * 3;  // written by other SMs: read from L2
-        m = merge_chunks(m, ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)});
-      }
-#pragma unroll
-      for (int off = 1; off < kWarp; off <<= 1) {
-        const ChunkMoments<acc_t> other{shfl_xor(m.n, off), shfl_xor(m.mean, off), shfl_xor(m.m2, off)};
-        // Both lanes of a pair merge in the same order, so that they get the same bits.
-        m = (threadIdx.x & off) ? merge_chunks(other, m) : merge_chunks(m, other);
-      }
-      if (threadIdx.x == 0) {
-        const acc_t var = m.m2 > acc_t(0) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
-        merged[0] = m.mean;
-        merged[1] = acc_t(1) / sqrt(var + o.eps);
-        if (rank == 0) {
-          o.mean[item] = K + m.mean;
-          o.rstd[item] = merged[1];
-        }
-      }
-    }
-    __syncthreads();
-    // merged is next written after the next round's barriers, which every thread passes after
-    // reading it here.
     const int64_t ng = div_nn(item, o.G);
-    OnePassOutput<scalar_t, V, A> out(o, ng, item - ng * o.G, K, merged[0], merged[1]);
+    OnePassOutput<scalar_t, V, A> out(o, ng, item - ng * o.G, K, m.mean, rstd);
     const int64_t off = item * o.len;
     const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off)) + v_begin;
     const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off)) + v_begin;
@@ -213,7 +274,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     // store, which waits for the shared-memory read), so that reads overlap writes.
     const bool more = i + 1 < rounds;
     const acc_t K_next = more ? first_of(i + 1) : acc_t(0);
-    const P* xnext = reinterpret_cast<const P*>(o.x + item_of(i + 1) * o.len) + v_begin;
+    const P* xnext = reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin;
     for (int v = threadIdx.x; v < count; v += kTeamThreads) {
       P rp, mp;
       if (has_r) rp = rg[v];
@@ -226,6 +287,251 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       __pipeline_commit();
       K = K_next;
       moments(i + 1, K);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The team backward: the one-pass backward's arithmetic (group_norm_one_pass.cuh) for groups
+// spread over a team, each CTA holding its chunk of x, dz and the operands p needs in shared
+// memory, so that x and dz are read from DRAM once (the split backward reads them twice: five
+// passes over memory instead of three). For round i a CTA:
+//   1. makes dp from its chunk and sums, per channel it holds, dp and dp * (x - m) (the channel's
+//      parts, for the parameter gradients), and over the chunk w_eff * dp, w_eff * dp * (x - m)
+//      and x - m; publishes the last three and arrives at the team's barrier;
+//   2. adds the team's sums in a fixed order (every CTA gets the same bits), giving the group's dx
+//      coefficients (rank 0 writes them to rec, as finalize_grad_coefs_kernel would);
+//   3. writes dx, grad_residual and grad_multiplier from shared memory, issuing round i + 1's
+//      copies of each pack into its place as it goes;
+//   4. adds the parts of the channels that begin in its chunk into part_c, so that the parameter
+//      gradients read one entry per (n, c), as after the one-CTA backward (with an entry per
+//      part, the GroupNorm problem's finalize read 3808 a channel and took 0.23 ms).
+
+template <typename scalar_t>
+struct TeamBackwardArgs {
+  using acc_t = acc_type<scalar_t>;
+  OnePassBackwardArgs<scalar_t> op;  // op.part_c: 2 per (n, c), as the one-CTA backward leaves them
+  TeamGrid<acc_t> team;              // partials: a chunk's sums of w_eff * dp, w_eff * dp * (x - m), x - m
+  acc_t* channel_parts;              // 2 per (n, c, k): CTA k of those holding parts of channel c
+  int64_t split;                     // the most CTAs that hold parts of one channel
+};
+
+template <typename scalar_t, int V, Activation A>
+__global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_team_backward_kernel(
+    const TeamBackwardArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  extern __shared__ __align__(16) unsigned char team_smem[];
+  __shared__ Sums<acc_t, 1> seg_smem[kTeamThreads / kWarp];
+  __shared__ Sums<acc_t, 1> fold[kTeamThreads / kWarp];
+  const OnePassBackwardArgs<scalar_t>& o = a.op;
+  const TeamGrid<acc_t>& t = a.team;
+  const EpiArgs<scalar_t>& e = o.epi;
+  const int team = static_cast<int>(blockIdx.x) / t.team_size;
+  const int rank = static_cast<int>(blockIdx.x) - team * t.team_size;
+  const int64_t lenv = o.len / V;
+  const int64_t spv = o.S / V;  // packs per channel (S is a multiple of V)
+  const int64_t v_begin = imin(lenv, rank * t.chunk);
+  const int count = static_cast<int>(imin(lenv, v_begin + t.chunk) - v_begin);
+  const int64_t rounds = t.rounds(team);
+  // The chunk's channels (within the group): [c_lo, c_hi].
+  const int64_t c_lo = div_nn(v_begin, spv);
+  const int64_t c_hi = count > 0 ? div_nn(v_begin + count - 1, spv) : c_lo - 1;
+  P* x_smem = reinterpret_cast<P*>(team_smem);
+  P* dz_smem = x_smem + t.chunk;
+  P* r_smem = e.residual != nullptr ? dz_smem + t.chunk : nullptr;
+  P* m_smem = e.multiplier == nullptr ? nullptr
+              : e.multiplier == e.residual ? r_smem
+                                           : dz_smem + t.chunk * (r_smem != nullptr ? 2 : 1);
+  // Issues the copy of pack v of round i's chunk into every stream.
+  const auto copy_in = [&](int64_t i, int v) {
+    const int64_t src = t.item_of(team, i) * lenv + v_begin + v;  // in packs
+    __pipeline_memcpy_async(&x_smem[v], reinterpret_cast<const P*>(o.x) + src, sizeof(P));
+    __pipeline_memcpy_async(&dz_smem[v], reinterpret_cast<const P*>(o.dz) + src, sizeof(P));
+    if (r_smem != nullptr) __pipeline_memcpy_async(&r_smem[v], reinterpret_cast<const P*>(e.residual) + src, sizeof(P));
+    if (m_smem != nullptr && m_smem != r_smem) {
+      __pipeline_memcpy_async(&m_smem[v], reinterpret_cast<const P*>(e.multiplier) + src, sizeof(P));
+    }
+  };
+  const bool want_q = e.grad_multiplier != nullptr;
+
+  if (rounds > 0) {
+    for (int v = threadIdx.x; v < count; v += kTeamThreads) copy_in(0, v);
+    __pipeline_commit();
+  }
+  for (int64_t i = 0; i < rounds; ++i) {
+    const int64_t item = t.item_of(team, i);
+    const int64_t n = div_nn(item, o.G);
+    const int64_t c_first = (item - n * o.G) * o.D;  // the group's first channel
+    const acc_t mean = o.mean[item];
+    const acc_t rstd = o.rstd[item];
+    // Per channel c (absolute): w_eff, the folded bias pc, and ea = rstd * w_eff.
+    const auto coefficients = [&](int64_t c, acc_t& w_eff, acc_t& pc, acc_t& ea) {
+      const Affine<acc_t> m =
+          modulate(e, n * o.C + c, load_param(o.weight, c, acc_t(1)), load_param(o.bias, c, acc_t(0)));
+      w_eff = m.w;
+      pc = m.b;
+      ea = rstd * m.w;
+    };
+    const auto element = [&](int v, int j, acc_t& xc, acc_t& dz, acc_t& r, acc_t& m) {
+      xc = static_cast<acc_t>(x_smem[v].v[j]) - mean;
+      dz = static_cast<acc_t>(dz_smem[v].v[j]);
+      r = r_smem != nullptr ? static_cast<acc_t>(r_smem[v].v[j]) : acc_t(0);
+      m = m_smem != nullptr ? static_cast<acc_t>(m_smem[v].v[j]) : acc_t(1);
+    };
+    // 1. Segments of 2^log_seg threads take the chunk's channels, in one sweep where they fit
+    // (log_seg is chosen so), else in several (the loop is the same for every thread of the CTA,
+    // so that the segments' reductions see all of it). The first sweep's coefficients are loaded
+    // while the copies land.
+    const int seg = 1 << o.log_seg;
+    const int lane = threadIdx.x & (seg - 1);
+    const int64_t per_sweep = kTeamThreads >> o.log_seg;
+    acc_t w_eff = acc_t(0), pc = acc_t(0), ea = acc_t(0);
+    if (c_lo + (threadIdx.x >> o.log_seg) <= c_hi) coefficients(c_first + c_lo + (threadIdx.x >> o.log_seg), w_eff, pc, ea);
+    __pipeline_wait_prior(0);
+    __syncthreads();  // the sums read packs that other threads copied
+    Sums<acc_t, 1> mine;
+    clear(mine);
+    for (int64_t base = c_lo; base <= c_hi; base += per_sweep) {
+      const int64_t cl = base + (threadIdx.x >> o.log_seg);
+      Sums<acc_t, 1> s;
+      clear(s);
+      if (cl <= c_hi) {
+        if (base != c_lo) coefficients(c_first + cl, w_eff, pc, ea);
+        const int lo = static_cast<int>(imax(cl * spv, v_begin) - v_begin);
+        const int hi = static_cast<int>(imin((cl + 1) * spv, v_begin + count) - v_begin);
+        for (int v = lo + lane; v < hi; v += seg) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            acc_t xc, dz, r, m, q;
+            element(v, j, xc, dz, r, m);
+            const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
+            s.dy[0] += dp;
+            s.dyxc[0] += dp * xc;
+            s.xc[0] += xc;
+          }
+        }
+      }
+      s = segment_reduce(s, o.log_seg, seg_smem);
+      if (lane == 0 && cl <= c_hi) {
+        if (o.part_c != nullptr) {
+          const int64_t k = rank - div_nn(cl * spv, t.chunk);  // this CTA's place in channel cl
+          acc_t* p = a.channel_parts + ((n * o.C + c_first + cl) * a.split + k) * 2;
+          p[0] = s.dy[0];
+          p[1] = s.dyxc[0];
+        }
+        mine.dy[0] += w_eff * s.dy[0];
+        mine.dyxc[0] += w_eff * s.dyxc[0];
+        mine.xc[0] += s.xc[0];
+      }
+    }
+    const auto add = [](const Sums<acc_t, 1>& l, const Sums<acc_t, 1>& r) { return merge(l, r); };
+    const Sums<acc_t, 1> cta = team_block_fold(mine, add, fold);
+    if (threadIdx.x == 0) {
+      acc_t* p = t.team_part(team, i) + rank * kTeamPartials;
+      p[0] = cta.dy[0];
+      p[1] = cta.dyxc[0];
+      p[2] = cta.xc[0];
+      t.arrive(team);
+    }
+
+    // 2. The team's sums (every thread gets the same bits), and from them the group's dx
+    // coefficients.
+    t.wait(team, i);
+    const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
+    Sums<acc_t, 1> zero;
+    clear(zero);
+    const Sums<acc_t, 1> sums = team_fold(zero, t.team_size,
+        [&](int r) {
+          const acc_t* p = team_part + r * kTeamPartials;
+          return Sums<acc_t, 1>{{__ldcg(p)}, {__ldcg(p + 1)}, {__ldcg(p + 2)}};
+        },
+        add, fold);
+    const acc_t M = static_cast<acc_t>(o.len);
+    const acc_t delta = sums.xc[0] / M;
+    const acc_t B = sums.dyxc[0] - delta * sums.dy[0];
+    const acc_t b1 = -rstd * rstd * rstd * B / M;
+    const acc_t b2 = -rstd * sums.dy[0] / M;
+    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) {
+      acc_t* rec = o.rec + item * kRec;
+      rec[0] = mean;
+      rec[1] = delta;
+      rec[2] = rstd;
+      rec[3] = b1;
+      rec[4] = b2;
+    }
+
+    // 3. dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier =
+    // dz * act(p) (their sum into grad_residual when the two outputs are one buffer). A thread
+    // takes the packs threadIdx.x + k * kTeamThreads, and copies round i + 1's into them.
+    const int64_t off = item * lenv + v_begin;  // in packs
+    P* dxg = reinterpret_cast<P*>(o.dx) + off;  // dx is always wanted here
+    P* grg = e.grad_residual != nullptr ? reinterpret_cast<P*>(e.grad_residual) + off : nullptr;
+    P* gmg = e.grad_multiplier != nullptr ? reinterpret_cast<P*>(e.grad_multiplier) + off : nullptr;
+    const bool sum_grads = grg != nullptr && grg == gmg;
+    const bool more = i + 1 < rounds;
+    // GRADS: grad_residual or grad_multiplier wanted; the loop without them (the plain backward's)
+    // holds fewer registers.
+    const auto write = [&](auto grads) {
+      constexpr bool GRADS = decltype(grads)::value;
+      int64_t cached_c = -1;
+      acc_t w_eff, pc, ea;
+      for (int v = threadIdx.x; v < count; v += kTeamThreads) {
+        const int64_t c = c_first + div_nn(v_begin + v, spv);
+        if (c != cached_c) {
+          cached_c = c;
+          coefficients(c, w_eff, pc, ea);
+        }
+        P dxp, gr, gm;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          acc_t xc, dz, r, m, q = acc_t(0);
+          element(v, j, xc, dz, r, m);
+          const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, GRADS && want_q, q);
+          dxp.v[j] = static_cast<scalar_t>(ea * dp + (b1 * (xc - delta) + b2));
+          if (GRADS) {
+            gr.v[j] = static_cast<scalar_t>(sum_grads ? dp + dz * q : dp);
+            gm.v[j] = static_cast<scalar_t>(dz * q);
+          }
+        }
+        dxg[v] = dxp;
+        if (GRADS) {
+          if (grg != nullptr) grg[v] = gr;
+          if (gmg != nullptr && !sum_grads) gmg[v] = gm;
+        }
+        if (more) copy_in(i + 1, v);
+      }
+    };
+    if (grg == nullptr && gmg == nullptr) {
+      write(std::false_type());
+    } else {
+      write(std::true_type());
+    }
+    if (more) __pipeline_commit();
+
+    // 4. Each channel that begins in this chunk: its parts, all written before round i's barrier,
+    // added in order into part_c (a warp a channel), while round i + 1's copies land.
+    if (o.part_c != nullptr) {
+      const int warp = threadIdx.x >> kLogWarp;
+      const int l = threadIdx.x & (kWarp - 1);
+      for (int64_t cl = div_nn(v_begin + spv - 1, spv) + warp; cl <= c_hi; cl += kTeamThreads / kWarp) {
+        const int parts = static_cast<int>(div_nn((cl + 1) * spv - 1, t.chunk) - rank + 1);
+        const acc_t* p = a.channel_parts + (n * o.C + c_first + cl) * a.split * 2;
+        acc_t db = acc_t(0), dsc = acc_t(0);
+        for (int k = l; k < parts; k += kWarp) {
+          db += __ldcg(p + 2 * k);
+          dsc += __ldcg(p + 2 * k + 1);
+        }
+#pragma unroll
+        for (int off = kWarp / 2; off > 0; off >>= 1) {
+          db += shfl_xor(db, off);
+          dsc += shfl_xor(dsc, off);
+        }
+        if (l == 0) {
+          o.part_c[(n * o.C + c_first + cl) * 2] = db;
+          o.part_c[(n * o.C + c_first + cl) * 2 + 1] = dsc;
+        }
+      }
     }
   }
 }
@@ -255,52 +561,67 @@ int64_t team_count(int64_t groups, int64_t max_teams) {
   return best;
 }
 
-template <typename scalar_t, int V, Activation A>
-bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
-  using acc_t = acc_type<scalar_t>;
-  auto kernel = group_norm_team_kernel<scalar_t, V, A>;
+// Sizes the team grid `t` of `kernel` (t.groups set) for groups of `lenv` packs, each pack taking
+// `pack_bytes` of a CTA's shared memory (the pack times the streams held): the fewest CTAs that
+// hold a group, then the teams (team_count), each spread over all the CTAs it can have (smaller
+// chunks, the grid's share of the bandwidth). False where the device has no cooperative launch
+// or the group does not fit the resident grid.
+template <typename acc_t, typename Kernel>
+bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, TeamGrid<acc_t>& t) {
   const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
   if (!prop.cooperativeLaunch) return false;
-  constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t lenv = a.op.len / V;
   const int64_t max_chunk = std::min<int64_t>(team_cta_bytes(), prop.sharedMemPerBlockOptin - 2048) / pack_bytes;
   if (max_chunk <= 0) return false;
   const size_t max_smem = static_cast<size_t>(max_chunk * pack_bytes);
   allow_dynamic_smem(kernel, max_smem);
   const int per_sm = team_blocks_per_sm(kernel, max_smem);
   const int64_t resident = static_cast<int64_t>(per_sm) * prop.multiProcessorCount;
-  // The fewest CTAs that hold a group, then the teams (team_count), each spread over all the CTAs
-  // it can have (smaller chunks, the grid's share of the bandwidth).
   const int64_t min_team = ceil_div(lenv, max_chunk);
   if (resident == 0 || min_team > resident) return false;
-  const int64_t teams = team_count(a.groups, imin(resident / min_team, a.groups));
+  const int64_t teams = team_count(t.groups, imin(resident / min_team, t.groups));
   const int64_t chunk = ceil_div(lenv, imin(resident / teams, lenv));
   const int64_t team_size = ceil_div(lenv, chunk);
   // The barrier counters reach rounds * team_size.
-  if (ceil_div(a.groups, teams) * team_size > std::numeric_limits<unsigned>::max()) return false;
-  a.teams = static_cast<int>(teams);
-  a.team_size = static_cast<int>(team_size);
-  a.op.chunk = chunk;
-  // One buffer for the barrier counters and the partials; the counters are zeroed by a memset on
-  // the stream (at::zeros would launch a fill kernel of its own on every forward).
+  if (ceil_div(t.groups, teams) * team_size > std::numeric_limits<unsigned>::max()) return false;
+  t.teams = static_cast<int>(teams);
+  t.team_size = static_cast<int>(team_size);
+  t.chunk = chunk;
+  return true;
+}
+
+// Launches `kernel` on the grid planned in `t` (a member of `args`) with `smem` bytes of shared
+// memory a CTA, after giving `t` its barrier counters and partials: one buffer, the counters
+// zeroed by a memset on the stream (at::zeros would launch a fill kernel of its own every call).
+// False, having launched nothing, where the device refuses a grid that large (another context
+// holds part of it): the caller then takes another path.
+template <typename acc_t, typename Kernel, typename Args>
+bool launch_team_grid(Kernel kernel, Args& args, TeamGrid<acc_t>& t, size_t smem, const at::Tensor& like) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const int64_t counter_bytes = ceil_div(teams * static_cast<int64_t>(sizeof(unsigned)), 16) * 16;
-  at::Tensor buffer = at::empty(
-      {counter_bytes + 2 * teams * team_size * 3 * static_cast<int64_t>(sizeof(acc_t))}, x.options().dtype(at::kByte));
+  const int64_t ctas = static_cast<int64_t>(t.teams) * t.team_size;
+  const int64_t counter_bytes = ceil_div(t.teams * static_cast<int64_t>(sizeof(unsigned)), 16) * 16;
+  at::Tensor buffer = at::empty({counter_bytes + 2 * ctas * kTeamPartials * static_cast<int64_t>(sizeof(acc_t))},
+      like.options().dtype(at::kByte));
   unsigned char* base = static_cast<unsigned char*>(buffer.data_ptr());
   C10_CUDA_CHECK(cudaMemsetAsync(base, 0, static_cast<size_t>(counter_bytes), stream));
-  a.arrived = reinterpret_cast<unsigned*>(base);
-  a.part = reinterpret_cast<acc_t*>(base + counter_bytes);
-  void* args[] = {&a};
+  t.arrived = reinterpret_cast<unsigned*>(base);
+  t.part = reinterpret_cast<acc_t*>(base + counter_bytes);
+  void* kernel_args[] = {&args};
   const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
-      dim3(static_cast<unsigned>(teams * team_size)), dim3(kTeamThreads), args,
-      static_cast<size_t>(chunk * pack_bytes), stream);
+      dim3(static_cast<unsigned>(ctas)), dim3(kTeamThreads), kernel_args, smem, stream);
   if (err == cudaErrorCooperativeLaunchTooLarge) {
-    (void)cudaGetLastError();  // e.g. another context holds part of the device: the split path
+    (void)cudaGetLastError();
     return false;
   }
   C10_CUDA_CHECK(err);
   return true;
+}
+
+template <typename scalar_t, int V, Activation A>
+bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
+  auto kernel = group_norm_team_kernel<scalar_t, V, A>;
+  constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
+  if (!plan_team(kernel, a.op.len / V, pack_bytes, a.team)) return false;
+  return launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
 }
 
 // Runs the forward with the team kernel and returns true when it applies: ChannelsFirst, 16-byte
@@ -326,9 +647,77 @@ bool forward_team(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       if (limit.forced ? bytes <= limit.max_bytes : bytes <= kOnePassMaxBytes && x_bytes < kTeamMinBytes) return false;
     }
     o.cluster = 1;
-    a.groups = sh.N * sh.G;
+    a.team.groups = sh.N * sh.G;
     bool launched = false;
     dispatch_activation(ep.activation, [&](auto act) { launched = launch_team<scalar_t, V, decltype(act)::value>(a, x); });
+    return launched;
+  }
+}
+
+template <typename scalar_t, int V, Activation A>
+bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, const at::Tensor& x, bool want_params, at::Tensor& part_c,
+    at::Tensor& rec) {
+  using acc_t = acc_type<scalar_t>;
+  auto kernel = group_norm_team_backward_kernel<scalar_t, V, A>;
+  OnePassBackwardArgs<scalar_t>& o = a.op;
+  const int64_t pack_bytes = o.streams() * V * static_cast<int64_t>(sizeof(scalar_t));
+  if (!plan_team(kernel, o.len / V, pack_bytes, a.team)) return false;
+  // One team takes the whole grid, every CTA waiting at every round's barrier: on the plain
+  // backward the split passes were faster there (H100: GroupNorm problem 13.1 against 12.6 ms,
+  // InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose split backward costs more
+  // (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
+  if (team_backward_mode() != 1 && a.team.teams == 1 && o.epi.act == Activation::None &&
+      o.epi.multiplier == nullptr && o.epi.scale.ptr == nullptr) {
+    return false;
+  }
+  const int64_t chunk = a.team.chunk;
+  const int64_t spv = o.S / V;
+  // A channel's spv packs overlap at most this many chunks.
+  a.split = ceil_div(spv - 1, chunk) + 1;
+  // Segments of threads per channel: as wide as a chunk's share of a channel, but narrow enough
+  // that the most channels a chunk spans take one sweep (each sweep costs a segment reduction
+  // and the coefficients' loads: six sweeps a round made the attention block's backward slower
+  // than the split passes).
+  const int64_t max_channels = std::min<int64_t>(o.D, ceil_div(chunk - 1, spv) + 1);
+  int log_fit = 0;
+  while ((int64_t(2) << log_fit) * max_channels <= kTeamThreads) ++log_fit;
+  o.log_seg = std::min(log_fit, ceil_log2(std::min(spv, chunk)));
+  if (want_params) {
+    const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const int64_t NC = a.team.groups / o.G * o.C;
+    at::Tensor buffer = at::empty({NC * 2 * (1 + a.split)}, opts);
+    part_c = buffer.narrow(0, 0, NC * 2);
+    rec = at::empty({a.team.groups * kRec}, opts);
+    o.part_c = part_c.data_ptr<acc_t>();
+    o.rec = rec.data_ptr<acc_t>();
+    a.channel_parts = o.part_c + NC * 2;
+  }
+  return launch_team_grid(kernel, a, a.team, static_cast<size_t>(chunk * pack_bytes), x);
+}
+
+// Runs the backward's elementwise outputs and the sums behind the parameter gradients with the
+// team kernel and returns true when it applies: dx wanted (without it one read pass suffices: the
+// split path), ChannelsFirst, S a multiple of the pack width, 16-byte aligned tensors, a group that
+// fits the resident grid, and a device with cooperative launches. part_c and rec are then set
+// for the parameter gradients when `want_params`, as backward_one_pass sets them.
+template <typename scalar_t>
+bool backward_team(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+    const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout, const Epilogue& ep,
+    const FusedGradMask& mask, FusedGrads& g, bool want_params, at::Tensor& part_c, at::Tensor& rec) {
+  constexpr int V = pack_width<scalar_t>();
+  if constexpr (V == 1) {
+    return false;  // double: the split path
+  } else {
+    if (team_backward_mode() == 0 || !mask[0] || sh.N * sh.G == 0 || sh.D * sh.S == 0 || sh.S % V != 0) return false;
+    TeamBackwardArgs<scalar_t> a{};
+    if (!make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, a.op)) {
+      return false;
+    }
+    a.team.groups = sh.N * sh.G;
+    bool launched = false;
+    dispatch_activation(ep.activation, [&](auto act) {
+      launched = launch_team_backward<scalar_t, V, decltype(act)::value>(a, x, want_params, part_c, rec);
+    });
     return launched;
   }
 }
