@@ -67,6 +67,13 @@ def main():
         for name in mode:
             del os.environ[name]
     run_all_plain()
+    # The plain ops' team kernels, forward and backward, on every group (by default the backward
+    # of a lone large group takes the split passes).
+    team = modes[-1]
+    os.environ.update(team)
+    run_all_plain()
+    for name in team:
+        del os.environ[name]
     torch.cuda.synchronize()
     print("sanitizer cases done")
 
