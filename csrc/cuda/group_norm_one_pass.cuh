@@ -642,6 +642,26 @@ __device__ __forceinline__ acc_t one_pass_dp(const EpiArgs<scalar_t>& e, acc_t x
   return g;
 }
 
+// Adds dp, dp * (x - m) and x - m over the packs base + k of one channel, k = first, first + step,
+// ... below end (element(v, j, xc, dz, r, m) reads element j of pack v): the per-channel sums of
+// the one-CTA and team backwards. I: the pack index type of the caller.
+template <Activation A, int V, typename scalar_t, typename acc_t, typename I, typename Element>
+__device__ __forceinline__ void add_channel_sums(Sums<acc_t, 1>& s, const EpiArgs<scalar_t>& e,
+    const Element& element, I base, I first, I end, int step, acc_t ea, acc_t pc) {
+  for (I k = first; k < end; k += step) {
+    const I v = base + k;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      acc_t xc, dz, r, m, q;
+      element(v, j, xc, dz, r, m);
+      const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
+      s.dy[0] += dp;
+      s.dyxc[0] += dp * xc;
+      s.xc[0] += xc;
+    }
+  }
+}
+
 template <typename scalar_t, int V, Activation A>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_kernel(
     const OnePassBackwardArgs<scalar_t> a) {
@@ -729,20 +749,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
       clear(s);
       acc_t w_eff = acc_t(0);
       if (cl < a.D) {
-        acc_t pc, ea, q;
+        acc_t pc, ea;
         coefficients(c_first + cl, w_eff, pc, ea);
-        for (int64_t k = lane; k < spv; k += seg) {
-          const int64_t v = cl * spv + k;
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            acc_t xc, dz, r, m;
-            element(v, j, xc, dz, r, m);
-            const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
-            s.dy[0] += dp;
-            s.dyxc[0] += dp * xc;
-            s.xc[0] += xc;
-          }
-        }
+        add_channel_sums<A, V>(s, e, element, cl * spv, static_cast<int64_t>(lane), spv, seg, ea, pc);
       }
       s = segment_reduce(s, a.log_seg, seg_smem);
       if (lane == 0 && cl < a.D) {

@@ -400,17 +400,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         if (base != c_lo) coefficients(c_first + cl, w_eff, pc, ea);
         const int lo = static_cast<int>(imax(cl * spv, v_begin) - v_begin);
         const int hi = static_cast<int>(imin((cl + 1) * spv, v_begin + count) - v_begin);
-        for (int v = lo + lane; v < hi; v += seg) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            acc_t xc, dz, r, m, q;
-            element(v, j, xc, dz, r, m);
-            const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
-            s.dy[0] += dp;
-            s.dyxc[0] += dp * xc;
-            s.xc[0] += xc;
-          }
-        }
+        add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, ea, pc);
       }
       s = segment_reduce(s, o.log_seg, seg_smem);
       if (lane == 0 && cl <= c_hi) {
