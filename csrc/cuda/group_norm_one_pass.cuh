@@ -642,6 +642,29 @@ __device__ __forceinline__ acc_t one_pass_dp(const EpiArgs<scalar_t>& e, acc_t x
   return g;
 }
 
+// A group's dx coefficients from its sums over its M elements, sum w_eff * dp, sum w_eff * dp *
+// (x - m) and sum (x - m), m the saved mean (the arithmetic of finalize_grad_coefs_kernel), and
+// their (n, g) record for the parameter gradients.
+template <typename acc_t>
+struct GroupGradCoefs {
+  acc_t delta, b1, b2;
+
+  __device__ GroupGradCoefs(acc_t sum_wdp, acc_t sum_wdpxc, acc_t sum_xc, acc_t rstd, acc_t M) {
+    delta = sum_xc / M;
+    const acc_t B = sum_wdpxc - delta * sum_wdp;
+    b1 = -rstd * rstd * rstd * B / M;
+    b2 = -rstd * sum_wdp / M;
+  }
+
+  __device__ void store(acc_t* rec, acc_t mean, acc_t rstd) const {
+    rec[0] = mean;
+    rec[1] = delta;
+    rec[2] = rstd;
+    rec[3] = b1;
+    rec[4] = b2;
+  }
+};
+
 // Adds dp, dp * (x - m) and x - m over the packs base + k of one channel, k = first, first + step,
 // ... below end (element(v, j, xc, dz, r, m) reads element j of pack v): the per-channel sums of
 // the one-CTA and team backwards. I: the pack index type of the caller.
@@ -768,18 +791,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   const acc_t M = static_cast<acc_t>(a.len);
   const acc_t A_sum = one_pass_block_sum(mine.dy[0], red);
   const acc_t dev = one_pass_block_sum(mine.xc[0], red);
-  const acc_t delta = dev / M;
-  const acc_t B = one_pass_block_sum(mine.dyxc[0], red) - delta * A_sum;
-  const acc_t b1 = -rstd * rstd * rstd * B / M;
-  const acc_t b2 = -rstd * A_sum / M;
-  if (threadIdx.x == 0 && a.rec != nullptr) {
-    acc_t* rec = a.rec + item * kRec;
-    rec[0] = mean;
-    rec[1] = delta;
-    rec[2] = rstd;
-    rec[3] = b1;
-    rec[4] = b2;
-  }
+  const GroupGradCoefs<acc_t> coefs(A_sum, one_pass_block_sum(mine.dyxc[0], red), dev, rstd, M);
+  const acc_t delta = coefs.delta, b1 = coefs.b1, b2 = coefs.b2;
+  if (threadIdx.x == 0 && a.rec != nullptr) coefs.store(a.rec + item * kRec, mean, rstd);
 
   // dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier = dz * act(p)
   // (their sum into grad_residual when the two outputs are one buffer).

@@ -437,19 +437,9 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
           return Sums<acc_t, 1>{{__ldcg(p)}, {__ldcg(p + 1)}, {__ldcg(p + 2)}};
         },
         add, fold);
-    const acc_t M = static_cast<acc_t>(o.len);
-    const acc_t delta = sums.xc[0] / M;
-    const acc_t B = sums.dyxc[0] - delta * sums.dy[0];
-    const acc_t b1 = -rstd * rstd * rstd * B / M;
-    const acc_t b2 = -rstd * sums.dy[0] / M;
-    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) {
-      acc_t* rec = o.rec + item * kRec;
-      rec[0] = mean;
-      rec[1] = delta;
-      rec[2] = rstd;
-      rec[3] = b1;
-      rec[4] = b2;
-    }
+    const GroupGradCoefs<acc_t> coefs(sums.dy[0], sums.dyxc[0], sums.xc[0], rstd, static_cast<acc_t>(o.len));
+    const acc_t delta = coefs.delta, b1 = coefs.b1, b2 = coefs.b2;
+    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, mean, rstd);
 
     // 3. dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier =
     // dz * act(p) (their sum into grad_residual when the two outputs are one buffer). A thread
