@@ -662,7 +662,7 @@ def test_team_edges(monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["team", "one_pass"])
-def test_cuda_graph_capture(path, monkeypatch):
+def test_cuda_graph_capture_kernel_paths(path, monkeypatch):
     # The ops inside a captured CUDA graph (torch.compile's "reduce-overhead" mode captures them):
     # the team kernels' cooperative launches, their memset and their temporaries from the graph's
     # pool; replays on new data must match eager calls.
