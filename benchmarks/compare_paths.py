@@ -4,31 +4,17 @@ everywhere, and cluster limits), beside the copy-bandwidth roofline, so that a p
 made on measurements:
 
     python benchmarks/compare_paths.py [--filter REGEX] [--backward] [--paths default,split,one_pass,shared,noteam,team,cluster8]
+
+(the paths: fusednorm.kernel_paths.PATHS)
 """
 
 import argparse
-import os
 import re
 
 import torch
 
 from bench import copy_bandwidth, gpu_suite, grad_inputs, implementations, make_inputs, timer
-
-KNOBS = ("FUSEDNORM_ONE_PASS_MAX_BYTES", "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_ONE_PASS_REGISTERS",
-         "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_TEAM_BACKWARD", "FUSEDNORM_TEAM_CTA_KB")
-TEAM_OFF = {"FUSEDNORM_TEAM_FORWARD": "0", "FUSEDNORM_TEAM_BACKWARD": "0"}
-TEAM_ON = {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_BACKWARD": "1"}
-PATHS = {
-    "default": {},
-    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **TEAM_OFF},
-    "noteam": TEAM_OFF,  # the default without the team kernels
-    "team": TEAM_ON,  # every group they take
-    "team64": {**TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},
-    "one_pass": {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
-    "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
-    "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
-    "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
-}
+from fusednorm.kernel_paths import PATHS, selected
 
 
 def main():
@@ -37,9 +23,12 @@ def main():
     parser.add_argument("--paths", default="default,split,one_pass")
     parser.add_argument("--backward", action="store_true", help="time the backward (autograd) instead")
     args = parser.parse_args()
+    paths = args.paths.split(",")
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        parser.error(f"unknown paths {unknown}; known: {', '.join(PATHS)}")
     measure = timer("cuda")
     roof = copy_bandwidth("cuda", measure)
-    paths = args.paths.split(",")
     print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'case':<26} {'shape':<22} {'dtype':<9} {'layout':<6} " + " ".join(f"{p:>16}" for p in paths))
     for case in gpu_suite():
@@ -52,21 +41,17 @@ def main():
         nbytes = ((3 + 2 * big) if args.backward else (2 + big)) * x.numel() * x.element_size()
         cells = []
         for path in paths:
-            for name in KNOBS:
-                os.environ.pop(name, None)
-            os.environ.update(PATHS[path])
-            if args.backward:
-                xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
-                y = ours(xg, wg, bg, opsg)
-                dy = torch.randn_like(y)
-                ms = measure(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True))
-                del y, dy, xg, leaves
-            else:
-                with torch.no_grad():
-                    ms = measure(lambda: ours(x, w, b, ops))
+            with selected(path):
+                if args.backward:
+                    xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
+                    y = ours(xg, wg, bg, opsg)
+                    dy = torch.randn_like(y)
+                    ms = measure(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True))
+                    del y, dy, xg, leaves
+                else:
+                    with torch.no_grad():
+                        ms = measure(lambda: ours(x, w, b, ops))
             cells.append(f"{ms:8.4f} ({100 * nbytes / (ms * 1e-3) / 1e9 / roof:3.0f}%)")
-        for name in KNOBS:
-            os.environ.pop(name, None)
         layout = "CL" if case.channels_last else "CF"
         print(f"{case.name:<26} {str(tuple(case.shape)):<22} {str(case.dtype)[6:]:<9} {layout:<6} " + " ".join(
             f"{c:>16}" for c in cells), flush=True)

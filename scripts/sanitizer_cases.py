@@ -4,11 +4,12 @@ width, groups split over several CTAs, misaligned (offset) storage, and empty in
 with every epilogue operand, their forward on each of its paths (one pass with the group in
 registers or in shared memory, split, team)."""
 
-import os
 
 import torch
 
 import fusednorm  # noqa: F401
+from fusednorm import kernel_paths
+from fusednorm.kernel_paths import TEST_PATHS
 
 CASES = [
     # shape, groups
@@ -52,28 +53,18 @@ def run_fused(x, groups, weight, bias, activation, operands):
 
 
 def main():
-    # The fused forward and backward four times: groups in one pass wherever they fit (up to 1 MB,
-    # capped by the device's shared memory; in registers where they fit there), the same without
-    # the register kernel, the split passes everywhere, and the team kernels for every group.
-    modes = (
-        {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)},
-        {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20), "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
-        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "0", "FUSEDNORM_TEAM_BACKWARD": "0"},
-        {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_BACKWARD": "1"},
-    )
-    for mode in modes:
-        os.environ.update(mode)
-        run_all_fused()
-        for name in mode:
-            del os.environ[name]
+    # The fused forward and backward on each test path: groups in one pass wherever they fit (up
+    # to 1 MB, capped by the device's shared memory; in registers where they fit there), the same
+    # without the register kernel, the split passes everywhere, and the team kernels for every
+    # group.
+    for path in TEST_PATHS:
+        with kernel_paths.selected(path):
+            run_all_fused()
     run_all_plain()
     # The plain ops' team kernels, forward and backward, on every group (by default the backward
     # of a lone large group takes the split passes).
-    team = modes[-1]
-    os.environ.update(team)
-    run_all_plain()
-    for name in team:
-        del os.environ[name]
+    with kernel_paths.selected("team"):
+        run_all_plain()
     torch.cuda.synchronize()
     print("sanitizer cases done")
 

@@ -1,0 +1,58 @@
+"""The environment knobs that choose among the CUDA kernel paths, and named settings of them.
+
+The C++ side reads the knobs on every call (README, "kernel-path knobs"); unset, each picks the
+measured default. The named paths are the ones the tests run every kernel on (TEST_PATHS: the
+one-pass kernels with a small group in registers or in shared memory, the split passes, the team
+kernels), the compute-sanitizer cases run, and benchmarks/compare_paths.py times (PATHS, a
+superset). One list here, so that a new knob reaches all three."""
+
+import contextlib
+import os
+
+KNOBS = (
+    "FUSEDNORM_ONE_PASS_MAX_BYTES",    # largest group of the one-pass kernels; set: forced (0: off)
+    "FUSEDNORM_ONE_PASS_REGISTERS",    # 0: no register forward
+    "FUSEDNORM_ONE_PASS_MAX_CLUSTER",  # most CTAs of a one-pass cluster
+    "FUSEDNORM_TEAM_FORWARD",          # 0: off, 1: every group
+    "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
+    "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
+)
+
+_ONE_PASS = {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)}
+_TEAM_OFF = {"FUSEDNORM_TEAM_FORWARD": "0", "FUSEDNORM_TEAM_BACKWARD": "0"}
+_TEAM_ON = {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", "FUSEDNORM_TEAM_BACKWARD": "1"}
+
+TEST_PATHS = {
+    "one_pass": _ONE_PASS,
+    "one_pass_shared": {**_ONE_PASS, "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **_TEAM_OFF},
+    "team": _TEAM_ON,
+}
+
+PATHS = {
+    "default": {},
+    **TEST_PATHS,
+    "noteam": _TEAM_OFF,  # the default without the team kernels
+    "team64": {**_TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},
+    "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
+    "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
+    "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
+}
+
+
+@contextlib.contextmanager
+def selected(path):
+    """Runs the block with the knobs of PATHS[path] set and every other knob unset, then restores
+    the knobs as they were."""
+    saved = {name: os.environ.get(name) for name in KNOBS}
+    try:
+        for name in KNOBS:
+            os.environ.pop(name, None)
+        os.environ.update(PATHS[path])
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
