@@ -4,12 +4,10 @@ width, groups split over several CTAs, misaligned (offset) storage, and empty in
 with every epilogue operand, their forward on each of its paths (one pass with the group in
 registers or in shared memory, split, team)."""
 
-
 import torch
 
 import fusednorm  # noqa: F401
 from fusednorm import kernel_paths
-from fusednorm.kernel_paths import TEST_PATHS
 
 CASES = [
     # shape, groups
@@ -57,7 +55,7 @@ def main():
     # to 1 MB, capped by the device's shared memory; in registers where they fit there), the same
     # without the register kernel, the split passes everywhere, and the team kernels for every
     # group.
-    for path in TEST_PATHS:
+    for path in kernel_paths.TEST_PATHS:
         with kernel_paths.selected(path):
             run_all_fused()
     run_all_plain()
