@@ -688,16 +688,12 @@ def test_cuda_graph_capture_kernel_paths(path, monkeypatch):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-# Known bug (found by reading, confirmed in a float32 simulation of the kernel's sums, not yet run
-# on a GPU): the team forward takes each chunk's M2 as sum (x - K)^2 - (sum (x - K))^2 / n with K
-# the group's first element; when that element lies far from the rest the two terms cancel and the
-# variance loses its digits (simulated: 1.5-3% error for a 1e4 first element among N(0, 1)). The
-# other paths take exact two-pass moments per batch and pass. The fix (two passes over each
-# thread's packs in shared memory, merged with Chan's formula) is on branch
-# fix/team-two-pass-moments, compiled but not yet run or timed on a GPU.
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="team forward: one-pass shifted sums"))
-    if p == "team" else p for p in kernel_paths.PATHS])
+# Every path shifts the data by the group's first element K before summing; a first element far
+# from the rest must not cost the variance its digits. The team forward once took each chunk's M2
+# as sum (x - K)^2 - (sum (x - K))^2 / n, which cancelled here (1.5-3% variance error in a float32
+# simulation); it now takes a second pass over a chunk where that happens, and the other paths
+# always take two.
+@pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 def test_group_whose_first_element_is_an_outlier(path, monkeypatch):
     kernel_paths.set_path(monkeypatch, path)
     shape, G = (2, 4, 256, 256), 1  # 1 MB groups: the team forward by default
@@ -713,3 +709,19 @@ def test_group_whose_first_element_is_an_outlier(path, monkeypatch):
     # y away from the outlier, at its own scale.
     rest = (slice(None), slice(None), slice(1, None))
     assert_close(y[rest], y_ref[rest], torch.float32, "y")
+
+
+# Channels of one group far apart: the team forward's chunks of the first channel keep their
+# one-pass moments, the others' (far from K) take the second pass; the team merges both kinds.
+@pytest.mark.parametrize("path", list(kernel_paths.PATHS))
+def test_group_of_channels_far_apart(path, monkeypatch):
+    kernel_paths.set_path(monkeypatch, path)
+    shape, G = (2, 4, 256, 256), 1
+    x = make(shape, torch.float32, seed=22)
+    x += torch.tensor([0.0, 40.0, -25.0, 70.0], device=x.device).view(1, 4, 1, 1)
+    w, b = make_params(shape[1], torch.float32)
+    y, mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)
+    y_ref, mean_ref, rstd_ref = ref_forward(x, G, w, b)
+    assert_close(rstd, rstd_ref, torch.float32, "rstd", STATS_TOL)
+    assert_close(mean, mean_ref, torch.float32, "mean", STATS_TOL)
+    assert_close(y, y_ref, torch.float32, "y")
