@@ -1846,9 +1846,10 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   {
     // Groups in one CTA's shared memory, else spread over a team's (the team first where forced).
     Partials one;
-    const bool team_first = team_backward_mode() == 1;
+    const int team_mode = team_backward_mode();
+    const bool team_first = team_mode == 1;
     const auto team = [&] {
-      return backward_team<scalar_t>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
+      return backward_team<scalar_t>(team_mode, dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
           one.part_c, rec);
     };
     if ((team_first && team()) ||

@@ -642,6 +642,59 @@ __device__ __forceinline__ acc_t one_pass_dp(const EpiArgs<scalar_t>& e, acc_t x
   return g;
 }
 
+// A channel's backward coefficients: w_eff and the folded bias pc (the affine and the epilogue's
+// scale / shift at (n, c)), and ea = rstd * w_eff, dp's factor in dx.
+template <typename acc_t>
+struct ChannelCoefs {
+  acc_t w_eff, pc, ea;
+};
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ ChannelCoefs<acc_t> channel_coefs(const OnePassBackwardArgs<scalar_t>& a, int64_t n,
+    int64_t c, acc_t rstd) {
+  const Affine<acc_t> m = modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+  return {m.w, m.b, rstd * m.w};
+}
+
+// A group's packs of x, dz and the operands p needs, in shared memory (the one-CTA and team
+// backwards): each stream `stride` packs after the one before, the multiplier sharing the
+// residual's when they are one tensor. Called as element(v, j, xc, dz, r, m), it reads element j
+// of pack v: x - mean, dz, the residual (0 without) and the multiplier (1 without).
+template <typename scalar_t, int V>
+struct BackwardOperands {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  P* x;
+  P* dz;
+  P* r;  // null: p needs no residual
+  P* m;  // null: no multiplier
+  acc_t mean;
+
+  __device__ BackwardOperands(P* base, int64_t stride, const EpiArgs<scalar_t>& e, acc_t group_mean)
+      : x(base), dz(base + stride), r(e.residual != nullptr ? dz + stride : nullptr),
+        m(e.multiplier == nullptr ? nullptr
+            : e.multiplier == e.residual ? r
+                                         : dz + stride * (e.residual != nullptr ? 2 : 1)),
+        mean(group_mean) {}
+
+  // Issues the copies of pack v of every stream from pack `src` of the tensors.
+  template <typename I>
+  __device__ __forceinline__ void copy_in(I v, int64_t src, const OnePassBackwardArgs<scalar_t>& a) const {
+    __pipeline_memcpy_async(&x[v], reinterpret_cast<const P*>(a.x) + src, sizeof(P));
+    __pipeline_memcpy_async(&dz[v], reinterpret_cast<const P*>(a.dz) + src, sizeof(P));
+    if (r != nullptr) __pipeline_memcpy_async(&r[v], reinterpret_cast<const P*>(a.epi.residual) + src, sizeof(P));
+    if (m != nullptr && m != r) __pipeline_memcpy_async(&m[v], reinterpret_cast<const P*>(a.epi.multiplier) + src, sizeof(P));
+  }
+
+  template <typename I>
+  __device__ __forceinline__ void operator()(I v, int j, acc_t& xc, acc_t& dzj, acc_t& rj, acc_t& mj) const {
+    xc = static_cast<acc_t>(x[v].v[j]) - mean;
+    dzj = static_cast<acc_t>(dz[v].v[j]);
+    rj = r != nullptr ? static_cast<acc_t>(r[v].v[j]) : acc_t(0);
+    mj = m != nullptr ? static_cast<acc_t>(m[v].v[j]) : acc_t(1);
+  }
+};
+
 // A group's dx coefficients from its sums over its M elements, sum w_eff * dp, sum w_eff * dp *
 // (x - m) and sum (x - m), m the saved mean (the arithmetic of finalize_grad_coefs_kernel), and
 // their (n, g) record for the parameter gradients.
@@ -664,6 +717,23 @@ struct GroupGradCoefs {
     rec[4] = b2;
   }
 };
+
+// dx = ea * dp + b1 * ((x - m) - delta) + b2 at one element, and with GRADS grad_residual = dp
+// and grad_multiplier = dz * act(p) (their sum into grad_residual when `sum_grads`: the two
+// outputs are one buffer). want_q: grad_multiplier wanted.
+template <Activation A, bool GRADS, typename scalar_t, typename acc_t, typename Element, typename I>
+__device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
+    const ChannelCoefs<acc_t>& k, const GroupGradCoefs<acc_t>& g, bool want_q, bool sum_grads, scalar_t& dx,
+    scalar_t& gr, scalar_t& gm) {
+  acc_t xc, dz, r, m, q = acc_t(0);
+  element(v, j, xc, dz, r, m);
+  const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, k.ea, k.pc, GRADS && want_q, q);
+  dx = static_cast<scalar_t>(k.ea * dp + (g.b1 * (xc - g.delta) + g.b2));
+  if (GRADS) {
+    gr = static_cast<scalar_t>(sum_grads ? dp + dz * q : dp);
+    gm = static_cast<scalar_t>(dz * q);
+  }
+}
 
 // Adds dp, dp * (x - m) and x - m over the packs base + k of one channel, k = first, first + step,
 // ... below end (element(v, j, xc, dz, r, m) reads element j of pack v): the per-channel sums of
@@ -699,44 +769,13 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   const int64_t g = item - n * a.G;
   const int64_t off = item * a.len;
   const int64_t lenv = a.len / V;
-  P* x_smem = reinterpret_cast<P*>(one_pass_smem);
-  P* dz_smem = x_smem + lenv;
-  P* r_smem = e.residual != nullptr ? dz_smem + lenv : nullptr;
-  P* m_smem = e.multiplier == nullptr ? nullptr
-              : e.multiplier == e.residual ? r_smem
-                                           : dz_smem + lenv * (r_smem != nullptr ? 2 : 1);
-  {
-    const P* xg = reinterpret_cast<const P*>(a.x + off);
-    const P* dzg = reinterpret_cast<const P*>(a.dz + off);
-    const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off));
-    const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off));
-    for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
-      __pipeline_memcpy_async(&x_smem[v], &xg[v], sizeof(P));
-      __pipeline_memcpy_async(&dz_smem[v], &dzg[v], sizeof(P));
-      if (r_smem != nullptr) __pipeline_memcpy_async(&r_smem[v], &rg[v], sizeof(P));
-      if (m_smem != nullptr && m_smem != r_smem) __pipeline_memcpy_async(&m_smem[v], &mg[v], sizeof(P));
-    }
-    __pipeline_commit();
-    __pipeline_wait_prior(0);
-    __syncthreads();  // the sums below read packs that other threads copied
-  }
-  const acc_t mean = a.mean[item];
+  const BackwardOperands<scalar_t, V> element(reinterpret_cast<P*>(one_pass_smem), lenv, e, a.mean[item]);
+  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) element.copy_in(v, item * lenv + v, a);
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();  // the sums below read packs that other threads copied
   const acc_t rstd = a.rstd[item];
   const bool want_q = e.grad_multiplier != nullptr;
-  // Per channel c (absolute): w_eff, the folded bias pc, and ea = rstd * w_eff.
-  auto coefficients = [&](int64_t c, acc_t& w_eff, acc_t& pc, acc_t& ea) {
-    const Affine<acc_t> m =
-        modulate(e, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
-    w_eff = m.w;
-    pc = m.b;
-    ea = rstd * m.w;
-  };
-  auto element = [&](int64_t v, int j, acc_t& xc, acc_t& dz, acc_t& r, acc_t& m) {
-    xc = static_cast<acc_t>(x_smem[v].v[j]) - mean;
-    dz = static_cast<acc_t>(dz_smem[v].v[j]);
-    r = r_smem != nullptr ? static_cast<acc_t>(r_smem[v].v[j]) : acc_t(0);
-    m = m_smem != nullptr ? static_cast<acc_t>(m_smem[v].v[j]) : acc_t(1);
-  };
 
   // Sums: this thread's share of sum w_eff * dp, sum w_eff * dp * (x - m) and sum (x - m).
   Sums<acc_t, 1> mine;
@@ -747,16 +786,16 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const int64_t c = c_first + v * V + j;
-        acc_t w_eff, pc, ea, xc, dz, r, m, q;
-        coefficients(c, w_eff, pc, ea);
+        const ChannelCoefs<acc_t> k = channel_coefs(a, n, c, rstd);
+        acc_t xc, dz, r, m, q;
         element(v, j, xc, dz, r, m);
-        const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
+        const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, k.ea, k.pc, false, q);
         if (a.part_c != nullptr) {
           a.part_c[(n * a.C + c) * 2] = dp;
           a.part_c[(n * a.C + c) * 2 + 1] = dp * xc;
         }
-        mine.dy[0] += w_eff * dp;
-        mine.dyxc[0] += w_eff * dp * xc;
+        mine.dy[0] += k.w_eff * dp;
+        mine.dyxc[0] += k.w_eff * dp * xc;
         mine.xc[0] += xc;
       }
     }
@@ -772,9 +811,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
       clear(s);
       acc_t w_eff = acc_t(0);
       if (cl < a.D) {
-        acc_t pc, ea;
-        coefficients(c_first + cl, w_eff, pc, ea);
-        add_channel_sums<A, V>(s, e, element, cl * spv, static_cast<int64_t>(lane), spv, seg, ea, pc);
+        const ChannelCoefs<acc_t> k = channel_coefs(a, n, c_first + cl, rstd);
+        w_eff = k.w_eff;
+        add_channel_sums<A, V>(s, e, element, cl * spv, static_cast<int64_t>(lane), spv, seg, k.ea, k.pc);
       }
       s = segment_reduce(s, a.log_seg, seg_smem);
       if (lane == 0 && cl < a.D) {
@@ -792,17 +831,14 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   const acc_t A_sum = one_pass_block_sum(mine.dy[0], red);
   const acc_t dev = one_pass_block_sum(mine.xc[0], red);
   const GroupGradCoefs<acc_t> coefs(A_sum, one_pass_block_sum(mine.dyxc[0], red), dev, rstd, M);
-  const acc_t delta = coefs.delta, b1 = coefs.b1, b2 = coefs.b2;
-  if (threadIdx.x == 0 && a.rec != nullptr) coefs.store(a.rec + item * kRec, mean, rstd);
+  if (threadIdx.x == 0 && a.rec != nullptr) coefs.store(a.rec + item * kRec, element.mean, rstd);
 
-  // dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier = dz * act(p)
-  // (their sum into grad_residual when the two outputs are one buffer).
   P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
   P* grg = reinterpret_cast<P*>(offset_or_null(e.grad_residual, off));
   P* gmg = reinterpret_cast<P*>(offset_or_null(e.grad_multiplier, off));
   const bool sum_grads = grg != nullptr && grg == gmg;
   int64_t cached_c = -1;
-  acc_t w_eff = acc_t(0), pc = acc_t(0), ea = acc_t(0);
+  ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
   for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
     P o, gr, gm;
     int64_t c = div_nn(v * V, a.S);
@@ -815,14 +851,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
       }
       if (c_first + c != cached_c) {
         cached_c = c_first + c;
-        coefficients(cached_c, w_eff, pc, ea);
+        k = channel_coefs(a, n, cached_c, rstd);
       }
-      acc_t xc, dz, r, m, q = acc_t(0);
-      element(v, j, xc, dz, r, m);
-      const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, want_q, q);
-      o.v[j] = static_cast<scalar_t>(ea * dp + (b1 * (xc - delta) + b2));
-      gr.v[j] = static_cast<scalar_t>(sum_grads ? dp + dz * q : dp);
-      gm.v[j] = static_cast<scalar_t>(dz * q);
+      backward_outputs<A, true>(e, element, v, j, k, coefs, want_q, sum_grads, o.v[j], gr.v[j], gm.v[j]);
     }
     if (dxg != nullptr) dxg[v] = o;
     if (grg != nullptr) grg[v] = gr;

@@ -98,8 +98,13 @@ struct TeamGrid {
     return part + ((i & 1) * teams + team) * team_size * kTeamPartials;
   }
 
-  // Thread 0, once its CTA's partials of round i are written: publishes them and arrives.
-  __device__ void arrive(int team) const {
+  // Thread 0, once its CTA's partials of round i are final: writes them to its slot and arrives
+  // at round i's barrier (the fence makes them visible to the team first).
+  __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
+    acc_t* p = team_part(team, i) + rank * kTeamPartials;
+    p[0] = v0;
+    p[1] = v1;
+    p[2] = v2;
     __threadfence();
     atomicAdd(arrived + team, 1u);
   }
@@ -236,13 +241,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       for (int v = threadIdx.x; v < count; v += kTeamThreads) m2 += pack_squared_deviations<acc_t>(x[v], K, mean);
       m2 = one_pass_block_sum<kTeamThreads>(m2, red);
     }
-    if (threadIdx.x == 0) {
-      acc_t* p = t.team_part(team, i) + rank * kTeamPartials;
-      p[0] = n;
-      p[1] = mean;
-      p[2] = m2;
-      t.arrive(team);
-    }
+    if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
   };
   // The group's first element, loaded well before moments() needs it.
   const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
@@ -348,22 +347,9 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   // The chunk's channels (within the group): [c_lo, c_hi].
   const int64_t c_lo = div_nn(v_begin, spv);
   const int64_t c_hi = count > 0 ? div_nn(v_begin + count - 1, spv) : c_lo - 1;
-  P* x_smem = reinterpret_cast<P*>(team_smem);
-  P* dz_smem = x_smem + t.chunk;
-  P* r_smem = e.residual != nullptr ? dz_smem + t.chunk : nullptr;
-  P* m_smem = e.multiplier == nullptr ? nullptr
-              : e.multiplier == e.residual ? r_smem
-                                           : dz_smem + t.chunk * (r_smem != nullptr ? 2 : 1);
+  BackwardOperands<scalar_t, V> element(reinterpret_cast<P*>(team_smem), t.chunk, e, acc_t(0));
   // Issues the copy of pack v of round i's chunk into every stream.
-  const auto copy_in = [&](int64_t i, int v) {
-    const int64_t src = t.item_of(team, i) * lenv + v_begin + v;  // in packs
-    __pipeline_memcpy_async(&x_smem[v], reinterpret_cast<const P*>(o.x) + src, sizeof(P));
-    __pipeline_memcpy_async(&dz_smem[v], reinterpret_cast<const P*>(o.dz) + src, sizeof(P));
-    if (r_smem != nullptr) __pipeline_memcpy_async(&r_smem[v], reinterpret_cast<const P*>(e.residual) + src, sizeof(P));
-    if (m_smem != nullptr && m_smem != r_smem) {
-      __pipeline_memcpy_async(&m_smem[v], reinterpret_cast<const P*>(e.multiplier) + src, sizeof(P));
-    }
-  };
+  const auto copy_in = [&](int64_t i, int v) { element.copy_in(v, t.item_of(team, i) * lenv + v_begin + v, o); };
   const bool want_q = e.grad_multiplier != nullptr;
 
   if (rounds > 0) {
@@ -374,22 +360,8 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const int64_t item = t.item_of(team, i);
     const int64_t n = div_nn(item, o.G);
     const int64_t c_first = (item - n * o.G) * o.D;  // the group's first channel
-    const acc_t mean = o.mean[item];
+    element.mean = o.mean[item];
     const acc_t rstd = o.rstd[item];
-    // Per channel c (absolute): w_eff, the folded bias pc, and ea = rstd * w_eff.
-    const auto coefficients = [&](int64_t c, acc_t& w_eff, acc_t& pc, acc_t& ea) {
-      const Affine<acc_t> m =
-          modulate(e, n * o.C + c, load_param(o.weight, c, acc_t(1)), load_param(o.bias, c, acc_t(0)));
-      w_eff = m.w;
-      pc = m.b;
-      ea = rstd * m.w;
-    };
-    const auto element = [&](int v, int j, acc_t& xc, acc_t& dz, acc_t& r, acc_t& m) {
-      xc = static_cast<acc_t>(x_smem[v].v[j]) - mean;
-      dz = static_cast<acc_t>(dz_smem[v].v[j]);
-      r = r_smem != nullptr ? static_cast<acc_t>(r_smem[v].v[j]) : acc_t(0);
-      m = m_smem != nullptr ? static_cast<acc_t>(m_smem[v].v[j]) : acc_t(1);
-    };
     // 1. Segments of 2^log_seg threads take the chunk's channels, in one sweep where they fit
     // (log_seg is chosen so), else in several (the loop is the same for every thread of the CTA,
     // so that the segments' reductions see all of it). The first sweep's coefficients are loaded
@@ -397,21 +369,22 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const int seg = 1 << o.log_seg;
     const int lane = threadIdx.x & (seg - 1);
     const int64_t per_sweep = kTeamThreads >> o.log_seg;
-    acc_t w_eff = acc_t(0), pc = acc_t(0), ea = acc_t(0);
-    if (c_lo + (threadIdx.x >> o.log_seg) <= c_hi) coefficients(c_first + c_lo + (threadIdx.x >> o.log_seg), w_eff, pc, ea);
+    const int64_t segment = threadIdx.x >> o.log_seg;  // a sweep's channel: base + segment
+    ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
+    if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);
     __pipeline_wait_prior(0);
     __syncthreads();  // the sums read packs that other threads copied
     Sums<acc_t, 1> mine;
     clear(mine);
     for (int64_t base = c_lo; base <= c_hi; base += per_sweep) {
-      const int64_t cl = base + (threadIdx.x >> o.log_seg);
+      const int64_t cl = base + segment;
       Sums<acc_t, 1> s;
       clear(s);
       if (cl <= c_hi) {
-        if (base != c_lo) coefficients(c_first + cl, w_eff, pc, ea);
+        if (base != c_lo) k = channel_coefs(o, n, c_first + cl, rstd);
         const int lo = static_cast<int>(imax(cl * spv, v_begin) - v_begin);
         const int hi = static_cast<int>(imin((cl + 1) * spv, v_begin + count) - v_begin);
-        add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, ea, pc);
+        add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, k.ea, k.pc);
       }
       s = segment_reduce(s, o.log_seg, seg_smem);
       if (lane == 0 && cl <= c_hi) {
@@ -421,20 +394,14 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
           p[0] = s.dy[0];
           p[1] = s.dyxc[0];
         }
-        mine.dy[0] += w_eff * s.dy[0];
-        mine.dyxc[0] += w_eff * s.dyxc[0];
+        mine.dy[0] += k.w_eff * s.dy[0];
+        mine.dyxc[0] += k.w_eff * s.dyxc[0];
         mine.xc[0] += s.xc[0];
       }
     }
     const auto add = [](const Sums<acc_t, 1>& l, const Sums<acc_t, 1>& r) { return merge(l, r); };
     const Sums<acc_t, 1> cta = team_block_fold(mine, add, fold);
-    if (threadIdx.x == 0) {
-      acc_t* p = t.team_part(team, i) + rank * kTeamPartials;
-      p[0] = cta.dy[0];
-      p[1] = cta.dyxc[0];
-      p[2] = cta.xc[0];
-      t.arrive(team);
-    }
+    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);
 
     // 2. The team's sums (every thread gets the same bits), and from them the group's dx
     // coefficients.
@@ -449,12 +416,10 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         },
         add, fold);
     const GroupGradCoefs<acc_t> coefs(sums.dy[0], sums.dyxc[0], sums.xc[0], rstd, static_cast<acc_t>(o.len));
-    const acc_t delta = coefs.delta, b1 = coefs.b1, b2 = coefs.b2;
-    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, mean, rstd);
+    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);
 
-    // 3. dx = ea * dp + b1 * ((x - m) - delta) + b2, grad_residual = dp, grad_multiplier =
-    // dz * act(p) (their sum into grad_residual when the two outputs are one buffer). A thread
-    // takes the packs threadIdx.x + k * kTeamThreads, and copies round i + 1's into them.
+    // 3. dx, grad_residual and grad_multiplier (backward_outputs). A thread takes the packs
+    // threadIdx.x + k * kTeamThreads, and copies round i + 1's into them.
     const int64_t off = item * lenv + v_begin;  // in packs
     P* dxg = reinterpret_cast<P*>(o.dx) + off;  // dx is always wanted here
     P* grg = e.grad_residual != nullptr ? reinterpret_cast<P*>(e.grad_residual) + off : nullptr;
@@ -466,24 +431,17 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const auto write = [&](auto grads) {
       constexpr bool GRADS = decltype(grads)::value;
       int64_t cached_c = -1;
-      acc_t w_eff, pc, ea;
+      ChannelCoefs<acc_t> kc;
       for (int v = threadIdx.x; v < count; v += kTeamThreads) {
         const int64_t c = c_first + div_nn(v_begin + v, spv);
         if (c != cached_c) {
           cached_c = c;
-          coefficients(c, w_eff, pc, ea);
+          kc = channel_coefs(o, n, c, rstd);
         }
         P dxp, gr, gm;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          acc_t xc, dz, r, m, q = acc_t(0);
-          element(v, j, xc, dz, r, m);
-          const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, GRADS && want_q, q);
-          dxp.v[j] = static_cast<scalar_t>(ea * dp + (b1 * (xc - delta) + b2));
-          if (GRADS) {
-            gr.v[j] = static_cast<scalar_t>(sum_grads ? dp + dz * q : dp);
-            gm.v[j] = static_cast<scalar_t>(dz * q);
-          }
+          backward_outputs<A, GRADS>(e, element, v, j, kc, coefs, want_q, sum_grads, dxp.v[j], gr.v[j], gm.v[j]);
         }
         dxg[v] = dxp;
         if (GRADS) {
@@ -646,8 +604,8 @@ bool forward_team(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 }
 
 template <typename scalar_t, int V, Activation A>
-bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, const at::Tensor& x, bool want_params, at::Tensor& part_c,
-    at::Tensor& rec) {
+bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, int mode, const at::Tensor& x, bool want_params,
+    at::Tensor& part_c, at::Tensor& rec) {
   using acc_t = acc_type<scalar_t>;
   auto kernel = group_norm_team_backward_kernel<scalar_t, V, A>;
   OnePassBackwardArgs<scalar_t>& o = a.op;
@@ -657,7 +615,7 @@ bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, const at::Tensor& x, bo
   // backward the split passes were faster there (H100: GroupNorm problem 13.1 against 12.6 ms,
   // InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose split backward costs more
   // (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
-  if (team_backward_mode() != 1 && a.team.teams == 1 && o.epi.act == Activation::None &&
+  if (mode != 1 && a.team.teams == 1 && o.epi.act == Activation::None &&
       o.epi.multiplier == nullptr && o.epi.scale.ptr == nullptr) {
     return false;
   }
@@ -690,16 +648,17 @@ bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, const at::Tensor& x, bo
 // team kernel and returns true when it applies: dx wanted (without it one read pass suffices: the
 // split path), ChannelsFirst, S a multiple of the pack width, 16-byte aligned tensors, a group that
 // fits the resident grid, and a device with cooperative launches. part_c and rec are then set
-// for the parameter gradients when `want_params`, as backward_one_pass sets them.
+// for the parameter gradients when `want_params`, as backward_one_pass sets them. mode:
+// team_backward_mode(), read once a call.
 template <typename scalar_t>
-bool backward_team(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+bool backward_team(int mode, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
     const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout, const Epilogue& ep,
     const FusedGradMask& mask, FusedGrads& g, bool want_params, at::Tensor& part_c, at::Tensor& rec) {
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
     return false;  // double: the split path
   } else {
-    if (team_backward_mode() == 0 || !mask[0] || sh.N * sh.G == 0 || sh.D * sh.S == 0 || sh.S % V != 0) return false;
+    if (mode == 0 || !mask[0] || sh.N * sh.G == 0 || sh.D * sh.S == 0 || sh.S % V != 0) return false;
     TeamBackwardArgs<scalar_t> a{};
     if (!make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, a.op)) {
       return false;
@@ -707,7 +666,7 @@ bool backward_team(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     a.team.groups = sh.N * sh.G;
     bool launched = false;
     dispatch_activation(ep.activation, [&](auto act) {
-      launched = launch_team_backward<scalar_t, V, decltype(act)::value>(a, x, want_params, part_c, rec);
+      launched = launch_team_backward<scalar_t, V, decltype(act)::value>(a, mode, x, want_params, part_c, rec);
     });
     return launched;
   }
