@@ -144,6 +144,30 @@ __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
   return total;
 }
 
+// A 16-byte pack from shared memory in one 16-byte load. Read element by element where it lies
+// (p.v[j] through a reference into shared memory), a half / bfloat16 pack took eight 2-byte loads.
+template <typename P>
+__device__ __forceinline__ P load_pack(const P& p) {
+  static_assert(sizeof(P) == sizeof(uint4), "shared-memory packs are 16 bytes");
+  const uint4 bits = *reinterpret_cast<const uint4*>(&p);
+  P out;
+  memcpy(&out, &bits, sizeof(P));
+  return out;
+}
+
+// Calls f(std::true_type()) where a residual or a multiplier is present, else f(std::false_type()),
+// so that a forward's output loop is compiled once without their handling: predicated off, it
+// still took about 60 of the 244 instructions a pack of the bfloat16 team forward with SiLU
+// issued, in a loop the SMs spent half their time issuing (ncu, VAE row).
+template <typename F>
+__device__ __forceinline__ void dispatch_operands(bool any, const F& f) {
+  if (any) {
+    f(std::true_type());
+  } else {
+    f(std::false_type());
+  }
+}
+
 // Sum over a pack of x - K, and of ((x - K) - shifted_mean)^2: the terms of the two-pass moments.
 template <typename acc_t, typename scalar_t, int V>
 __device__ __forceinline__ acc_t pack_shifted_sum(const Pack<scalar_t, V>& p, acc_t K) {
@@ -200,17 +224,27 @@ struct OnePassOutput {
   const OnePassArgs<scalar_t>& a;
   int64_t n, c_first;
   acc_t K, shifted_mean, rstd;
+  bool uniform;  // every pack's elements share their coefficients (OnePassArgs::uniform_packs)
   int64_t cached_c = -1;
   acc_t ca = acc_t(0), cb = acc_t(0);
+  // The elements [lo, hi) of the group share the cached coefficients (uniform packs): a thread's
+  // next pack mostly lies in the same channel, and testing the range replaces a division a pack.
+  int64_t lo = 0, hi = 0;
 
   __device__ __forceinline__ OnePassOutput(
       const OnePassArgs<scalar_t>& args, int64_t n_, int64_t g, acc_t K_, acc_t shifted_mean_, acc_t rstd_)
-      : a(args), n(n_), c_first(g * args.D), K(K_), shifted_mean(shifted_mean_), rstd(rstd_) {}
+      : a(args), n(n_), c_first(g * args.D), K(K_), shifted_mean(shifted_mean_), rstd(rstd_),
+        uniform(args.template uniform_packs<V>()) {}
 
-  // Pack v (counted from the group's start) of x, with the residual's and multiplier's packs where
-  // they are present.
+  // Pack v (counted from the group's start) of y from x's, with the residual's and multiplier's
+  // packs where they are present.
   __device__ __forceinline__ P operator()(int64_t v, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) {
-    // Channel of the pack's first element, then counted forward element by element.
+    return uniform ? uniform_pack(v, xp, rp, has_r, mp, has_m) : straddling_pack(v, xp, rp, has_r, mp, has_m);
+  }
+
+  // A pack that may straddle channels: the channel of its first element, then counted forward
+  // element by element.
+  __device__ __forceinline__ P straddling_pack(int64_t v, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) {
     int64_t c = div_nn(v * V, a.S);
     int64_t rem = v * V - c * a.S;
     P o;
@@ -226,11 +260,17 @@ struct OnePassOutput {
     return o;
   }
 
-  // The same for a pack whose elements share their coefficients: S a multiple of V (a pack lies in
-  // one channel) or no per-channel parameter at all. The element loop then holds no channel logic,
-  // which matters where it is unrolled over a thread's R packs (the register kernel).
+  // A pack whose elements share their coefficients: S a multiple of V (a pack lies in one channel)
+  // or no per-channel parameter at all. The element loop then holds no channel logic, which
+  // matters where it is unrolled over a thread's R packs (the register kernel).
   __device__ __forceinline__ P uniform_pack(int64_t v, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) {
-    coefficients(c_first + div_nn(v * V, a.S));
+    const int64_t first = v * V;
+    if (first < lo || first >= hi) {
+      const int64_t c = div_nn(first, a.S);
+      lo = c * a.S;
+      hi = lo + a.S;
+      coefficients(c_first + c);
+    }
     P o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
@@ -295,13 +335,13 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits.
   const acc_t K = static_cast<acc_t>(a.x[off]);
   acc_t sum = acc_t(0);
-  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) sum += pack_shifted_sum(x_smem[v], K);
+  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) sum += pack_shifted_sum(load_pack(x_smem[v]), K);
   const acc_t total = static_cast<acc_t>(a.len);
   const acc_t shifted_mean =
       one_pass_cluster_sum(one_pass_block_sum(sum, red), &exchange[0], a.cluster) / total;
   acc_t m2 = acc_t(0);
   for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-    m2 += pack_squared_deviations(x_smem[v], K, shifted_mean);
+    m2 += pack_squared_deviations(load_pack(x_smem[v]), K, shifted_mean);
   }
   const acc_t var = one_pass_cluster_sum(one_pass_block_sum(m2, red), &exchange[1], a.cluster) / total;
   const acc_t group_rstd = acc_t(1) / sqrt(var + a.eps);
@@ -312,12 +352,16 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 
   OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
   P* yg = reinterpret_cast<P*>(a.y + off) + v_begin;
-  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-    P rp, mp;
-    if (r_smem != nullptr) rp = r_smem[v];
-    if (m_smem != nullptr) mp = m_smem[v];
-    yg[v] = out(v_begin + v, x_smem[v], rp, r_smem != nullptr, mp, m_smem != nullptr);
-  }
+  dispatch_operands(r_smem != nullptr || m_smem != nullptr, [&](auto operands) {
+    const bool has_r = decltype(operands)::value && r_smem != nullptr;
+    const bool has_m = decltype(operands)::value && m_smem != nullptr;
+    for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
+      P rp, mp;
+      if (has_r) rp = load_pack(r_smem[v]);
+      if (has_m) mp = load_pack(m_smem[v]);
+      yg[v] = out(v_begin + v, load_pack(x_smem[v]), rp, has_r, mp, has_m);
+    }
+  });
 #if FUSEDNORM_CLUSTERS
   // No CTA may leave while another can still read its `exchange`.
   if (a.cluster > 1) cg::this_cluster().sync();

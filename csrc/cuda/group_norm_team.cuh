@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     __pipeline_wait_prior(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
     for (int v = threadIdx.x; v < count; v += kTeamThreads) {
-      const P p = x[v];
+      const P p = load_pack(x[v]);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const acc_t d = static_cast<acc_t>(p.v[j]) - K;
@@ -238,14 +238,13 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     // critical path. Where M2 >= s2 / 8 the cancellation costs at most 3 bits.
     if (m2 < s2 * acc_t(0.125)) {
       m2 = acc_t(0);
-      for (int v = threadIdx.x; v < count; v += kTeamThreads) m2 += pack_squared_deviations<acc_t>(x[v], K, mean);
+      for (int v = threadIdx.x; v < count; v += kTeamThreads) m2 += pack_squared_deviations<acc_t>(load_pack(x[v]), K, mean);
       m2 = one_pass_block_sum<kTeamThreads>(m2, red);
     }
     if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
   };
   // The group's first element, loaded well before moments() needs it.
   const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
-  const bool uniform = o.template uniform_packs<V>();
 
   acc_t K = acc_t(0);
   if (rounds > 0) {
@@ -278,21 +277,22 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off)) + v_begin;
     const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off)) + v_begin;
     P* yg = reinterpret_cast<P*>(o.y + off) + v_begin;
-    const bool has_r = e.residual != nullptr;
-    const bool has_m = e.multiplier != nullptr;
     // As each pack is written, the next round's copy of it is issued into its place (after the
     // store, which waits for the shared-memory read), so that reads overlap writes.
     const bool more = i + 1 < rounds;
     const acc_t K_next = more ? first_of(i + 1) : acc_t(0);
     const P* xnext = reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin;
-    for (int v = threadIdx.x; v < count; v += kTeamThreads) {
-      P rp, mp;
-      if (has_r) rp = rg[v];
-      if (has_m) mp = mg[v];
-      yg[v] = uniform ? out.uniform_pack(v_begin + v, x[v], rp, has_r, mp, has_m)
-                      : out(v_begin + v, x[v], rp, has_r, mp, has_m);
-      if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));
-    }
+    dispatch_operands(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
+      const bool has_r = decltype(operands)::value && e.residual != nullptr;
+      const bool has_m = decltype(operands)::value && e.multiplier != nullptr;
+      for (int v = threadIdx.x; v < count; v += kTeamThreads) {
+        P rp, mp;
+        if (has_r) rp = rg[v];
+        if (has_m) mp = mg[v];
+        yg[v] = out(v_begin + v, load_pack(x[v]), rp, has_r, mp, has_m);
+        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));
+      }
+    });
     if (more) {
       __pipeline_commit();
       K = K_next;
