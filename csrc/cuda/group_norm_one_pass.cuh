@@ -155,13 +155,14 @@ __device__ __forceinline__ P load_pack(const P& p) {
   return out;
 }
 
-// Calls f(std::true_type()) where a residual or a multiplier is present, else f(std::false_type()),
-// so that a forward's output loop is compiled once without their handling: predicated off, it
-// still took about 60 of the 244 instructions a pack of the bfloat16 team forward with SiLU
-// issued, in a loop the SMs spent half their time issuing (ncu, VAE row).
+// Calls f(std::true_type()) or f(std::false_type()) as `b`: a loop compiled twice, once without
+// what it needs only where b holds. The forward output loops take it for the residual and
+// multiplier: predicated off, their handling still took about 60 of the 244 instructions a pack
+// of the bfloat16 team forward with SiLU issued, in a loop the SMs spent half their time issuing
+// (ncu, VAE row).
 template <typename F>
-__device__ __forceinline__ void dispatch_operands(bool any, const F& f) {
-  if (any) {
+__device__ __forceinline__ void dispatch_bool(bool b, const F& f) {
+  if (b) {
     f(std::true_type());
   } else {
     f(std::false_type());
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 
   OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
   P* yg = reinterpret_cast<P*>(a.y + off) + v_begin;
-  dispatch_operands(r_smem != nullptr || m_smem != nullptr, [&](auto operands) {
+  dispatch_bool(r_smem != nullptr || m_smem != nullptr, [&](auto operands) {
     const bool has_r = decltype(operands)::value && r_smem != nullptr;
     const bool has_m = decltype(operands)::value && m_smem != nullptr;
     for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
@@ -704,7 +705,7 @@ __device__ __forceinline__ ChannelCoefs<acc_t> channel_coefs(const OnePassBackwa
 // backwards): each stream `stride` packs after the one before, the multiplier sharing the
 // residual's when they are one tensor. Called as element(v, j, xc, dz, r, m), it reads element j
 // of pack v: x - mean, dz, the residual (0 without) and the multiplier (1 without).
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kOperands = true>
 struct BackwardOperands {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
@@ -720,6 +721,11 @@ struct BackwardOperands {
             : e.multiplier == e.residual ? r
                                          : dz + stride * (e.residual != nullptr ? 2 : 1)),
         mean(group_mean) {}
+  __device__ BackwardOperands(P* x_, P* dz_, acc_t group_mean) : x(x_), dz(dz_), r(nullptr), m(nullptr), mean(group_mean) {}
+
+  // The same streams, for loops compiled without the residual's and multiplier's reads (see
+  // dispatch_bool): only where neither is present.
+  __device__ __forceinline__ BackwardOperands<scalar_t, V, false> without_operands() const { return {x, dz, mean}; }
 
   // Issues the copies of pack v of every stream from pack `src` of the tensors.
   template <typename I>
@@ -734,8 +740,8 @@ struct BackwardOperands {
   __device__ __forceinline__ void operator()(I v, int j, acc_t& xc, acc_t& dzj, acc_t& rj, acc_t& mj) const {
     xc = static_cast<acc_t>(x[v].v[j]) - mean;
     dzj = static_cast<acc_t>(dz[v].v[j]);
-    rj = r != nullptr ? static_cast<acc_t>(r[v].v[j]) : acc_t(0);
-    mj = m != nullptr ? static_cast<acc_t>(m[v].v[j]) : acc_t(1);
+    rj = kOperands && r != nullptr ? static_cast<acc_t>(r[v].v[j]) : acc_t(0);
+    mj = kOperands && m != nullptr ? static_cast<acc_t>(m[v].v[j]) : acc_t(1);
   }
 };
 

@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const bool more = i + 1 < rounds;
     const acc_t K_next = more ? first_of(i + 1) : acc_t(0);
     const P* xnext = reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin;
-    dispatch_operands(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
+    dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
       const bool has_r = decltype(operands)::value && e.residual != nullptr;
       const bool has_m = decltype(operands)::value && e.multiplier != nullptr;
       for (int v = threadIdx.x; v < count; v += kTeamThreads) {
@@ -351,6 +351,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   // Issues the copy of pack v of round i's chunk into every stream.
   const auto copy_in = [&](int64_t i, int v) { element.copy_in(v, t.item_of(team, i) * lenv + v_begin + v, o); };
   const bool want_q = e.grad_multiplier != nullptr;
+  const bool plain = e.residual == nullptr && e.multiplier == nullptr;  // p = the normalization's output
 
   if (rounds > 0) {
     for (int v = threadIdx.x; v < count; v += kTeamThreads) copy_in(0, v);
@@ -384,7 +385,13 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         if (base != c_lo) k = channel_coefs(o, n, c_first + cl, rstd);
         const int lo = static_cast<int>(imax(cl * spv, v_begin) - v_begin);
         const int hi = static_cast<int>(imin((cl + 1) * spv, v_begin + count) - v_begin);
-        add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, k.ea, k.pc);
+        dispatch_bool(plain, [&](auto without) {
+          if constexpr (decltype(without)::value) {
+            add_channel_sums<A, V>(s, e, element.without_operands(), 0, lo + lane, hi, seg, k.ea, k.pc);
+          } else {
+            add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, k.ea, k.pc);
+          }
+        });
       }
       s = segment_reduce(s, o.log_seg, seg_smem);
       if (lane == 0 && cl <= c_hi) {
@@ -428,20 +435,23 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const bool more = i + 1 < rounds;
     // GRADS: grad_residual or grad_multiplier wanted; the loop without them (the plain backward's)
     // holds fewer registers.
-    const auto write = [&](auto grads) {
+    const auto write = [&](auto grads, const auto& operands) {
       constexpr bool GRADS = decltype(grads)::value;
-      int64_t cached_c = -1;
+      // The packs [c_begin, c_end) of the chunk lie in the channel whose coefficients kc holds: a
+      // range test a pack rather than a division.
+      int64_t c_begin = 0, c_end = 0;
       ChannelCoefs<acc_t> kc;
       for (int v = threadIdx.x; v < count; v += kTeamThreads) {
-        const int64_t c = c_first + div_nn(v_begin + v, spv);
-        if (c != cached_c) {
-          cached_c = c;
-          kc = channel_coefs(o, n, c, rstd);
+        if (v < c_begin || v >= c_end) {
+          const int64_t cl = div_nn(v_begin + v, spv);
+          c_begin = cl * spv - v_begin;
+          c_end = c_begin + spv;
+          kc = channel_coefs(o, n, c_first + cl, rstd);
         }
         P dxp, gr, gm;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          backward_outputs<A, GRADS>(e, element, v, j, kc, coefs, want_q, sum_grads, dxp.v[j], gr.v[j], gm.v[j]);
+          backward_outputs<A, GRADS>(e, operands, v, j, kc, coefs, want_q, sum_grads, dxp.v[j], gr.v[j], gm.v[j]);
         }
         dxg[v] = dxp;
         if (GRADS) {
@@ -451,10 +461,12 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         if (more) copy_in(i + 1, v);
       }
     };
-    if (grg == nullptr && gmg == nullptr) {
-      write(std::false_type());
+    if (grg != nullptr || gmg != nullptr) {
+      write(std::true_type(), element);
+    } else if (plain) {
+      write(std::false_type(), element.without_operands());
     } else {
-      write(std::true_type());
+      write(std::false_type(), element);
     }
     if (more) __pipeline_commit();
 
