@@ -1,7 +1,9 @@
 """Times fusednorm against PyTorch eager and torch.compile (and Liger-Kernel when installed).
 
 On a GPU: the suite of the performance issue, forward and backward, with the device-to-device
-copy bandwidth measured in the same run as the roofline. On a CPU: a small suite against ATen.
+copy bandwidth measured in the same run as the roofline. On a CPU: a small suite against ATen,
+the implementations timed in turns, with freed memory kept in the process (see
+keep_freed_memory_in_process).
 Prints a table (ms, effective GB/s, % of roofline, speedups), writes JSON and, with matplotlib,
 a PNG chart.
 
@@ -9,6 +11,7 @@ a PNG chart.
 """
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -179,6 +182,38 @@ def timer(device: str):
     return cpu_time
 
 
+def keep_freed_memory_in_process() -> bool:
+    """On glibc, keeps freed memory in the process (no trimming, no mmap a large block), as a
+    caching allocator would. Otherwise a call can page-fault its outputs afresh, depending on
+    what the calls before it freed: on this 2-core machine F.silu(F.group_norm(x)) on
+    (8, 320, 32, 32) took 5.9 ms instead of 0.56, and fusednorm's plain norm timed in turns with
+    it 2.1 ms instead of 0.17; which implementation paid depended on the order of allocations,
+    not on its kernel. True where glibc's mallopt took both settings."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and libc.mallopt(m_mmap_max, 0) == 1
+
+
+def interleaved_cpu_times(fns: Dict[str, Callable], reps: int = 40) -> Dict[str, float]:
+    """Median milliseconds of each fn, timed in turns (a, b, c, b, c, a, ...): this 2-core machine's
+    load drifts (one implementation's timings spread up to 1.5x between runs), and timed one after
+    the other the implementations met different loads; in turns the drift falls on all alike."""
+    names = list(fns)
+    for name in names:
+        for _ in range(3):
+            fns[name]()
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def copy_bandwidth(device: str, measure) -> float:
     """Device-to-device copy bandwidth in GB/s, bytes read plus bytes written."""
     numel = (1 << 30) // 4 if device == "cuda" else (1 << 26) // 4
@@ -241,18 +276,45 @@ def run_case(case: Case, device: str, measure, roofline: float, with_compile: bo
     layout = "channels_last" if case.channels_last else "contiguous"
     fwd = Row(case.name, str(tuple(case.shape)), str(case.dtype).replace("torch.", ""), layout, "forward")
     bwd = Row(case.name, str(tuple(case.shape)), str(case.dtype).replace("torch.", ""), layout, "backward")
-    for name, fn in implementations(case, with_compile).items():
-        try:
+    def backward_call(fn):
+        xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
+        y = fn(xg, wg, bg, opsg)
+        dy = torch.randn_like(y)
+        return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True)
+
+    if device == "cpu":
+        # Every implementation's calls set up first, then timed in turns (interleaved_cpu_times).
+        forward, backward = {}, {}
+        for name, fn in implementations(case, with_compile).items():
+            try:
+                with torch.no_grad():
+                    fn(x, w, b, ops)  # compiles, or fails, before any timing
+                forward[name] = (lambda fn=fn: fn(x, w, b, ops))
+                backward[name] = backward_call(fn)
+                backward[name]()
+            except Exception as e:  # one implementation failing must not hide the others
+                forward.pop(name, None)
+                backward.pop(name, None)
+                print(f"  {name} failed on {case.name} {case.shape}: {type(e).__name__}: {e}", file=sys.stderr)
+        # torch.compile's calls apart, after the others: timed in turns with them, they slowed
+        # every other column of the row (the channels-last forward 0.23 -> 0.41 ms).
+        for group in ([n for n in forward if n != "compile"], [n for n in forward if n == "compile"]):
+            if not group:
+                continue
             with torch.no_grad():
-                fwd.ms[name] = measure(lambda: fn(x, w, b, ops))
-            xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
-            y = fn(xg, wg, bg, opsg)
-            dy = torch.randn_like(y)
-            bwd.ms[name] = measure(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True))
-            del y, dy, xg, leaves
-        except Exception as e:  # one implementation failing must not hide the others
-            print(f"  {name} failed on {case.name} {case.shape}: {type(e).__name__}: {e}", file=sys.stderr)
-        if device == "cuda":
+                fwd.ms.update(interleaved_cpu_times({n: forward[n] for n in group}))
+            bwd.ms.update(interleaved_cpu_times({n: backward[n] for n in group}))
+    else:
+        # One implementation at a time: the large rows' graphs do not fit the GPU together.
+        for name, fn in implementations(case, with_compile).items():
+            try:
+                with torch.no_grad():
+                    fwd.ms[name] = measure(lambda: fn(x, w, b, ops))
+                call = backward_call(fn)
+                bwd.ms[name] = measure(call)
+                del call
+            except Exception as e:  # one implementation failing must not hide the others
+                print(f"  {name} failed on {case.name} {case.shape}: {type(e).__name__}: {e}", file=sys.stderr)
             torch.cuda.empty_cache()
     # Floor: forward reads x and the operands and writes y; backward reads x, dy and the operands
     # and writes dx and the operands' gradients.
@@ -316,6 +378,9 @@ def main():
     args = parser.parse_args()
 
     device = args.device
+    if device == "cpu":
+        kept = keep_freed_memory_in_process()
+        print(f"glibc keeps freed memory in the process: {'yes' if kept else 'no (not glibc?)'}")
     measure = timer(device)
     roofline = copy_bandwidth(device, measure)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
