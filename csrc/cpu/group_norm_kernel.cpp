@@ -1181,15 +1181,13 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   const int64_t C = sh.C, D = sh.D, G = sh.G;
   const double M = static_cast<double>(D);
 
-  // Per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock), and dp.
-  // Phase 2 reads centre, r, gain and pa; w_eff and pc (for phase 1's sums and dp) are made only
-  // with dp.
+  // Phase 1's per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock), and
+  // dp into dp_out (len values).
   struct Run {
-    std::vector<acc_t> centre, pa, pc, w_eff, gain, r;
+    std::vector<acc_t> centre, pa, pc, w_eff, r;
     Run() {
-      for (auto* v : {&centre, &pa, &pc, &w_eff, &gain, &r}) v->resize(kBlock);
+      for (auto* v : {&centre, &pa, &pc, &w_eff, &r}) v->resize(kBlock);
     }
-    // dp_out: where dp goes (len values); null: dp is not made (phase 2 reads phase 1's).
     void fill(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t n, int64_t c0,
         int64_t len, const GroupNormShape& sh, const std::vector<acc_t>& w,
         const std::vector<acc_t>& b, const Modulation<acc_t>& mod, const acc_t* mean,
@@ -1206,15 +1204,11 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         const int64_t count = std::min<int64_t>(IO::kSize, len - i);
         const Vec gv = mod.gain.empty() ? Vec(1) : Vec::loadu(&mod.gain[nc0 + i], count);
         const Vec we = Vec::loadu(&w[c0 + i], count) * gv;
-        gv.store(&gain[i], count);
         (we * Vec::loadu(&r[i], count)).store(&pa[i], count);
-        if (dp_out != nullptr) {
-          const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
-          we.store(&w_eff[i], count);
-          at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
-        }
+        const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
+        we.store(&w_eff[i], count);
+        at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
       }
-      if (dp_out == nullptr) return;
       const int64_t o = n * sh.C + c0;
       if (ep.active()) {
         ep.template backward_run<true>(dy + o, x + o, o, len, centre.data(), pa.data(), pc.data(), dp_out, /*write=*/true);
@@ -1289,46 +1283,37 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
       K2[ng] = static_cast<acc_t>(-r / M * A[ng] - b1 * delta[ng]);
     }
     at::parallel_for(0, C, 512, [&](int64_t cbegin, int64_t cend) {
-      Run run;
-      std::vector<acc_t> k1(kBlock), k2(kBlock), delta_c(kBlock);
       // This thread's channels' parameter-gradient sums over the current block of samples.
       std::vector<acc_t> pw(cend - cbegin, acc_t(0)), pb(cend - cbegin, acc_t(0));
       for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t c0 = cbegin; c0 < cend; c0 += kBlock) {
-          const int64_t len = std::min(kBlock, cend - c0), o = n * C + c0;
-          run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, /*dp_out=*/nullptr);
-          const acc_t* dpr = dp_at(n, c0);
-          // dx = pa * dp + k1 * (x - m) + k2, with k1, k2 and delta per group.
-          for (int64_t i = 0, g = c0 / D, d = c0 % D; i < len; ++i) {
-            const int64_t ng = n * G + g;
-            k1[i] = K1[ng];
-            k2[i] = K2[ng];
-            delta_c[i] = static_cast<acc_t>(delta[ng]);
-            if (++d == D) {
-              d = 0;
-              ++g;
-            }
-          }
-          for (int64_t i = 0; i < len; i += IO::kSize) {
-            const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-            const Vec xc = IO::load(x + o + i, count) - lanes(run.centre, i, count);
-            const Vec dp = Vec::loadu(dpr + i, count);
-            const Vec gain = lanes(run.gain, i, count);
+        const acc_t* dpr = dp_at(n, 0);
+        // Runs of channels of one group, whose statistics and k1, k2, delta are vectors of one
+        // value: made element by element into arrays (with the per-channel coefficients, as phase
+        // 1 makes them), they took most of this phase.
+        for (int64_t c0 = cbegin, g = cbegin / D; c0 < cend; c0 = std::min(cend, (++g) * D)) {
+          const int64_t c1 = std::min(cend, (g + 1) * D), ng = n * G + g;
+          const Vec centre(mean[ng]), r(rstd[ng]), k1(K1[ng]), k2(K2[ng]), delta_g(static_cast<acc_t>(delta[ng]));
+          for (int64_t c = c0; c < c1; c += IO::kSize) {
+            const int64_t count = std::min<int64_t>(IO::kSize, c1 - c), o = n * C + c;
+            // Lanes past `count` hold garbage from the broadcasts but are never stored, and dp
+            // loads as zero there.
+            const Vec gain = mod.gain.empty() ? Vec(1) : Vec::loadu(&mod.gain[o], count);
+            const Vec xc = IO::load(x + o, count) - centre;
+            const Vec dp = Vec::loadu(dpr + c, count);
             // sum_s dp * xhat for this (n, c): dp * ((x - m) - delta) * rstd.
-            const Vec xhat_sum = dp * (xc - lanes(delta_c, i, count)) * lanes(run.r, i, count);
-            const int64_t p = c0 - cbegin + i;
+            const Vec xhat_sum = dp * (xc - delta_g) * r;
+            const int64_t p = c - cbegin;
             at::vec::fmadd(gain, xhat_sum, Vec::loadu(pw.data() + p, count)).store(pw.data() + p, count);
             at::vec::fmadd(gain, dp, Vec::loadu(pb.data() + p, count)).store(pb.data() + p, count);
             if (dscale) {
-              const Vec ws = at::vec::fmadd(Vec::loadu(w.data() + c0 + i, count), xhat_sum,
-                  Vec::loadu(b.data() + c0 + i, count) * dp);
-              ws.store(dscale + o + i, count);
+              const Vec ws = at::vec::fmadd(Vec::loadu(w.data() + c, count), xhat_sum,
+                  Vec::loadu(b.data() + c, count) * dp);
+              ws.store(dscale + o, count);
             }
-            if (dshift) dp.store(dshift + o + i, count);
+            if (dshift) dp.store(dshift + o, count);
             if (dx != nullptr) {
-              const Vec out = at::vec::fmadd(lanes(run.pa, i, count), dp,
-                  at::vec::fmadd(lanes(k1, i, count), xc, lanes(k2, i, count)));
-              IO::store(dx + o + i, out, count);
+              const Vec pa = Vec::loadu(w.data() + c, count) * gain * r;  // w_eff * rstd
+              IO::store(dx + o, at::vec::fmadd(pa, dp, at::vec::fmadd(k1, xc, k2)), count);
             }
           }
         }
