@@ -1181,8 +1181,9 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   const int64_t C = sh.C, D = sh.D, G = sh.G;
   const double M = static_cast<double>(D);
 
-  // Phase 1's per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock), and
-  // dp into dp_out (len values).
+  // Phase 1's per-element coefficients of elements [c0, c0 + len) of sample n (len <= kBlock) and,
+  // with an elementwise epilogue, dp into dp_out (len values). Without one dp is dy, read in place
+  // by both phases (a copy of it cost a write and a read of the input's size).
   struct Run {
     std::vector<acc_t> centre, pa, pc, w_eff, r;
     Run() {
@@ -1204,19 +1205,16 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         const int64_t count = std::min<int64_t>(IO::kSize, len - i);
         const Vec gv = mod.gain.empty() ? Vec(1) : Vec::loadu(&mod.gain[nc0 + i], count);
         const Vec we = Vec::loadu(&w[c0 + i], count) * gv;
-        (we * Vec::loadu(&r[i], count)).store(&pa[i], count);
-        const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
         we.store(&w_eff[i], count);
-        at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
-      }
-      const int64_t o = n * sh.C + c0;
-      if (ep.active()) {
-        ep.template backward_run<true>(dy + o, x + o, o, len, centre.data(), pa.data(), pc.data(), dp_out, /*write=*/true);
-      } else {
-        for (int64_t i = 0; i < len; i += IO::kSize) {
-          const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-          IO::load(dy + o + i, count).store(dp_out + i, count);
+        if (ep.active()) {  // p's coefficients, for dp
+          (we * Vec::loadu(&r[i], count)).store(&pa[i], count);
+          const Vec sv = mod.shift.empty() ? Vec(0) : Vec::loadu(&mod.shift[nc0 + i], count);
+          at::vec::fmadd(Vec::loadu(&b[c0 + i], count), gv, sv).store(&pc[i], count);
         }
+      }
+      if (ep.active()) {
+        const int64_t o = n * sh.C + c0;
+        ep.template backward_run<true>(dy + o, x + o, o, len, centre.data(), pa.data(), pc.data(), dp_out, /*write=*/true);
       }
     }
   };
@@ -1236,14 +1234,18 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   acc_t* dscale = grads.scale.numel() > 0 ? dscale_acc.data_ptr<acc_t>() : nullptr;
   acc_t* dshift = grads.shift.numel() > 0 ? dshift_acc.data_ptr<acc_t>() : nullptr;
   // Samples per block, a multiple of kSampleBlock (phase 2 adds its opmath sums to the double
-  // totals every kSampleBlock samples, in order), and the block's dp.
+  // totals every kSampleBlock samples, in order), and the block's dp (with an epilogue).
   const int64_t block = kSampleBlock * std::max<int64_t>(1, kDpBlockElements / (kSampleBlock * std::max<int64_t>(C, 1)));
-  std::vector<acc_t> dp_block(std::min(block, sh.N) * C);
+  std::vector<acc_t> dp_block(ep.active() ? std::min(block, sh.N) * C : 0);
 
   for (int64_t n0 = 0; n0 < sh.N; n0 += block) {
     const int64_t n1 = std::min(sh.N, n0 + block);
-    // dp of sample n, channel c, within the block.
+    // dp of sample n, channel c, within the block (with an epilogue).
     auto dp_at = [&](int64_t n, int64_t c) { return dp_block.data() + (n - n0) * C + c; };
+    // `count` values of dp at element o = n * C + c: the block's, or dy's without an epilogue.
+    auto dp_lanes = [&](int64_t n, int64_t c, int64_t o, int64_t count) {
+      return ep.active() ? Vec::loadu(dp_at(n, c), count) : IO::load(dy + o, count);
+    };
 
     // Phase 1: per group, A = sum w_eff * dp, B = sum w_eff * dp * (x - m), delta = mean(x - m).
     at::parallel_for(n0 * G, n1 * G, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
@@ -1253,14 +1255,13 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         double a = 0, bsum = 0, dev = 0;
         for (int64_t start = 0; start < D; start += kBlock) {
           const int64_t len = std::min(kBlock, D - start), c0 = g * D + start;
-          acc_t* dp = dp_at(n, c0);
-          run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, dp);
+          run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, ep.active() ? dp_at(n, c0) : nullptr);
           const T* xr = x + n * C + c0;
           Vec va(0), vb(0), vdev(0);
           for (int64_t i = 0; i < len; i += IO::kSize) {
             const int64_t count = std::min<int64_t>(IO::kSize, len - i);
             const Vec xc = IO::load(xr + i, count) - lanes(run.centre, i, count);
-            const Vec wdp = lanes(run.w_eff, i, count) * Vec::loadu(dp + i, count);
+            const Vec wdp = lanes(run.w_eff, i, count) * dp_lanes(n, c0 + i, n * C + c0 + i, count);
             va += wdp;
             vb = at::vec::fmadd(wdp, xc, vb);
             vdev += xc;
@@ -1286,7 +1287,6 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
       // This thread's channels' parameter-gradient sums over the current block of samples.
       std::vector<acc_t> pw(cend - cbegin, acc_t(0)), pb(cend - cbegin, acc_t(0));
       for (int64_t n = n0; n < n1; ++n) {
-        const acc_t* dpr = dp_at(n, 0);
         // Runs of channels of one group, whose statistics and k1, k2, delta are vectors of one
         // value: made element by element into arrays (with the per-channel coefficients, as phase
         // 1 makes them), they took most of this phase.
@@ -1299,7 +1299,7 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
             // loads as zero there.
             const Vec gain = mod.gain.empty() ? Vec(1) : Vec::loadu(&mod.gain[o], count);
             const Vec xc = IO::load(x + o, count) - centre;
-            const Vec dp = Vec::loadu(dpr + c, count);
+            const Vec dp = dp_lanes(n, c, o, count);
             // sum_s dp * xhat for this (n, c): dp * ((x - m) - delta) * rstd.
             const Vec xhat_sum = dp * (xc - delta_g) * r;
             const int64_t p = c - cbegin;
