@@ -1163,8 +1163,9 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
 // at most kBlock elements in vector lanes before moving to double (as reduce_row), phase 2 sums the
 // parameter gradients of kSampleBlock samples per channel in opmath before adding them to double
 // totals. The batch goes through both phases a block of samples at a time (a multiple of
-// kSampleBlock, ~kDpBlockElements elements; at most the input's size), whose dp phase 1 keeps for
-// phase 2 instead of making it again (the residual's and multiplier's loads, the activation).
+// kSampleBlock, ~kDpBlockElements elements; at most the input's size). With an elementwise
+// epilogue phase 1 keeps the block's dp for phase 2 instead of making it again (the residual's
+// and multiplier's loads, the activation); without one dp is dy, read in place by both phases.
 // The results are bit for bit those of making dp twice; problem 3's tail backward (256, 8192)
 // took 4-15% less time on the 2-core development machine, in interleaved runs.
 constexpr int64_t kSampleBlock = 64;
@@ -1193,13 +1194,11 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         int64_t len, const GroupNormShape& sh, const std::vector<acc_t>& w,
         const std::vector<acc_t>& b, const Modulation<acc_t>& mod, const acc_t* mean,
         const acc_t* rstd, acc_t* dp_out) {
-      // The group's statistics, run by run of the groups the block spans.
-      for (int64_t i = 0, g = c0 / sh.D, d = c0 % sh.D; i < len; d = 0, ++g) {
-        const int64_t run = std::min(len - i, sh.D - d), ng = n * sh.G + g;
-        std::fill(r.begin() + i, r.begin() + i + run, rstd[ng]);
-        std::fill(centre.begin() + i, centre.begin() + i + run, mean[ng]);
-        i += run;
-      }
+      // The group's statistics: phase 1 walks group by group, so the block lies in one group.
+      // rstd only for p's coefficients.
+      const int64_t ng = n * sh.G + c0 / sh.D;
+      std::fill(centre.begin(), centre.begin() + len, mean[ng]);
+      if (ep.active()) std::fill(r.begin(), r.begin() + len, rstd[ng]);
       const int64_t nc0 = n * sh.C + c0;
       for (int64_t i = 0; i < len; i += IO::kSize) {
         const int64_t count = std::min<int64_t>(IO::kSize, len - i);
