@@ -645,10 +645,12 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
 def test_team_edges(monkeypatch):
     # The team kernels on rounds fewer and more than one a team, teams of one CTA and of many
     # (channels split over several CTAs, and CTAs holding several channels), and a constant group
-    # (forward: variance exactly 0, y exactly the bias; backward: against the float64 reference).
+    # (forward: variance exactly 0, y exactly the bias; backward: against the float64 reference),
+    # and teams of several rounds, whose odd teams start late (TeamGrid::start: (24, 64, 128, 128)
+    # takes 12 teams of 4 rounds on an H100).
     kernel_paths.set_path(monkeypatch, "team")
     for shape, G in (((3, 64, 128, 128), 2), ((100, 4, 160, 128), 2), ((40, 12, 33, 20), 3), ((2, 8, 4, 4), 8),
-                     ((2, 4, 64, 64), 4)):
+                     ((2, 4, 64, 64), 4), ((24, 64, 128, 128), 2)):
         x = make(shape, torch.float32, seed=7, offset=3.0)
         D = shape[1] // G
         x[0, :D] = 2.5

@@ -70,6 +70,10 @@ int64_t team_cta_bytes() {
   return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) * 1024 : kTeamCtaBytes;
 }
 
+// Teams of at least this many rounds and CTAs are staggered (TeamGrid::start).
+constexpr int64_t kStaggerRounds = 3;
+constexpr int kStaggerTeamSize = 8;
+
 // Values a CTA publishes per round: the forward's chunk moments (count, mean, M2), the
 // backward's sums (see group_norm_team_backward_kernel).
 constexpr int kTeamPartials = 3;
@@ -107,6 +111,27 @@ struct TeamGrid {
     p[2] = v2;
     __threadfence();
     atomicAdd(arrived + team, 1u);
+  }
+
+  // The whole CTA, before its first copies: an odd team of kStaggerRounds rounds or more (and
+  // kStaggerTeamSize CTAs) waits until the team before it has arrived at its round 0 barrier (its
+  // copies landed, its moments taken), so that the two teams' barriers and folds, where a team
+  // issues no DRAM traffic, fall at different times. (Team t - 1 has at least as many rounds as
+  // team t, and all its CTAs are resident.) H100, forward: the VAE's float16 (1,128,1024,1024)
+  // 0.267 -> 0.250 ms (3 teams of 11 rounds), InstanceNorm3d 0.508 -> 0.491 (3 of 22), the
+  // bfloat16 (1,128,512,512) 0.082 -> 0.080; with one round the wait is pure delay (UNet
+  // (8,640,32,32) float16 0.0218 -> 0.0245), attention's 132 teams of 2 CTAs lost 1.3%, and the
+  // GroupNorm problem's 299 rounds did not move (its teams fall back into step).
+  __device__ void start(int team) const {
+    if ((team & 1) == 0 || rounds(team) < kStaggerRounds || team_size < kStaggerTeamSize) return;
+    if (threadIdx.x == 0) {
+      while (team_load_acquire(arrived + team - 1) < static_cast<unsigned>(team_size)) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        __nanosleep(100);
+#endif
+      }
+    }
+    __syncthreads();
   }
 
   // The whole CTA: returns once every CTA of the team has arrived at round i's barrier. The
@@ -247,6 +272,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
 
   acc_t K = acc_t(0);
+  t.start(team);
   if (rounds > 0) {
     const P* src = reinterpret_cast<const P*>(o.x + t.item_of(team, 0) * o.len) + v_begin;
     for (int v = threadIdx.x; v < count; v += kTeamThreads) __pipeline_memcpy_async(&x[v], &src[v], sizeof(P));
