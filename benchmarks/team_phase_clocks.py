@@ -1,0 +1,155 @@
+"""Where a team kernel's rounds go: per-phase clocks of thread 0 of a few CTAs, printed by an
+instrumented build of group_norm_team.cuh. Three steps (the third on the GPU machine):
+
+    python benchmarks/team_phase_clocks.py patch /tmp/phases   # a copy of the tree, instrumented
+    (cd /tmp/phases && python setup.py build_ext --inplace)
+    mkdir -p /tmp/phases_pkg && ln -sfn /tmp/phases/ops /tmp/phases_pkg/fusednorm
+    PYTHONPATH=/tmp/phases_pkg python benchmarks/team_phase_clocks.py run
+
+`run` times one forward and one backward of a few cases (after a warm-up call) and prints, per
+kernel and CTA, the share of its clock cycles in each phase and the microseconds per round:
+  forward:  barrier wait | team fold | outputs (and the next round's copies) | next moments
+  backward: copy wait | coefficients wait (thread 0 waits on the first channel's coefficients) |
+            sums and CTA fold | publish | barrier wait | team fold and dx coefficients |
+            outputs and the channel parts
+The patch inserts the clocks at fixed lines of the source: it stops with the line it could not
+find when the kernels change, and must then be updated with them. Measured with it (RESULTS.md,
+eleventh run): no phase of the GroupNorm problem's backward round dominates; each round spends
+~40% of its time with no DRAM traffic of its own (sums, publish, barrier, fold).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEAM = os.path.join("csrc", "cuda", "group_norm_team.cuh")
+
+CLOCKS = r'''
+__device__ __forceinline__ unsigned long long phase_clock_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define PH_DECL unsigned long long ph_acc[7] = {0, 0, 0, 0, 0, 0, 0}; unsigned long long ph_t = clock64(); \
+  const unsigned long long ph_g0 = phase_clock_ns();
+#define PH(k) if (threadIdx.x == 0) { const unsigned long long now = clock64(); ph_acc[k] += now - ph_t; ph_t = now; }
+#define PH_END(NAME) if (threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == 1 || blockIdx.x == 77 || \
+  blockIdx.x == 150 || blockIdx.x == gridDim.x - 1)) \
+  printf("PH %s grid %d cta %d rounds %lld : %llu %llu %llu %llu %llu %llu %llu ns %llu\n", NAME, gridDim.x, blockIdx.x, \
+    (long long)rounds, ph_acc[0], ph_acc[1], ph_acc[2], ph_acc[3], ph_acc[4], ph_acc[5], ph_acc[6], phase_clock_ns() - ph_g0);
+'''
+
+# (anchor, text, where): the text goes after (or before) the one line sequence `anchor`. The
+# reports go after the kernels' round loops: each inserts the loop's closing brace itself and
+# opens an `if (false) {` that takes the original one.
+EDITS = [
+    ("// Two CTAs of 512 threads an SM", CLOCKS + "\n", "before"),
+    # forward
+    ("    moments(0, K);\n  }\n", "  PH_DECL\n", "after"),
+    ("  for (int64_t i = 0; i < rounds; ++i) {\n    t.wait(team, i);\n", "    PH(0)\n", "after"),
+    ("    const acc_t rstd = acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n", "after"),
+    ("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n", "after"),
+    ("      moments(i + 1, K);\n    }\n", "    PH(3)\n  }\n  PH_END(\"fwd\")\n  if (false) {\n", "after"),
+    # backward
+    ("  for (int64_t i = 0; i < rounds; ++i) {\n    const int64_t item = t.item_of(team, i);\n", "  PH_DECL\n", "before"),
+    ("    __syncthreads();  // the sums read packs that other threads copied\n", "    PH(0)\n", "after"),
+    ("    if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);\n",
+     "    if (threadIdx.x == 0 && k.ea == acc_t(-1.2345e-30f)) printf(\"-\");\n    PH(1)\n", "after"),
+    ("    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n", "    PH(2)\n", "before"),
+    ("    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n", "    PH(3)\n", "after"),
+    ("    t.wait(team, i);\n    const acc_t* team_part", "", "after"),
+    ("    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);\n",
+     "    PH(5)\n", "after"),
+    ("          o.part_c[(n * o.C + c_first + cl) * 2 + 1] = dsc;\n        }\n      }\n    }\n",
+     "    PH(6)\n  }\n  PH_END(\"bwd\")\n  if (false) {\n", "after"),
+]
+
+
+def patch(dst):
+    """Copies the tree's tracked sources to `dst` and instruments its group_norm_team.cuh."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        os.makedirs(os.path.join(dst, os.path.dirname(f)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
+    path = os.path.join(dst, TEAM)
+    s = open(path).read()
+    for anchor, text, where in EDITS:
+        if s.count(anchor) != 1:
+            sys.exit(f"anchor found {s.count(anchor)} times (want 1), update EDITS:\n{anchor}")
+        s = s.replace(anchor, anchor + text if where == "after" else text + anchor)
+    # The barrier's clock goes right after t.wait in the backward (the forward's is PH(0) above).
+    s = s.replace("    t.wait(team, i);\n    const acc_t* team_part", "    t.wait(team, i);\n    PH(4)\n    const acc_t* team_part")
+    open(path, "w").write(s)
+    print(f"instrumented copy in {dst}; build it there with `python setup.py build_ext --inplace`")
+
+
+CASES = [  # label, shape, groups, dtype, knobs, activation
+    ("GroupNorm (8,64,512,512)", (8, 64, 512, 512), 8, "float32", {"FUSEDNORM_TEAM_BACKWARD": "1"}, None),
+    ("InstanceNorm (8,64,512,512)", (8, 64, 512, 512), 64, "float32", {}, None),
+    ("InstanceNorm3d (2,32,128^3)", (2, 32, 128, 128, 128), 32, "float32", {"FUSEDNORM_TEAM_BACKWARD": "1"}, None),
+    ("VAE GN+SiLU (1,128,512,512)", (1, 128, 512, 512), 32, "bfloat16", {}, "silu"),
+    ("Attention GN (16,512,4096)", (16, 512, 4096), 32, "bfloat16", {}, None),
+]
+
+
+def run():
+    import torch
+    import fusednorm
+    for label, shape, G, dtype, knobs, act in CASES:
+        for name in ("FUSEDNORM_TEAM_BACKWARD", "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_ONE_PASS_MAX_BYTES"):
+            os.environ.pop(name, None)
+        os.environ.update(knobs)
+        dt = getattr(torch, dtype)
+        x = torch.randn(shape, device="cuda", dtype=dt)
+        w = torch.rand(shape[1], device="cuda", dtype=dt) + 0.5
+        b = torch.randn(shape[1], device="cuda", dtype=dt)
+        dy = torch.randn_like(x)
+        for rep in range(2):  # the second call's clocks are reported
+            torch.cuda.synchronize()
+            print(f"=== {label} rep {rep}", flush=True)
+            xg = x.clone().requires_grad_()
+            y = fusednorm.group_norm(xg, G, w, b, activation=act)
+            torch.autograd.grad(y, xg, dy)
+            torch.cuda.synchronize()
+
+
+def table(lines):
+    """The table of `run`'s output (the kernels' printf lines among its own)."""
+    label = None
+    for line in lines:
+        if line.startswith("=== "):
+            label = line[4:].strip()
+            continue
+        m = re.match(r"PH (\w+) grid (\d+) cta (\d+) rounds (\d+) : ([\d ]+) ns (\d+)", line)
+        if m and label and label.endswith("rep 1"):
+            kind, _, cta, rounds, cycles, ns = m.groups()
+            cycles = [int(c) for c in cycles.split()]
+            total = sum(cycles) or 1
+            shares = " ".join(f"{100 * c / total:5.1f}" for c in cycles[:4 if kind == "fwd" else 7])
+            print(f"{label[:-6]:28} {kind} cta {int(cta):3d} rounds {int(rounds):3d} {int(ns) / 1e3:8.1f} us  {shares}"
+                  f"  | {int(ns) / 1e3 / max(1, int(rounds)):.2f} us a round")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("patch").add_argument("dst")
+    sub.add_parser("run")
+    sub.add_parser("table").add_argument("log", help="a saved output of `run`")
+    args = parser.parse_args()
+    if args.cmd == "patch":
+        patch(args.dst)
+    elif args.cmd == "table":
+        table(open(args.log))
+    else:
+        # The kernels' printf lines reach stdout at synchronisations, interleaved with ours: let
+        # the caller save them (`run > log`), then `table log`.
+        run()
+
+
+if __name__ == "__main__":
+    main()
