@@ -1174,7 +1174,7 @@ constexpr int64_t kDpBlockElements = 1 << 20;
 template <typename T>
 void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormShape& sh,
     const std::vector<at::opmath_type<T>>& w, const std::vector<at::opmath_type<T>>& b,
-    const Modulation<at::opmath_type<T>>& mod, const at::opmath_type<T>* mean,
+    const Modulation<at::opmath_type<T>>& mod, bool uniform, const at::opmath_type<T>* mean,
     const at::opmath_type<T>* rstd, const ElementwiseOperands<T>& ep, T* dx, FusedGrads& grads) {
   using acc_t = at::opmath_type<T>;
   using IO = VecIO<T>;
@@ -1223,6 +1223,9 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   std::vector<double> A(sh.N * G), B(sh.N * G), delta(sh.N * G);
   std::vector<acc_t> K1(sh.N * G), K2(sh.N * G);
   std::vector<double> dw(C, 0.0), dbias(C, 0.0);
+  // Phase 2's per-channel sums only where grad_weight or grad_bias is wanted (not in problem 3's
+  // tail, which has neither parameter).
+  const bool want_params = grads.weight.numel() > 0 || grads.bias.numel() > 0;
   // grad_scale / grad_shift are written in acc_t, then converted to their dtypes (the scale's and
   // shift's) where those differ.
   const auto acc_opts = grads.scale.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
@@ -1254,16 +1257,34 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         double a = 0, bsum = 0, dev = 0;
         for (int64_t start = 0; start < D; start += kBlock) {
           const int64_t len = std::min(kBlock, D - start), c0 = g * D + start;
-          run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, ep.active() ? dp_at(n, c0) : nullptr);
           const T* xr = x + n * C + c0;
           Vec va(0), vb(0), vdev(0);
-          for (int64_t i = 0; i < len; i += IO::kSize) {
-            const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-            const Vec xc = IO::load(xr + i, count) - lanes(run.centre, i, count);
-            const Vec wdp = lanes(run.w_eff, i, count) * dp_lanes(n, c0 + i, n * C + c0 + i, count);
-            va += wdp;
-            vb = at::vec::fmadd(wdp, xc, vb);
-            vdev += xc;
+          if (uniform) {
+            // w_eff = 1, pa = rstd, pc = 0 for every channel: the group's values as broadcasts
+            // (the arrays' values exactly, so the same bits; the tail of problem 3 is such a case).
+            const acc_t centre = mean[ng], pa = rstd[ng], pc = 0;
+            const int64_t o = n * C + c0;
+            if (ep.active()) ep.template backward_run<false>(dy + o, x + o, o, len, &centre, &pa, &pc, dp_at(n, c0), true);
+            const Vec cv(centre);
+            for (int64_t i = 0; i < len; i += IO::kSize) {
+              const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+              Vec xc = IO::load(xr + i, count) - cv;
+              if (count < IO::kSize) xc = Vec::set(Vec(0), xc, count);  // as the arrays' zero lanes
+              const Vec dp = dp_lanes(n, c0 + i, o + i, count);
+              va += dp;
+              vb = at::vec::fmadd(dp, xc, vb);
+              vdev += xc;
+            }
+          } else {
+            run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, ep.active() ? dp_at(n, c0) : nullptr);
+            for (int64_t i = 0; i < len; i += IO::kSize) {
+              const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+              const Vec xc = IO::load(xr + i, count) - lanes(run.centre, i, count);
+              const Vec wdp = lanes(run.w_eff, i, count) * dp_lanes(n, c0 + i, n * C + c0 + i, count);
+              va += wdp;
+              vb = at::vec::fmadd(wdp, xc, vb);
+              vdev += xc;
+            }
           }
           a += horizontal_sum(va);
           bsum += horizontal_sum(vb);
@@ -1284,7 +1305,7 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
     }
     at::parallel_for(0, C, 512, [&](int64_t cbegin, int64_t cend) {
       // This thread's channels' parameter-gradient sums over the current block of samples.
-      std::vector<acc_t> pw(cend - cbegin, acc_t(0)), pb(cend - cbegin, acc_t(0));
+      std::vector<acc_t> pw(want_params ? cend - cbegin : 0, acc_t(0)), pb(want_params ? cend - cbegin : 0, acc_t(0));
       for (int64_t n = n0; n < n1; ++n) {
         // Runs of channels of one group, whose statistics and k1, k2, delta are vectors of one
         // value: made element by element into arrays (with the per-channel coefficients, as phase
@@ -1301,9 +1322,11 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
             const Vec dp = dp_lanes(n, c, o, count);
             // sum_s dp * xhat for this (n, c): dp * ((x - m) - delta) * rstd.
             const Vec xhat_sum = dp * (xc - delta_g) * r;
-            const int64_t p = c - cbegin;
-            at::vec::fmadd(gain, xhat_sum, Vec::loadu(pw.data() + p, count)).store(pw.data() + p, count);
-            at::vec::fmadd(gain, dp, Vec::loadu(pb.data() + p, count)).store(pb.data() + p, count);
+            if (want_params) {
+              const int64_t p = c - cbegin;
+              at::vec::fmadd(gain, xhat_sum, Vec::loadu(pw.data() + p, count)).store(pw.data() + p, count);
+              at::vec::fmadd(gain, dp, Vec::loadu(pb.data() + p, count)).store(pb.data() + p, count);
+            }
             if (dscale) {
               const Vec ws = at::vec::fmadd(Vec::loadu(w.data() + c, count), xhat_sum,
                   Vec::loadu(b.data() + c, count) * dp);
@@ -1316,7 +1339,7 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
             }
           }
         }
-        if ((n + 1) % kSampleBlock == 0 || n + 1 == sh.N) {
+        if (want_params && ((n + 1) % kSampleBlock == 0 || n + 1 == sh.N)) {
           for (int64_t c = cbegin; c < cend; ++c) {
             dw[c] += pw[c - cbegin];
             dbias[c] += pb[c - cbegin];
@@ -1354,7 +1377,10 @@ FusedGrads fused_backward_cpu(const at::Tensor& grad_out, const at::Tensor& inpu
     if (mask[5]) ep.grad_residual = grads.residual.data_ptr<scalar_t>();
     if (mask[6]) ep.grad_multiplier = grads.multiplier.data_ptr<scalar_t>();
     if (sh.S == 1) {
-      backward_one_element_per_channel(dyp, xp, sh, w, b, mod, mp, rp, ep,
+      // No per-channel coefficient: no weight, bias, scale or shift.
+      const bool uniform = !(weight && weight->defined()) && !(bias && bias->defined()) && mod.gain.empty() &&
+          mod.shift.empty();
+      backward_one_element_per_channel(dyp, xp, sh, w, b, mod, uniform, mp, rp, ep,
           mask[0] ? grads.input.data_ptr<scalar_t>() : nullptr, grads);
       return;
     }
