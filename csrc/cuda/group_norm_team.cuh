@@ -118,7 +118,7 @@ struct TeamGrid {
   // copies landed, its moments taken), so that the two teams' barriers and folds, where a team
   // issues no DRAM traffic, fall at different times. (Team t - 1 has at least as many rounds as
   // team t, and all its CTAs are resident.) H100, forward: the VAE's float16 (1,128,1024,1024)
-  // 0.267 -> 0.250 ms (3 teams of 11 rounds), InstanceNorm3d 0.508 -> 0.491 (3 of 22), the
+  // 0.268 -> 0.250 ms (3 teams of 11 rounds), InstanceNorm3d 0.507 -> 0.484 (3 of 22), the
   // bfloat16 (1,128,512,512) 0.082 -> 0.080; with one round the wait is pure delay (UNet
   // (8,640,32,32) float16 0.0218 -> 0.0245), attention's 132 teams of 2 CTAs lost 1.3%, and the
   // GroupNorm problem's 299 rounds did not move (its teams fall back into step).
