@@ -1257,34 +1257,27 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         double a = 0, bsum = 0, dev = 0;
         for (int64_t start = 0; start < D; start += kBlock) {
           const int64_t len = std::min(kBlock, D - start), c0 = g * D + start;
-          const T* xr = x + n * C + c0;
-          Vec va(0), vb(0), vdev(0);
+          const int64_t o = n * C + c0;
+          const acc_t centre = mean[ng];  // the block lies in one group
           if (uniform) {
-            // w_eff = 1, pa = rstd, pc = 0 for every channel: the group's values as broadcasts
-            // (the arrays' values exactly, so the same bits; the tail of problem 3 is such a case).
-            const acc_t centre = mean[ng], pa = rstd[ng], pc = 0;
-            const int64_t o = n * C + c0;
+            // w_eff = 1, pa = rstd, pc = 0 for every channel: dp from the group's values as
+            // broadcasts, with no per-element arrays (the arrays' values exactly: the same bits).
+            const acc_t pa = rstd[ng], pc = 0;
             if (ep.active()) ep.template backward_run<false>(dy + o, x + o, o, len, &centre, &pa, &pc, dp_at(n, c0), true);
-            const Vec cv(centre);
-            for (int64_t i = 0; i < len; i += IO::kSize) {
-              const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-              Vec xc = IO::load(xr + i, count) - cv;
-              if (count < IO::kSize) xc = Vec::set(Vec(0), xc, count);  // as the arrays' zero lanes
-              const Vec dp = dp_lanes(n, c0 + i, o + i, count);
-              va += dp;
-              vb = at::vec::fmadd(dp, xc, vb);
-              vdev += xc;
-            }
           } else {
             run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, ep.active() ? dp_at(n, c0) : nullptr);
-            for (int64_t i = 0; i < len; i += IO::kSize) {
-              const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-              const Vec xc = IO::load(xr + i, count) - lanes(run.centre, i, count);
-              const Vec wdp = lanes(run.w_eff, i, count) * dp_lanes(n, c0 + i, n * C + c0 + i, count);
-              va += wdp;
-              vb = at::vec::fmadd(wdp, xc, vb);
-              vdev += xc;
-            }
+          }
+          const Vec cv(centre);
+          Vec va(0), vb(0), vdev(0);
+          for (int64_t i = 0; i < len; i += IO::kSize) {
+            const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+            Vec xc = IO::load(x + o + i, count) - cv;
+            if (count < IO::kSize) xc = Vec::set(Vec(0), xc, count);  // padding lanes add nothing
+            const Vec dp = dp_lanes(n, c0 + i, o + i, count);
+            const Vec wdp = uniform ? dp : lanes(run.w_eff, i, count) * dp;
+            va += wdp;
+            vb = at::vec::fmadd(wdp, xc, vb);
+            vdev += xc;
           }
           a += horizontal_sum(va);
           bsum += horizontal_sum(vb);
