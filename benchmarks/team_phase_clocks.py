@@ -43,29 +43,37 @@ __device__ __forceinline__ unsigned long long phase_clock_ns() {
     (long long)rounds, ph_acc[0], ph_acc[1], ph_acc[2], ph_acc[3], ph_acc[4], ph_acc[5], ph_acc[6], phase_clock_ns() - ph_g0);
 '''
 
-# (anchor, text, where): the text goes after (or before) the one line sequence `anchor`. The
-# reports go after the kernels' round loops: each inserts the loop's closing brace itself and
-# opens an `if (false) {` that takes the original one.
+# (old, new): each `old` must occur once in group_norm_team.cuh.
+def after(anchor, text):
+    return anchor, anchor + text
+
+
+def before(anchor, text):
+    return anchor, text + anchor
+
+
 EDITS = [
-    ("// Two CTAs of 512 threads an SM", CLOCKS + "\n", "before"),
+    before("// Two CTAs of 512 threads an SM", CLOCKS + "\n"),
     # forward
-    ("    moments(0, K);\n  }\n", "  PH_DECL\n", "after"),
-    ("  for (int64_t i = 0; i < rounds; ++i) {\n    t.wait(team, i);\n", "    PH(0)\n", "after"),
-    ("    const acc_t rstd = acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n", "after"),
-    ("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n", "after"),
-    ("      moments(i + 1, K);\n    }\n", "    PH(3)\n  }\n  PH_END(\"fwd\")\n  if (false) {\n", "after"),
+    after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
+    after("  for (int64_t i = 0; i < rounds; ++i) {\n    t.wait(team, i);\n", "    PH(0)\n"),
+    after("    const acc_t rstd = acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n"),
+    after("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n"),
+    ("      moments(i + 1, K);\n    }\n  }\n}",
+     "      moments(i + 1, K);\n    }\n    PH(3)\n  }\n  PH_END(\"fwd\")\n}"),
     # backward
-    ("  for (int64_t i = 0; i < rounds; ++i) {\n    const int64_t item = t.item_of(team, i);\n", "  PH_DECL\n", "before"),
-    ("    __syncthreads();  // the sums read packs that other threads copied\n", "    PH(0)\n", "after"),
-    ("    if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);\n",
-     "    if (threadIdx.x == 0 && k.ea == acc_t(-1.2345e-30f)) printf(\"-\");\n    PH(1)\n", "after"),
-    ("    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n", "    PH(2)\n", "before"),
-    ("    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n", "    PH(3)\n", "after"),
-    ("    t.wait(team, i);\n    const acc_t* team_part", "", "after"),
-    ("    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);\n",
-     "    PH(5)\n", "after"),
-    ("          o.part_c[(n * o.C + c_first + cl) * 2 + 1] = dsc;\n        }\n      }\n    }\n",
-     "    PH(6)\n  }\n  PH_END(\"bwd\")\n  if (false) {\n", "after"),
+    before("  for (int64_t i = 0; i < rounds; ++i) {\n    const int64_t item = t.item_of(team, i);\n", "  PH_DECL\n"),
+    after("    __syncthreads();  // the sums read packs that other threads copied\n", "    PH(0)\n"),
+    after("    if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);\n",
+          "    if (threadIdx.x == 0 && k.ea == acc_t(-1.2345e-30f)) printf(\"-\");\n    PH(1)\n"),
+    ("    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n",
+     "    PH(2)\n    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n    PH(3)\n"),
+    # the backward's barrier (the forward's t.wait is followed by PH(0) above)
+    ("    t.wait(team, i);\n    const acc_t* team_part", "    t.wait(team, i);\n    PH(4)\n    const acc_t* team_part"),
+    after("    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);\n",
+          "    PH(5)\n"),
+    ("          o.part_c[(n * o.C + c_first + cl) * 2 + 1] = dsc;\n        }\n      }\n    }\n  }\n}",
+     "          o.part_c[(n * o.C + c_first + cl) * 2 + 1] = dsc;\n        }\n      }\n    }\n    PH(6)\n  }\n  PH_END(\"bwd\")\n}"),
 ]
 
 
@@ -77,12 +85,10 @@ def patch(dst):
         shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
     path = os.path.join(dst, TEAM)
     s = open(path).read()
-    for anchor, text, where in EDITS:
-        if s.count(anchor) != 1:
-            sys.exit(f"anchor found {s.count(anchor)} times (want 1), update EDITS:\n{anchor}")
-        s = s.replace(anchor, anchor + text if where == "after" else text + anchor)
-    # The barrier's clock goes right after t.wait in the backward (the forward's is PH(0) above).
-    s = s.replace("    t.wait(team, i);\n    const acc_t* team_part", "    t.wait(team, i);\n    PH(4)\n    const acc_t* team_part")
+    for old, new in EDITS:
+        if s.count(old) != 1:
+            sys.exit(f"found {s.count(old)} times (want 1), update EDITS:\n{old}")
+        s = s.replace(old, new)
     open(path, "w").write(s)
     print(f"instrumented copy in {dst}; build it there with `python setup.py build_ext --inplace`")
 
