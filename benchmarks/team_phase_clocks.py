@@ -12,7 +12,8 @@ kernel and CTA, the share of its clock cycles in each phase and the microseconds
   backward: copy wait | coefficients wait (thread 0 waits on the first channel's coefficients) |
             sums and CTA fold | publish | barrier wait | team fold and dx coefficients |
             outputs and the channel parts
-The patch inserts the clocks at fixed lines of the source: it stops with the line it could not
+Each CTA reports; the table prints a few of them and, per kernel, how the barrier wait spreads
+over all of them (which CTAs the others wait for). The patch inserts the clocks at fixed lines of the source: it stops with the line it could not
 find when the kernels change, and must then be updated with them. Measured with it (RESULTS.md,
 eleventh run): no phase of the GroupNorm problem's backward round dominates; each round spends
 ~40% of its time with no DRAM traffic of its own (sums, publish, barrier, fold).
@@ -37,10 +38,15 @@ __device__ __forceinline__ unsigned long long phase_clock_ns() {
 #define PH_DECL unsigned long long ph_acc[7] = {0, 0, 0, 0, 0, 0, 0}; unsigned long long ph_t = clock64(); \
   const unsigned long long ph_g0 = phase_clock_ns();
 #define PH(k) if (threadIdx.x == 0) { const unsigned long long now = clock64(); ph_acc[k] += now - ph_t; ph_t = now; }
-#define PH_END(NAME) if (threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == 1 || blockIdx.x == 77 || \
-  blockIdx.x == 150 || blockIdx.x == gridDim.x - 1)) \
-  printf("PH %s grid %d cta %d rounds %lld : %llu %llu %llu %llu %llu %llu %llu ns %llu\n", NAME, gridDim.x, blockIdx.x, \
-    (long long)rounds, ph_acc[0], ph_acc[1], ph_acc[2], ph_acc[3], ph_acc[4], ph_acc[5], ph_acc[6], phase_clock_ns() - ph_g0);
+__device__ __forceinline__ unsigned phase_smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#define PH_END(NAME) if (threadIdx.x == 0) \
+  printf("PH %s grid %d cta %d sm %u rounds %lld : %llu %llu %llu %llu %llu %llu %llu ns %llu\n", NAME, gridDim.x, blockIdx.x, \
+    phase_smid(), (long long)rounds, ph_acc[0], ph_acc[1], ph_acc[2], ph_acc[3], ph_acc[4], ph_acc[5], ph_acc[6], \
+    phase_clock_ns() - ph_g0);
 '''
 
 # (old, new): each `old` must occur once in group_norm_team.cuh.
@@ -123,21 +129,40 @@ def run():
             torch.cuda.synchronize()
 
 
+SAMPLED = (0, 1, 77, 150)  # and the last CTA
+
+
 def table(lines):
-    """The table of `run`'s output (the kernels' printf lines among its own)."""
+    """The table of `run`'s output (the kernels' printf lines among its own): the phases of a few
+    CTAs of each kernel, then the spread over all of them of the barrier wait (the phase in which
+    a CTA waits for the slowest of its team) and the CTAs that waited least, with their SMs: if
+    the same CTAs are last in every round, the round is as slow as they are."""
     label = None
+    kernels = {}
     for line in lines:
         if line.startswith("=== "):
             label = line[4:].strip()
             continue
-        m = re.match(r"PH (\w+) grid (\d+) cta (\d+) rounds (\d+) : ([\d ]+) ns (\d+)", line)
+        m = re.match(r"PH (\w+) grid (\d+) cta (\d+) sm (\d+) rounds (\d+) : ([\d ]+) ns (\d+)", line)
         if m and label and label.endswith("rep 1"):
-            kind, _, cta, rounds, cycles, ns = m.groups()
+            kind, grid, cta, sm, rounds, cycles, ns = m.groups()
             cycles = [int(c) for c in cycles.split()]
-            total = sum(cycles) or 1
-            shares = " ".join(f"{100 * c / total:5.1f}" for c in cycles[:4 if kind == "fwd" else 7])
-            print(f"{label[:-6]:28} {kind} cta {int(cta):3d} rounds {int(rounds):3d} {int(ns) / 1e3:8.1f} us  {shares}"
-                  f"  | {int(ns) / 1e3 / max(1, int(rounds)):.2f} us a round")
+            kernels.setdefault((label[:-6], kind), []).append((int(cta), int(sm), int(rounds), cycles, int(ns), int(grid)))
+    for (label, kind), ctas in kernels.items():
+        ctas.sort()
+        grid = ctas[0][5]
+        for cta, sm, rounds, cycles, ns, _ in ctas:
+            if cta in SAMPLED or cta == grid - 1:
+                total = sum(cycles) or 1
+                shares = " ".join(f"{100 * c / total:5.1f}" for c in cycles[:4 if kind == "fwd" else 7])
+                print(f"{label:28} {kind} cta {cta:3d} rounds {rounds:3d} {ns / 1e3:8.1f} us  {shares}"
+                      f"  | {ns / 1e3 / max(1, rounds):.2f} us a round")
+        barrier = 0 if kind == "fwd" else 4
+        waits = sorted((100 * c[barrier] / (sum(c) or 1), cta, sm) for cta, sm, _, c, _, _ in ctas)
+        q = [waits[int(f * (len(waits) - 1))][0] for f in (0, 0.1, 0.5, 0.9, 1)]
+        print(f"{label:28} {kind} barrier wait over {len(waits)} CTAs: min {q[0]:.1f}%, p10 {q[1]:.1f}, median {q[2]:.1f}, "
+              f"p90 {q[3]:.1f}, max {q[4]:.1f}; least waiting (cta/sm): "
+              + " ".join(f"{cta}/{sm}" for _, cta, sm in waits[:8]))
 
 
 def main():
