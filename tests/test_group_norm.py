@@ -218,6 +218,25 @@ def test_result_independent_of_thread_count(shape, layout, fused):
             assert torch.equal(a, b_)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_element_per_channel_grads_independent_of_parameter_grads(fused):
+    # S = 1 on the CPU: without parameter gradients each group's dx follows its sums at once (one
+    # pass over memory); with them the batch's per-channel sums come first. Same bits either way.
+    torch.manual_seed(0)
+    x = torch.randn(33, 4100) * 2 + 1
+    w, b = torch.randn(4100), torch.randn(4100)
+    y_op = torch.randn(33, 4100)
+    dy = torch.randn(33, 4100)
+    extra = dict(activation="gelu", residual=y_op, multiplier=y_op) if fused else {}
+    grads = []
+    for want_params in (True, False):
+        xg = x.clone().requires_grad_()
+        wg, bg = w.clone().requires_grad_(want_params), b.clone().requires_grad_(want_params)
+        out = fusednorm.group_norm(xg, 2, wg, bg, **extra)
+        grads.append(torch.autograd.grad(out, xg, dy)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
 @pytest.mark.parametrize("affine", AFFINE)
 def test_gradcheck(device, layout, affine):
