@@ -281,14 +281,22 @@ struct ElementwiseOperands {
     });
   }
 
+  // Sums over runs, in vector lanes: dp, dp * (x - centre) and x - centre (lanes past a run's end
+  // add nothing).
+  struct RunSums {
+    Vec dp = Vec(0), dp_xc = Vec(0), xc = Vec(0);
+  };
+
   // dp[i] for i < len, the gradient at the pre-activation p = (x - centre) * pa + pc + residual of
   // element off + i, from dz; also grad_residual (= dp) and grad_multiplier (= dz * act(p)) there
   // when `write` and requested (their sum into grad_residual when the two are one buffer). dz and
   // x point at element off. The coefficients are one value for the run, or (PerLane) one per
-  // element of it.
-  template <bool PerLane>
+  // element of it. With `sums` (one centre for the run), dp's sums are added there in the same
+  // pass, as a loop over x and the stored dp would add them.
+  template <bool PerLane, bool WithSums = false>
   void backward_run(const T* dz, const T* x, int64_t off, int64_t len, const acc_t* centre,
-      const acc_t* pa, const acc_t* pc, acc_t* dp, bool write) const {
+      const acc_t* pa, const acc_t* pc, acc_t* dp, bool write, RunSums* sums = nullptr) const {
+    static_assert(!(PerLane && WithSums), "the sums take one centre for the run");
     dispatch_activation(activation, [&](auto tag) {
       constexpr Activation A = decltype(tag)::value;
       for (int64_t i = 0; i < len; i += IO::kSize) {
@@ -296,9 +304,11 @@ struct ElementwiseOperands {
         const Vec dzv = IO::load(dz + i, count);
         Vec g = dzv;
         Vec grad_m(acc_t(0));
+        auto coef = [&](const acc_t* c) { return PerLane ? Vec::loadu(c + i, count) : Vec(*c); };
+        Vec xc(acc_t(0));
+        if (needs_p_ || WithSums) xc = IO::load(x + i, count) - coef(centre);
         if (needs_p_) {
-          auto coef = [&](const acc_t* c) { return PerLane ? Vec::loadu(c + i, count) : Vec(*c); };
-          Vec p = at::vec::fmadd(IO::load(x + i, count) - coef(centre), coef(pa), coef(pc));
+          Vec p = at::vec::fmadd(xc, coef(pa), coef(pc));
           if (residual) p = p + IO::load(residual + off + i, count);
           if (write && grad_multiplier) {
             grad_m = dzv * vec_activation<A>(p, slope);
@@ -311,6 +321,15 @@ struct ElementwiseOperands {
           IO::store(grad_residual + off + i, grad_multiplier == grad_residual ? g + grad_m : g, count);
         }
         g.store(dp + i, count);
+        if constexpr (WithSums) {
+          if (count < IO::kSize) {  // padding lanes add nothing (dp as stored and reloaded: zero)
+            xc = Vec::set(Vec(0), xc, count);
+            g = Vec::set(Vec(0), g, count);
+          }
+          sums->dp += g;
+          sums->dp_xc = at::vec::fmadd(g, xc, sums->dp_xc);
+          sums->xc += xc;
+        }
       }
     });
   }
@@ -1257,25 +1276,30 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
       const int64_t o = n * C + c0;
       const acc_t centre = mean[ng];  // the block lies in one group
       acc_t* dp_out = ep.active() ? dp_group + start : nullptr;
-      if (uniform) {
-        // w_eff = 1, pa = rstd, pc = 0 for every channel: dp from the group's values as
-        // broadcasts, with no per-element arrays (the arrays' values exactly: the same bits).
-        const acc_t pa = rstd[ng], pc = 0;
-        if (ep.active()) ep.template backward_run<false>(dy + o, x + o, o, len, &centre, &pa, &pc, dp_out, true);
-      } else {
-        run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, dp_out);
-      }
-      const Vec cv(centre);
       Vec va(0), vb(0), vdev(0);
-      for (int64_t i = 0; i < len; i += IO::kSize) {
-        const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-        Vec xc = IO::load(x + o + i, count) - cv;
-        if (count < IO::kSize) xc = Vec::set(Vec(0), xc, count);  // padding lanes add nothing
-        const Vec dp = dp_lanes(dp_group, start + i, o + i, count);
-        const Vec wdp = uniform ? dp : lanes(run.w_eff, i, count) * dp;
-        va += wdp;
-        vb = at::vec::fmadd(wdp, xc, vb);
-        vdev += xc;
+      if (uniform && ep.active()) {
+        // w_eff = 1, pa = rstd, pc = 0 for every channel: dp from the group's values as
+        // broadcasts, with no per-element arrays (the arrays' values exactly: the same bits), and
+        // its sums in the same pass.
+        const acc_t pa = rstd[ng], pc = 0;
+        typename ElementwiseOperands<T>::RunSums rs;
+        ep.template backward_run<false, true>(dy + o, x + o, o, len, &centre, &pa, &pc, dp_out, true, &rs);
+        va = rs.dp;
+        vb = rs.dp_xc;
+        vdev = rs.xc;
+      } else {
+        if (!uniform) run.fill(ep, dy, x, n, c0, len, sh, w, b, mod, mean, rstd, dp_out);
+        const Vec cv(centre);
+        for (int64_t i = 0; i < len; i += IO::kSize) {
+          const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+          Vec xc = IO::load(x + o + i, count) - cv;
+          if (count < IO::kSize) xc = Vec::set(Vec(0), xc, count);  // padding lanes add nothing
+          const Vec dp = dp_lanes(dp_group, start + i, o + i, count);
+          const Vec wdp = uniform ? dp : lanes(run.w_eff, i, count) * dp;
+          va += wdp;
+          vb = at::vec::fmadd(wdp, xc, vb);
+          vdev += xc;
+        }
       }
       a += horizontal_sum(va);
       bsum += horizontal_sum(vb);
