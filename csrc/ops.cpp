@@ -2,8 +2,8 @@
 // built from the kernel ops (they run on every backend, so autograd, fake tensors, torch.compile
 // and torch.export see only the kernel ops underneath).
 //
-// Kernel ops (CPU: cpu/group_norm_kernel.cpp, CUDA: cuda/group_norm_kernel.cu; fake kernels and
-// autograd: ops/_registrations.py):
+// Kernel ops (CPU: cpu/group_norm_kernel.cpp, CUDA: cuda/group_norm_kernel.cu; autograd:
+// autograd.cpp; fake kernels: ops/_registrations.py):
 //   group_norm_forward  -> (output, mean, rstd); mean and rstd have shape (N, num_groups) and are
 //                          float32 (float64 for float64 input) whatever the input dtype
 //   group_norm_backward -> (grad_input, grad_weight, grad_bias); an output whose output_mask entry is

@@ -1,14 +1,14 @@
 """fusednorm: fused GroupNorm and InstanceNorm operators for PyTorch.
 
 The ops live in the ``torch.ops.fusednorm`` namespace; this package loads their native library,
-registers their fake (meta) kernels and autograd, and offers F-style functions and nn modules.
+registers their fake (meta) kernels, and offers F-style functions and nn modules.
 """
 
 from . import _library
 
 _library.load()
 
-from . import _registrations  # noqa: E402,F401  (registers fake kernels and autograd)
+from . import _registrations  # noqa: E402,F401  (registers the fake kernels)
 from . import nn  # noqa: E402
 from .functional import group_norm, instance_norm  # noqa: E402
 from .convert import convert  # noqa: E402

@@ -1,8 +1,8 @@
-"""Fake (meta) kernels and autograd for the kernel ops defined in csrc/ops.cpp.
+"""Fake (meta) kernels for the kernel ops defined in csrc/ops.cpp.
 
-The composite ops (group_norm, instance_norm) need neither: they decompose into the kernel ops.
-Fake kernels go through torch.library.register_fake (torch >= 2.4) or its older equivalents, autograd
-through an autograd.Function at the Autograd dispatch key on every torch version (see _compat).
+The composite ops (group_norm, instance_norm) need none: they decompose into the kernel ops.
+Fake kernels go through torch.library.register_fake (torch >= 2.4) or its older equivalents (see
+_compat). Autograd is in C++ (csrc/autograd.cpp), so that a backward runs no Python.
 """
 
 from typing import List, Optional
@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ._compat import register_autograd, register_fake
+from ._compat import register_fake
 
 # -- shared by the fake kernels ------------------------------------------------------------------
 
@@ -81,39 +81,6 @@ def _group_norm_forward_fake(input, num_groups, weight, bias, eps):
     )
 
 
-def _group_norm_forward_setup_context(ctx, inputs, output):
-    input, num_groups, weight, bias, _eps = inputs
-    _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    # mean and rstd never get gradients: without this autograd would fill zeros for them (two
-    # launches per backward, which show on small shapes).
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(input, mean, rstd, weight)
-    ctx.num_groups = num_groups
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
-    if grad_out is None:  # grads are not materialised (setup_context): y got no gradient
-        return (None,) * 5
-    input, mean, rstd, weight = ctx.saved_tensors
-    need_input, _, need_weight, need_bias, _ = ctx.needs_input_grad
-    grad_input, grad_weight, grad_bias = torch.ops.fusednorm.group_norm_backward(
-        grad_out, input, mean, rstd, weight, ctx.num_groups, [need_input, need_weight, need_bias]
-    )
-    # The op returns parameter gradients in the weight's dtype; the bias may have another.
-    return (
-        grad_input if need_input else None,
-        None,
-        grad_weight if need_weight else None,
-        grad_bias.to(ctx.bias_dtype) if need_bias else None,
-        None,
-    )
-
-
-register_autograd("group_norm_forward", _group_norm_forward_backward, _group_norm_forward_setup_context)
-
-
 # -- group_norm_backward -----------------------------------------------------------------------------
 
 
@@ -174,56 +141,6 @@ def _fused_group_norm_forward_fake(input, num_groups, weight, bias, eps, scale, 
     _check_group_norm_args(input, num_groups, weight, bias)
     _check_epilogue_args(input, scale, shift, residual, activation, multiplier)
     return _group_norm_forward_fake(input, num_groups, weight, bias, eps)
-
-
-def _fused_group_norm_forward_setup_context(ctx, inputs, output):
-    input, num_groups, weight, bias, _eps, scale, shift, residual, activation, negative_slope, multiplier = inputs
-    _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    # mean and rstd never get gradients: without this autograd would fill zeros for them (two
-    # launches per backward, which show on small shapes).
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(input, mean, rstd, weight, bias, scale, shift, residual, multiplier)
-    ctx.num_groups = num_groups
-    ctx.activation = activation
-    ctx.negative_slope = negative_slope
-    # One tensor as both residual and multiplier (problem 3's (h + y) * y): the backward op returns
-    # its whole gradient, rather than two that autograd would add in a pass of its own.
-    ctx.residual_is_multiplier = residual is not None and residual is multiplier
-
-
-def _fused_group_norm_forward_backward(ctx, grad_out, _grad_mean, _grad_rstd):
-    if grad_out is None:  # grads are not materialised (setup_context): z got no gradient
-        return (None,) * 11
-    input, mean, rstd, weight, bias, scale, shift, residual, multiplier = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    # Differentiable inputs, in the order of the backward op's outputs.
-    mask = [needs[0], needs[2], needs[3], needs[5], needs[6], needs[7], needs[10]]
-    summed = ctx.residual_is_multiplier
-    grads = torch.ops.fusednorm.fused_group_norm_backward(
-        grad_out, input, mean, rstd, weight, bias, ctx.num_groups, scale, shift, residual,
-        ctx.activation, ctx.negative_slope, multiplier, mask, summed,
-    )
-    # Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
-    # shape (N, C).
-    g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier = grads
-    return (
-        g_input if mask[0] else None,
-        None,
-        g_weight if mask[1] else None,
-        g_bias if mask[2] else None,
-        None,
-        g_scale.reshape(scale.shape) if mask[3] else None,
-        g_shift.reshape(shift.shape) if mask[4] else None,
-        g_residual if mask[5] or (summed and mask[6]) else None,
-        None,
-        None,
-        g_multiplier if mask[6] and not summed else None,
-    )
-
-
-register_autograd("fused_group_norm_forward", _fused_group_norm_forward_backward,
-                  _fused_group_norm_forward_setup_context)
 
 
 @register_fake("fused_group_norm_backward")

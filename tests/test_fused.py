@@ -221,6 +221,36 @@ def test_summed_residual_multiplier_grads(activation, layout, path, device, monk
                 assert summed[5].stride() == separate[5].stride(), "the kernel layout"
 
 
+@pytest.mark.parametrize("residual_is_multiplier", [False, True])
+def test_gradients_whichever_arguments_require_grad(residual_is_multiplier, device):
+    # Each argument's gradient is the same whichever of the others require grad: the autograd
+    # kernel (csrc/autograd.cpp) turns the arguments that require grad into the backward op's
+    # output mask and maps the op's outputs back to the arguments, (N, C, 1) scale and shift
+    # included.
+    torch.manual_seed(21)
+    x = torch.randn(2, 4, 5, device=device)
+    values = {"input": x, "weight": torch.randn(4, device=device), "bias": torch.randn(4, device=device),
+              **make_operands(x, OPERANDS, device, torch.float32, per_sample_shape="broadcast")}
+    names = [k for k in values if not (residual_is_multiplier and k == "multiplier")]
+    dz = torch.randn_like(x)
+
+    def grads(wanted):
+        leaves = {k: v.detach().clone().requires_grad_(k in wanted) for k, v in values.items()}
+        if residual_is_multiplier:
+            leaves["multiplier"] = leaves["residual"]
+        z = fusednorm.group_norm(leaves["input"], 2, leaves["weight"], leaves["bias"], activation="silu",
+                                 scale=leaves["scale"], shift=leaves["shift"], residual=leaves["residual"],
+                                 multiplier=leaves["multiplier"])
+        return dict(zip(wanted, torch.autograd.grad(z, [leaves[k] for k in wanted], dz)))
+
+    every = grads(names)
+    for r in range(1, len(names)):
+        for wanted in itertools.combinations(names, r):
+            for k, g in grads(wanted).items():
+                assert g.shape == values[k].shape, k
+                torch.testing.assert_close(g, every[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k} of {wanted}: {m}")
+
+
 def test_gradcheck_every_operand(device):
     torch.manual_seed(3)
     x = torch.randn(2, 4, 5, dtype=torch.float64, device=device, requires_grad=True)

@@ -1,0 +1,86 @@
+"""Host time per call: fusednorm against the eager composition on an input so small that the
+kernels cost next to nothing, forward with grad and backward (torch.autograd.grad), plain and
+fused (GN+SiLU), with the raw kernel ops beside them. The small rows of the GPU suite are bound by
+this time, not by their kernels.
+
+    python benchmarks/host_overhead.py [--device cpu|cuda] [--threads 1] [--reps 2000]
+
+Calls are timed in turns (the order rotating) and each figure is the median in microseconds; on
+CUDA each call is followed by a synchronize, so a figure is its host time plus one tiny kernel's
+latency.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fusednorm
+
+
+def timed_in_turns(fns, reps, sync):
+    times = {k: [] for k in fns}
+    keys = list(fns)
+    for _ in range(50):
+        for f in fns.values():
+            f()
+    sync()
+    for i in range(reps):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+            t0 = time.perf_counter()
+            fns[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=2000)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    torch.manual_seed(0)
+    G = 32
+    x, w, b = torch.randn(2, 64, 2, 2, device=device), torch.randn(64, device=device), torch.randn(64, device=device)
+    dy = torch.randn_like(x)
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    leaves = [xg, wg, bg]
+    graphs = {
+        "fused": fusednorm.group_norm(xg, G, wg, bg, activation="silu"),
+        "eager fused": F.silu(F.group_norm(xg, G, wg, bg)),
+        "plain": fusednorm.group_norm(xg, G, wg, bg),
+        "eager plain": F.group_norm(xg, G, wg, bg),
+    }
+    _, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, G, w, b, 1e-5)
+    N, C, HxW = x.shape[0], x.shape[1], x.numel() // (x.shape[0] * x.shape[1])
+    _, aten_mean, aten_rstd = torch.ops.aten.native_group_norm(x, w, b, N, C, HxW, G, 1e-5)
+    fns = {
+        "fusednorm GN+SiLU forward, grad": lambda: fusednorm.group_norm(xg, G, wg, bg, activation="silu"),
+        "eager GN+SiLU forward, grad": lambda: F.silu(F.group_norm(xg, G, wg, bg)),
+        "fusednorm GN forward, grad": lambda: fusednorm.group_norm(xg, G, wg, bg),
+        "eager GN forward, grad": lambda: F.group_norm(xg, G, wg, bg),
+        "fusednorm GN+SiLU backward": lambda: torch.autograd.grad(graphs["fused"], leaves, dy, retain_graph=True),
+        "eager GN+SiLU backward": lambda: torch.autograd.grad(graphs["eager fused"], leaves, dy, retain_graph=True),
+        "fusednorm GN backward": lambda: torch.autograd.grad(graphs["plain"], leaves, dy, retain_graph=True),
+        "eager GN backward": lambda: torch.autograd.grad(graphs["eager plain"], leaves, dy, retain_graph=True),
+        "op fused_group_norm_backward": lambda: torch.ops.fusednorm.fused_group_norm_backward(
+            dy, x, mean, rstd, w, b, G, None, None, None, "silu", 0.01, None, [True] * 3 + [False] * 4),
+        "op group_norm_backward": lambda: torch.ops.fusednorm.group_norm_backward(
+            dy, x, mean, rstd, w, G, [True] * 3),
+        "op aten native_group_norm_backward": lambda: torch.ops.aten.native_group_norm_backward(
+            dy, x, aten_mean, aten_rstd, w, N, C, HxW, G, [True] * 3),
+    }
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s), input {tuple(x.shape)}")
+    for name, us in timed_in_turns(fns, args.reps, sync).items():
+        print(f"{name:36s} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+// Autograd of the forward kernel ops, group_norm_forward and fused_group_norm_forward: C++ autograd
+// Functions at the Autograd key, as ATen's own norms have. A backward then runs no Python, and
+// the graph a call records is one C++ node: the host time of small shapes (the UNet rows at batch
+// 2, where the kernels take 5-40 us) is what bounds them. It also gives programs that run without
+// Python (TorchScript loaded by torch::jit::load) a backward.
+//
+// The formulas are in the backward ops (group_norm_backward, fused_group_norm_backward); this file
+// only decides which gradients are wanted and maps the backward op's outputs to the forward's
+// arguments. Neither backward op has a derivative of its own: no double backward, as before.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace fusednorm {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+// Saved tensors are at::Tensor, undefined where an optional argument was absent.
+at::Tensor or_undefined(const OptTensor& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+
+OptTensor as_optional(const at::Tensor& t) {
+  return t.defined() ? OptTensor(t) : c10::nullopt;
+}
+
+bool requires_grad(const OptTensor& t) {
+  return t.has_value() && t->defined() && t->requires_grad();
+}
+
+// Whether a call records a graph: as torch.library's autograd kernels, a call that records none
+// skips the Function (its context and saved tensors) altogether.
+bool records_graph(std::initializer_list<const OptTensor*> tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const OptTensor* t : tensors) {
+    if (requires_grad(*t)) return true;
+  }
+  return false;
+}
+
+// Which inputs want a gradient, as Python's ctx.needs_input_grad: their requires_grad at the
+// forward (which runs only while a graph is recorded).
+c10::List<bool> wanted(std::initializer_list<const OptTensor*> tensors) {
+  c10::List<bool> out;
+  for (const OptTensor* t : tensors) out.push_back(requires_grad(*t));
+  return out;
+}
+
+// mean and rstd never get gradients: marked non-differentiable, with grads not materialised (else
+// autograd fills zeros for them: two launches a backward, which show on small shapes).
+void save_statistics(AutogradContext* ctx, const at::Tensor& mean, const at::Tensor& rstd) {
+  ctx->mark_non_differentiable({mean, rstd});
+  ctx->set_materialize_grads(false);
+}
+
+using ForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double);
+using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, std::array<bool, 3>);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_below_autograd(const at::Tensor& input,
+    int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps) {
+  static auto op = find_op<ForwardFn>("fusednorm::group_norm_forward");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(input, num_groups, weight, bias, eps);
+}
+
+class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, int64_t num_groups,
+      const OptTensor& weight, const OptTensor& bias, double eps) {
+    auto [output, mean, rstd] = group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
+    save_statistics(ctx, mean, rstd);
+    ctx->save_for_backward({input, mean, rstd, or_undefined(weight)});
+    ctx->saved_data["num_groups"] = num_groups;
+    const OptTensor x(input);
+    ctx->saved_data["wanted"] = wanted({&x, &weight, &bias});
+    // The op returns parameter gradients in the weight's dtype; the bias may have another.
+    if (requires_grad(bias)) ctx->saved_data["bias_dtype"] = bias->scalar_type();
+    return {output, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(5);
+    const at::Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return out;  // the output got no gradient
+    const variable_list saved = ctx->get_saved_variables();
+    const c10::List<bool> want = ctx->saved_data["wanted"].toBoolList();
+    const std::array<bool, 3> mask{want[0], want[1], want[2]};
+    static auto op = find_op<BackwardFn>("fusednorm::group_norm_backward");
+    auto [grad_input, grad_weight, grad_bias] = op.call(grad_out, saved[0], saved[1], saved[2],
+        as_optional(saved[3]), ctx->saved_data["num_groups"].toInt(), mask);
+    if (mask[0]) out[0] = grad_input;
+    if (mask[1]) out[2] = grad_weight;
+    if (mask[2]) out[3] = grad_bias.to(ctx->saved_data["bias_dtype"].toScalarType());
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const at::Tensor& input,
+    int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps) {
+  const OptTensor x(input);
+  if (!records_graph({&x, &weight, &bias})) {
+    return group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
+  }
+  variable_list out = GroupNormForward::apply(input, num_groups, weight, bias, eps);
+  return {out[0], out[1], out[2]};
+}
+
+using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t,
+    const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&, const OptTensor&,
+    c10::string_view, double, const OptTensor&);
+using FusedBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+    at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+    const OptTensor&, int64_t, const OptTensor&, const OptTensor&, const OptTensor&, c10::string_view, double,
+    const OptTensor&, std::array<bool, 7>, bool);
+
+// The arguments of fused_group_norm_forward besides input, weight and bias.
+struct FusedArgs {
+  int64_t num_groups;
+  double eps;
+  const OptTensor& scale;
+  const OptTensor& shift;
+  const OptTensor& residual;
+  c10::string_view activation;
+  double negative_slope;
+  const OptTensor& multiplier;
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_below_autograd(
+    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias, const FusedArgs& a) {
+  static auto op = find_op<FusedForwardFn>("fusednorm::fused_group_norm_forward");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(input, a.num_groups, weight, bias, a.eps, a.scale, a.shift, a.residual, a.activation,
+      a.negative_slope, a.multiplier);
+}
+
+class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormForward> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, int64_t num_groups,
+      const OptTensor& weight, const OptTensor& bias, double eps, const OptTensor& scale,
+      const OptTensor& shift, const OptTensor& residual, c10::string_view activation,
+      double negative_slope, const OptTensor& multiplier) {
+    const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
+    auto [output, mean, rstd] = fused_group_norm_forward_below_autograd(input, weight, bias, args);
+    save_statistics(ctx, mean, rstd);
+    ctx->save_for_backward({input, mean, rstd, or_undefined(weight), or_undefined(bias), or_undefined(scale),
+        or_undefined(shift), or_undefined(residual), or_undefined(multiplier)});
+    ctx->saved_data["num_groups"] = num_groups;
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["negative_slope"] = negative_slope;
+    const OptTensor x(input);
+    ctx->saved_data["wanted"] = wanted({&x, &weight, &bias, &scale, &shift, &residual, &multiplier});
+    // One tensor as both residual and multiplier (problem 3's (h + y) * y): the backward op returns
+    // its whole gradient, rather than two that autograd would add in a pass of its own.
+    ctx->saved_data["residual_is_multiplier"] =
+        residual.has_value() && multiplier.has_value() && residual->is_same(*multiplier);
+    return {output, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(11);
+    const at::Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return out;  // the output got no gradient
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &input = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3],
+                     &bias = saved[4], &scale = saved[5], &shift = saved[6], &residual = saved[7],
+                     &multiplier = saved[8];
+    const c10::List<bool> want = ctx->saved_data["wanted"].toBoolList();
+    // In the order of the backward op's outputs: input, weight, bias, scale, shift, residual,
+    // multiplier.
+    const std::array<bool, 7> mask{want[0], want[1], want[2], want[3], want[4], want[5], want[6]};
+    const bool summed = ctx->saved_data["residual_is_multiplier"].toBool();
+    static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    auto [g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier] = op.call(grad_out,
+        input, mean, rstd, as_optional(weight), as_optional(bias), ctx->saved_data["num_groups"].toInt(),
+        as_optional(scale), as_optional(shift), as_optional(residual), activation,
+        ctx->saved_data["negative_slope"].toDouble(), as_optional(multiplier), mask, summed);
+    // Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
+    // shape (N, C).
+    if (mask[0]) out[0] = g_input;
+    if (mask[1]) out[2] = g_weight;
+    if (mask[2]) out[3] = g_bias;
+    if (mask[3]) out[5] = g_scale.reshape_symint(scale.sym_sizes());
+    if (mask[4]) out[6] = g_shift.reshape_symint(shift.sym_sizes());
+    if (mask[5] || (summed && mask[6])) out[7] = g_residual;
+    if (mask[6] && !summed) out[10] = g_multiplier;
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd(const at::Tensor& input,
+    int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps, const OptTensor& scale,
+    const OptTensor& shift, const OptTensor& residual, c10::string_view activation, double negative_slope,
+    const OptTensor& multiplier) {
+  const OptTensor x(input);
+  if (!records_graph({&x, &weight, &bias, &scale, &shift, &residual, &multiplier})) {
+    const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
+    return fused_group_norm_forward_below_autograd(input, weight, bias, args);
+  }
+  variable_list out = FusedGroupNormForward::apply(input, num_groups, weight, bias, eps, scale, shift,
+      residual, activation, negative_slope, multiplier);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
+  m.impl("group_norm_forward", &group_norm_forward_autograd);
+  m.impl("fused_group_norm_forward", &fused_group_norm_forward_autograd);
+}
+
+}  // namespace fusednorm
