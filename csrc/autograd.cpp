@@ -5,13 +5,19 @@
 // Python (TorchScript loaded by torch::jit::load) a backward.
 //
 // The formulas are in the backward ops (group_norm_backward, fused_group_norm_backward); this file
-// only decides which gradients are wanted and maps the backward op's outputs to the forward's
-// arguments. Neither backward op has a derivative of its own: no double backward, as before.
+// decides which gradients are wanted and maps the backward op's outputs to the forward's
+// arguments. The backward ops have no derivative of their own: with create_graph (double
+// backward: gradient penalties, Hessian-vector products) the gradients are taken instead through
+// the same function composed of differentiable ATen ops (at::group_norm, which ATen differentiates
+// twice, then apply_epilogue), so that they carry a graph.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
+
+#include "group_norm.h"
 
 namespace fusednorm {
 namespace {
@@ -63,6 +69,37 @@ void save_statistics(AutogradContext* ctx, const at::Tensor& mean, const at::Ten
   ctx->set_materialize_grads(false);
 }
 
+// The double-backward path. `inputs` are the forward's tensor arguments by position (undefined
+// where absent), `wanted` which of them get a gradient, `compose` the forward as differentiable
+// ATen ops of those arguments (in float32, or float64 for float64 input: the kernels' precision).
+// Returns a gradient per position, undefined where not wanted.
+template <typename Compose>
+variable_list differentiable_grads(const variable_list& inputs, const std::vector<bool>& wanted,
+    const at::Tensor& grad_out, Compose compose) {
+  const auto opmath = inputs[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  variable_list leaves;
+  for (const at::Tensor& t : inputs) leaves.push_back(t.defined() ? t.to(opmath) : t);
+  variable_list targets;
+  std::vector<size_t> positions;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (wanted[i]) {
+      targets.push_back(inputs[i]);
+      positions.push_back(i);
+    }
+  }
+  const at::Tensor z = compose(leaves);
+  const variable_list grads = torch::autograd::grad({z}, targets, {grad_out.to(opmath)},
+      /*retain_graph=*/true, /*create_graph=*/true, /*allow_unused=*/true);
+  variable_list out(inputs.size());
+  for (size_t k = 0; k < positions.size(); ++k) {
+    // Autograd casts a gradient to its input's dtype; make it explicit (and keep zeros, which
+    // allow_unused leaves undefined, as zeros of that dtype: the kernels' gradient there).
+    const at::Tensor& t = inputs[positions[k]];
+    out[positions[k]] = grads[k].defined() ? grads[k].to(t.scalar_type()) : at::zeros_like(t);
+  }
+  return out;
+}
+
 using ForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double);
 using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
@@ -81,8 +118,9 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
       const OptTensor& weight, const OptTensor& bias, double eps) {
     auto [output, mean, rstd] = group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
     save_statistics(ctx, mean, rstd);
-    ctx->save_for_backward({input, mean, rstd, or_undefined(weight)});
+    ctx->save_for_backward({input, mean, rstd, or_undefined(weight), or_undefined(bias)});
     ctx->saved_data["num_groups"] = num_groups;
+    ctx->saved_data["eps"] = eps;
     const OptTensor x(input);
     ctx->saved_data["wanted"] = wanted({&x, &weight, &bias});
     // The op returns parameter gradients in the weight's dtype; the bias may have another.
@@ -97,9 +135,18 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
     const variable_list saved = ctx->get_saved_variables();
     const c10::List<bool> want = ctx->saved_data["wanted"].toBoolList();
     const std::array<bool, 3> mask{want[0], want[1], want[2]};
+    const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
+    if (at::GradMode::is_enabled()) {  // create_graph
+      const double eps = ctx->saved_data["eps"].toDouble();
+      const variable_list g = differentiable_grads({saved[0], saved[3], saved[4]}, {mask[0], mask[1], mask[2]},
+          grad_out, [&](const variable_list& v) {
+            return at::group_norm(v[0], num_groups, v[1], v[2], eps, /*cudnn_enabled=*/false);
+          });
+      return {g[0], at::Tensor(), g[1], g[2], at::Tensor()};
+    }
     static auto op = find_op<BackwardFn>("fusednorm::group_norm_backward");
-    auto [grad_input, grad_weight, grad_bias] = op.call(grad_out, saved[0], saved[1], saved[2],
-        as_optional(saved[3]), ctx->saved_data["num_groups"].toInt(), mask);
+    auto [grad_input, grad_weight, grad_bias] =
+        op.call(grad_out, saved[0], saved[1], saved[2], as_optional(saved[3]), num_groups, mask);
     if (mask[0]) out[0] = grad_input;
     if (mask[1]) out[2] = grad_weight;
     if (mask[2]) out[3] = grad_bias.to(ctx->saved_data["bias_dtype"].toScalarType());
@@ -157,6 +204,7 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     ctx->save_for_backward({input, mean, rstd, or_undefined(weight), or_undefined(bias), or_undefined(scale),
         or_undefined(shift), or_undefined(residual), or_undefined(multiplier)});
     ctx->saved_data["num_groups"] = num_groups;
+    ctx->saved_data["eps"] = eps;
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["negative_slope"] = negative_slope;
     const OptTensor x(input);
@@ -181,12 +229,28 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     // multiplier.
     const std::array<bool, 7> mask{want[0], want[1], want[2], want[3], want[4], want[5], want[6]};
     const bool summed = ctx->saved_data["residual_is_multiplier"].toBool();
-    static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
+    const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
     const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
+    if (at::GradMode::is_enabled()) {  // create_graph
+      const double eps = ctx->saved_data["eps"].toDouble();
+      // One tensor as residual and multiplier: its one leaf takes both roles, and its whole
+      // gradient goes to the residual's position, as below.
+      const variable_list g = differentiable_grads({input, weight, bias, scale, shift, residual, multiplier},
+          {mask[0], mask[1], mask[2], mask[3], mask[4], mask[5] || (summed && mask[6]), mask[6] && !summed},
+          grad_out, [&](const variable_list& v) {
+            const OptTensor s = as_optional(v[3]), t = as_optional(v[4]), r = as_optional(v[5]),
+                            m = as_optional(summed ? v[5] : v[6]);
+            const at::Tensor z = at::group_norm(v[0], num_groups, v[1], v[2], eps, /*cudnn_enabled=*/false);
+            return apply_epilogue(z, v[0], EpilogueArgs{activation, negative_slope, s, t, r, m});
+          });
+      return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6]};
+    }
+    static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
     auto [g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier] = op.call(grad_out,
-        input, mean, rstd, as_optional(weight), as_optional(bias), ctx->saved_data["num_groups"].toInt(),
-        as_optional(scale), as_optional(shift), as_optional(residual), activation,
-        ctx->saved_data["negative_slope"].toDouble(), as_optional(multiplier), mask, summed);
+        input, mean, rstd, as_optional(weight), as_optional(bias), num_groups, as_optional(scale),
+        as_optional(shift), as_optional(residual), activation, negative_slope, as_optional(multiplier),
+        mask, summed);
     // Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
     // shape (N, C).
     if (mask[0]) out[0] = g_input;

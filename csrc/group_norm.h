@@ -105,6 +105,26 @@ Epilogue make_epilogue(
     double negative_slope,
     const c10::optional<at::Tensor>& multiplier);
 
+// The epilogue keywords of the composite ops, as passed ("none" for no activation).
+struct EpilogueArgs {
+  c10::string_view activation;
+  double negative_slope;
+  const c10::optional<at::Tensor>& scale;
+  const c10::optional<at::Tensor>& shift;
+  const c10::optional<at::Tensor>& residual;
+  const c10::optional<at::Tensor>& multiplier;
+
+  bool empty() const {
+    return parse_activation(activation) == Activation::None && !defined(scale) && !defined(shift) &&
+           !defined(residual) && !defined(multiplier);
+  }
+};
+
+// The epilogue of epilogue.h on an already normalized z, with differentiable ATen ops (ops.cpp):
+// the eval path of instance_norm, which is not a kernel op, and the double backward
+// (autograd.cpp). Operands are checked as make_epilogue does, on symbolic shapes too.
+at::Tensor apply_epilogue(at::Tensor z, const at::Tensor& input, const EpilogueArgs& ep);
+
 // Outputs of fused_group_norm_backward, in schema order. An output whose output_mask entry is
 // false is an empty tensor of shape (0,).
 //   grad_input, grad_residual, grad_multiplier: the input's shape and dtype, in its kernel layout;

@@ -47,21 +47,6 @@ c10::SymInt spatial_numel(const at::Tensor& input) {
   return n;
 }
 
-// The epilogue keywords of the composite ops, as passed ("none" for no activation).
-struct EpilogueArgs {
-  c10::string_view activation;
-  double negative_slope;
-  const OptTensor& scale;
-  const OptTensor& shift;
-  const OptTensor& residual;
-  const OptTensor& multiplier;
-
-  bool empty() const {
-    return parse_activation(activation) == Activation::None && !defined(scale) && !defined(shift) &&
-           !defined(residual) && !defined(multiplier);
-  }
-};
-
 using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&,
     const OptTensor&, const OptTensor&, c10::string_view, double, const OptTensor&);
@@ -104,44 +89,6 @@ at::Tensor per_channel(const at::Tensor& t, int64_t rank) {
   std::vector<int64_t> shape(rank - 1, 1);
   shape[0] = -1;
   return t.reshape(shape);
-}
-
-// The epilogue of epilogue.h on an already normalized z, with ATen ops (the eval path of
-// instance_norm, which is not a kernel op). Operands are checked as make_epilogue does, on
-// symbolic shapes too.
-at::Tensor apply_epilogue(at::Tensor z, const at::Tensor& input, const EpilogueArgs& ep) {
-  const int64_t rank = input.dim();
-  auto per_sample_channel = [&](const char* name, const at::Tensor& t) {
-    bool ok = t.dim() >= 2 && t.sym_size(0) == input.sym_size(0) && t.sym_size(1) == input.sym_size(1);
-    for (int64_t d = 2; ok && d < t.dim(); ++d) ok = t.sym_size(d) == 1;
-    TORCH_CHECK(ok, "Expected ", name, " of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = (",
-        input.sym_size(0), ", ", input.sym_size(1), "), but got ", name, " of shape ", t.sym_sizes());
-    std::vector<c10::SymInt> shape(rank, 1);
-    shape[0] = input.sym_size(0);
-    shape[1] = input.sym_size(1);
-    return t.reshape_symint(shape).to(z.scalar_type());
-  };
-  auto like_input = [&](const char* name, const at::Tensor& t) {
-    TORCH_CHECK(t.sym_sizes() == input.sym_sizes(), "Expected ", name, " of the input's shape ",
-        input.sym_sizes(), ", but got ", t.sym_sizes());
-    TORCH_CHECK_TYPE(t.scalar_type() == input.scalar_type(), "Expected ", name,
-        " to have the input's dtype (", input.scalar_type(), "), but got ", t.scalar_type());
-    return t.to(z.scalar_type());
-  };
-  if (defined(ep.scale)) z = z * (per_sample_channel("scale", *ep.scale) + 1);
-  if (defined(ep.shift)) z = z + per_sample_channel("shift", *ep.shift);
-  if (defined(ep.residual)) z = z + like_input("residual", *ep.residual);
-  switch (parse_activation(ep.activation)) {
-    case Activation::SiLU: z = at::silu(z); break;
-    case Activation::GELU: z = at::gelu(z); break;
-    case Activation::GELUTanh: z = at::gelu(z, "tanh"); break;
-    case Activation::ReLU: z = at::relu(z); break;
-    case Activation::LeakyReLU: z = at::leaky_relu(z, ep.negative_slope); break;
-    case Activation::Mish: z = at::mish(z); break;
-    case Activation::None: break;
-  }
-  if (defined(ep.multiplier)) z = z * like_input("multiplier", *ep.multiplier);
-  return z;
 }
 
 // Eval mode with running statistics: a per-channel affine map, computed in float32 or better.
@@ -211,6 +158,41 @@ at::Tensor instance_norm(
 }
 
 }  // namespace
+
+at::Tensor apply_epilogue(at::Tensor z, const at::Tensor& input, const EpilogueArgs& ep) {
+  const int64_t rank = input.dim();
+  auto per_sample_channel = [&](const char* name, const at::Tensor& t) {
+    bool ok = t.dim() >= 2 && t.sym_size(0) == input.sym_size(0) && t.sym_size(1) == input.sym_size(1);
+    for (int64_t d = 2; ok && d < t.dim(); ++d) ok = t.sym_size(d) == 1;
+    TORCH_CHECK(ok, "Expected ", name, " of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = (",
+        input.sym_size(0), ", ", input.sym_size(1), "), but got ", name, " of shape ", t.sym_sizes());
+    std::vector<c10::SymInt> shape(rank, 1);
+    shape[0] = input.sym_size(0);
+    shape[1] = input.sym_size(1);
+    return t.reshape_symint(shape).to(z.scalar_type());
+  };
+  auto like_input = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.sym_sizes() == input.sym_sizes(), "Expected ", name, " of the input's shape ",
+        input.sym_sizes(), ", but got ", t.sym_sizes());
+    TORCH_CHECK_TYPE(t.scalar_type() == input.scalar_type(), "Expected ", name,
+        " to have the input's dtype (", input.scalar_type(), "), but got ", t.scalar_type());
+    return t.to(z.scalar_type());
+  };
+  if (defined(ep.scale)) z = z * (per_sample_channel("scale", *ep.scale) + 1);
+  if (defined(ep.shift)) z = z + per_sample_channel("shift", *ep.shift);
+  if (defined(ep.residual)) z = z + like_input("residual", *ep.residual);
+  switch (parse_activation(ep.activation)) {
+    case Activation::SiLU: z = at::silu(z); break;
+    case Activation::GELU: z = at::gelu(z); break;
+    case Activation::GELUTanh: z = at::gelu(z, "tanh"); break;
+    case Activation::ReLU: z = at::relu(z); break;
+    case Activation::LeakyReLU: z = at::leaky_relu(z, ep.negative_slope); break;
+    case Activation::Mish: z = at::mish(z); break;
+    case Activation::None: break;
+  }
+  if (defined(ep.multiplier)) z = z * like_input("multiplier", *ep.multiplier);
+  return z;
+}
 
 TORCH_LIBRARY(fusednorm, m) {
   m.def(

@@ -251,6 +251,46 @@ def test_gradients_whichever_arguments_require_grad(residual_is_multiplier, devi
                 torch.testing.assert_close(g, every[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k} of {wanted}: {m}")
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_double_backward(activation, device):
+    # With create_graph the gradients are taken through a differentiable composition of ATen ops
+    # (csrc/autograd.cpp), so gradients of gradients exist: gradient penalties, Hessian-vector
+    # products.
+    torch.manual_seed(22)
+    x = torch.randn(2, 4, 3, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
+    ops = {k: v.requires_grad_() for k, v in make_operands(x, OPERANDS, device, torch.float64, "broadcast").items()}
+    fn = lambda x, w, b, s, t, r, m: fusednorm.group_norm(  # noqa: E731
+        x, 2, w, b, activation=activation, scale=s, shift=t, residual=r, multiplier=m)
+    assert torch.autograd.gradgradcheck(fn, (x, w, b, ops["scale"], ops["shift"], ops["residual"], ops["multiplier"]))
+    assert torch.autograd.gradgradcheck(lambda x, w, b: fusednorm.group_norm(x, 2, w, b, activation=activation), (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x, r: fusednorm.group_norm(x, 1, residual=r, multiplier=r), (x, ops["residual"]))
+    assert torch.autograd.gradgradcheck(lambda x, w: fusednorm.instance_norm(x, weight=w, activation=activation), (x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_create_graph_gradients_match_the_kernels(layout, dtype, device):
+    # The create_graph path computes the same first-order gradients as the kernels, in every dtype
+    # and layout, and they depend on the inputs (a gradient penalty's gradient is not zero).
+    torch.manual_seed(23)
+    x = to_layout(torch.randn(2, 8, 5, 6, device=device).to(dtype), layout).requires_grad_()
+    w = torch.randn(8, device=device, dtype=dtype, requires_grad=True)
+    ops = {k: v.requires_grad_() for k, v in make_operands(x, ["scale", "residual"], device, dtype).items()}
+    z = fusednorm.group_norm(x, 4, w, None, activation="silu", scale=ops["scale"], residual=ops["residual"])
+    dz = torch.randn_like(z)
+    leaves = [x, w, ops["scale"], ops["residual"]]
+    plain = torch.autograd.grad(z, leaves, dz, retain_graph=True)
+    graphed = torch.autograd.grad(z, leaves, dz, create_graph=True)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 5e-2)
+    for g, h in zip(plain, graphed):
+        assert h.dtype == g.dtype and h.shape == g.shape
+        torch.testing.assert_close(h, g, rtol=tol, atol=tol)
+    penalty = sum((g.float() ** 2).sum() for g in graphed)
+    assert all(p.abs().sum() > 0 for p in torch.autograd.grad(penalty, [x, w]))
+
+
 def test_gradcheck_every_operand(device):
     torch.manual_seed(3)
     x = torch.randn(2, 4, 5, dtype=torch.float64, device=device, requires_grad=True)
