@@ -6,11 +6,15 @@
 //
 // The formulas are in the backward ops (group_norm_backward, fused_group_norm_backward); this file
 // decides which gradients are wanted and maps the backward op's outputs to the forward's
-// arguments. The backward ops have no derivative of their own: with create_graph (double
-// backward: gradient penalties, Hessian-vector products) the gradients are taken instead through
-// the same function composed of differentiable ATen ops (at::group_norm, which ATen differentiates
-// twice, then apply_epilogue), so that they carry a graph.
+// arguments. The kernels have no other derivatives, so the same function composed of
+// differentiable ATen ops (ComposedForward) stands in where more is asked:
+//   - with create_graph (double backward: gradient penalties, Hessian-vector products) the
+//     backward takes the gradients through it, so that they carry a graph;
+//   - a call with a forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad), or
+//     one that records a graph under a functorch transform (torch.func.grad / vjp / jacrev /
+//     hessian, which refuse C++ autograd Functions), returns its output.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/FuncTorchTLS.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -69,16 +73,44 @@ void save_statistics(AutogradContext* ctx, const at::Tensor& mean, const at::Ten
   ctx->set_materialize_grads(false);
 }
 
-// The double-backward path. `inputs` are the forward's tensor arguments by position (undefined
-// where absent), `wanted` which of them get a gradient, `compose` the forward as differentiable
-// ATen ops of those arguments (in float32, or float64 for float64 input: the kernels' precision).
-// Returns a gradient per position, undefined where not wanted.
-template <typename Compose>
-variable_list differentiable_grads(const variable_list& inputs, const std::vector<bool>& wanted,
-    const at::Tensor& grad_out, Compose compose) {
+// The forward as differentiable ATen ops of its tensor arguments by position: input, weight, bias
+// and, for the fused op, scale, shift, residual, multiplier (undefined where absent). at::group_norm
+// is differentiated by ATen in both modes and twice, and so is apply_epilogue.
+struct ComposedForward {
+  int64_t num_groups;
+  double eps;
+  c10::string_view activation = "none";
+  double negative_slope = 0.01;
+
+  at::Tensor operator()(const variable_list& v) const {
+    // On a contiguous copy, the result then in the input's memory format: torch 2.1's
+    // forward-mode formula of group_norm views a channels-last input, and fails.
+    at::Tensor z = at::group_norm(v[0].contiguous(), num_groups, v[1], v[2], eps, /*cudnn_enabled=*/false);
+    if (v.size() > 3) {
+      const OptTensor scale = as_optional(v[3]), shift = as_optional(v[4]), residual = as_optional(v[5]),
+                      multiplier = as_optional(v[6]);
+      z = apply_epilogue(z, v[0], EpilogueArgs{activation, negative_slope, scale, shift, residual, multiplier});
+    }
+    return z.contiguous(v[0].suggest_memory_format());
+  }
+};
+
+// The arguments cast (differentiably) to the kernels' precision: float32, or float64 for float64
+// input.
+variable_list in_opmath(const variable_list& inputs) {
   const auto opmath = inputs[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  variable_list leaves;
-  for (const at::Tensor& t : inputs) leaves.push_back(t.defined() ? t.to(opmath) : t);
+  variable_list out;
+  for (const at::Tensor& t : inputs) out.push_back(t.defined() ? t.to(opmath) : t);
+  return out;
+}
+
+// The create_graph backward: the gradients of the composed forward for the `wanted` positions of
+// `inputs`, with a graph; undefined at the other positions. (One tensor as residual and
+// multiplier is one input reached by two casts: its gradient at the residual's position is the
+// whole of it.)
+variable_list differentiable_grads(const variable_list& inputs, const std::vector<bool>& wanted,
+    const at::Tensor& grad_out, const ComposedForward& forward) {
+  const at::Tensor z = forward(in_opmath(inputs));
   variable_list targets;
   std::vector<size_t> positions;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -87,17 +119,48 @@ variable_list differentiable_grads(const variable_list& inputs, const std::vecto
       positions.push_back(i);
     }
   }
-  const at::Tensor z = compose(leaves);
-  const variable_list grads = torch::autograd::grad({z}, targets, {grad_out.to(opmath)},
+  const variable_list grads = torch::autograd::grad({z}, targets, {grad_out.to(z.scalar_type())},
       /*retain_graph=*/true, /*create_graph=*/true, /*allow_unused=*/true);
   variable_list out(inputs.size());
   for (size_t k = 0; k < positions.size(); ++k) {
-    // Autograd casts a gradient to its input's dtype; make it explicit (and keep zeros, which
-    // allow_unused leaves undefined, as zeros of that dtype: the kernels' gradient there).
+    // In the input's dtype (autograd would cast too), and zeros where allow_unused left none:
+    // the kernels' gradient there.
     const at::Tensor& t = inputs[positions[k]];
     out[positions[k]] = grads[k].defined() ? grads[k].to(t.scalar_type()) : at::zeros_like(t);
   }
   return out;
+}
+
+// Whether a functorch transform is active: the condition under which Function::apply refuses C++
+// autograd Functions, tested as apply tests it (functorch's layer stack is not in the installed
+// headers' reach: its header needs one torch does not ship).
+bool in_functorch_transform() {
+  const auto& tls = at::functorch::functorchTLSAccessor();
+  if (!tls) return false;
+  try {
+    tls->checkSupportsCppAutogradFunction();
+    return false;
+  } catch (const c10::Error&) {
+    return true;
+  }
+}
+
+// Whether the call must go through the composed forward: an argument carries a forward-mode
+// tangent (at ATen's level, 0), or a graph is recorded under a functorch transform.
+bool needs_composition(std::initializer_list<const OptTensor*> tensors) {
+  for (const OptTensor* t : tensors) {
+    if (t->has_value() && (*t)->defined() && (*t)->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return records_graph(tensors) && in_functorch_transform();
+}
+
+// The composed forward's output, which carries the tangents and the graph, in the input's dtype;
+// mean and rstd, which have no derivative, from the kernel op.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> through_composition(
+    const std::tuple<at::Tensor, at::Tensor, at::Tensor>& kernel_result, const variable_list& inputs,
+    const ComposedForward& forward) {
+  const at::Tensor z = forward(in_opmath(inputs)).to(inputs[0].scalar_type());
+  return {z, std::get<1>(kernel_result), std::get<2>(kernel_result)};
 }
 
 using ForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
@@ -137,12 +200,10 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
     const std::array<bool, 3> mask{want[0], want[1], want[2]};
     const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
     if (at::GradMode::is_enabled()) {  // create_graph
-      const double eps = ctx->saved_data["eps"].toDouble();
-      const variable_list g = differentiable_grads({saved[0], saved[3], saved[4]}, {mask[0], mask[1], mask[2]},
-          grad_out, [&](const variable_list& v) {
-            return at::group_norm(v[0], num_groups, v[1], v[2], eps, /*cudnn_enabled=*/false);
-          });
-      return {g[0], at::Tensor(), g[1], g[2], at::Tensor()};
+      const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble()};
+      const variable_list g =
+          differentiable_grads({saved[0], saved[3], saved[4]}, {mask[0], mask[1], mask[2]}, grad_out, forward);
+      return {g[0], {}, g[1], g[2], {}};
     }
     static auto op = find_op<BackwardFn>("fusednorm::group_norm_backward");
     auto [grad_input, grad_weight, grad_bias] =
@@ -157,6 +218,10 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const at::Tensor& input,
     int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps) {
   const OptTensor x(input);
+  if (needs_composition({&x, &weight, &bias})) {
+    return through_composition(group_norm_forward_below_autograd(input, num_groups, weight, bias, eps),
+        {input, or_undefined(weight), or_undefined(bias)}, ComposedForward{num_groups, eps});
+  }
   if (!records_graph({&x, &weight, &bias})) {
     return group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
   }
@@ -233,17 +298,11 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
     if (at::GradMode::is_enabled()) {  // create_graph
-      const double eps = ctx->saved_data["eps"].toDouble();
-      // One tensor as residual and multiplier: its one leaf takes both roles, and its whole
-      // gradient goes to the residual's position, as below.
+      const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble(), activation, negative_slope};
+      // One tensor as residual and multiplier: its whole gradient at the residual's position, as below.
       const variable_list g = differentiable_grads({input, weight, bias, scale, shift, residual, multiplier},
           {mask[0], mask[1], mask[2], mask[3], mask[4], mask[5] || (summed && mask[6]), mask[6] && !summed},
-          grad_out, [&](const variable_list& v) {
-            const OptTensor s = as_optional(v[3]), t = as_optional(v[4]), r = as_optional(v[5]),
-                            m = as_optional(summed ? v[5] : v[6]);
-            const at::Tensor z = at::group_norm(v[0], num_groups, v[1], v[2], eps, /*cudnn_enabled=*/false);
-            return apply_epilogue(z, v[0], EpilogueArgs{activation, negative_slope, s, t, r, m});
-          });
+          grad_out, forward);
       return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6]};
     }
     static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
@@ -269,8 +328,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
     const OptTensor& shift, const OptTensor& residual, c10::string_view activation, double negative_slope,
     const OptTensor& multiplier) {
   const OptTensor x(input);
+  const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
+  if (needs_composition({&x, &weight, &bias, &scale, &shift, &residual, &multiplier})) {
+    return through_composition(fused_group_norm_forward_below_autograd(input, weight, bias, args),
+        {input, or_undefined(weight), or_undefined(bias), or_undefined(scale), or_undefined(shift),
+            or_undefined(residual), or_undefined(multiplier)},
+        ComposedForward{num_groups, eps, activation, negative_slope});
+  }
   if (!records_graph({&x, &weight, &bias, &scale, &shift, &residual, &multiplier})) {
-    const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
     return fused_group_norm_forward_below_autograd(input, weight, bias, args);
   }
   variable_list out = FusedGroupNormForward::apply(input, num_groups, weight, bias, eps, scale, shift,

@@ -269,6 +269,63 @@ def test_double_backward(activation, device):
     assert torch.autograd.gradgradcheck(lambda x, w: fusednorm.instance_norm(x, weight=w, activation=activation), (x, w))
 
 
+def _composed_reference(G, activation):
+    def fn(x, w, b, s, t, r, m):
+        return epilogue_reference(group_norm_reference(x, G, w, b, 1e-5), s, t, r, activation, 0.01, m)
+    return fn
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_functorch_transforms(activation, device):
+    # torch.func.grad / jacrev / hessian refuse C++ autograd Functions and jvp / jacfwd need
+    # tangents the kernels do not compute: there the call goes through the composed ATen forward
+    # (csrc/autograd.cpp). Each transform against the float64 reference's.
+    torch.manual_seed(24)
+    x = torch.randn(2, 4, 3, dtype=torch.float64, device=device)
+    args = (x, torch.randn(4, dtype=torch.float64, device=device), torch.randn(4, dtype=torch.float64, device=device),
+            *make_operands(x, OPERANDS, device, torch.float64, "broadcast").values())
+    ours = lambda *a: fusednorm.group_norm(  # noqa: E731
+        a[0], 2, a[1], a[2], activation=activation, scale=a[3], shift=a[4], residual=a[5], multiplier=a[6])
+    ref = _composed_reference(2, activation)
+    every = tuple(range(len(args)))
+    loss = lambda f: lambda *a: (f(*a) ** 2).sum()  # noqa: E731
+    tangents = tuple(torch.randn_like(a) for a in args)
+    samples = torch.randn(3, 4, 3, dtype=torch.float64, device=device)
+    transforms = {
+        "grad": lambda f: torch.func.grad(loss(f), argnums=every)(*args),
+        "jacrev": lambda f: torch.func.jacrev(f, argnums=every)(*args),
+        "jacfwd": lambda f: torch.func.jacfwd(f, argnums=every)(*args),
+        "jvp": lambda f: torch.func.jvp(f, args, tangents),
+        "hessian of x": lambda f: torch.func.hessian(lambda x: loss(f)(x, *args[1:]))(x),
+        "per-sample grads": lambda f: torch.vmap(torch.func.grad(lambda xi, wi: loss(f)(xi[None], wi, *args[2:3], *(
+            a[:1] for a in args[3:]))), in_dims=(0, None))(samples, args[1]),
+    }
+    for name, transform in transforms.items():
+        got, want = transform(ours), transform(ref)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_forward_mode_ad(layout, device):
+    # torch.autograd.forward_ad (no functorch): the output's tangent, in float32 and the input's
+    # layout, against the float64 reference's; before, the tangent was silently dropped.
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(25)
+    x = to_layout(torch.randn(2, 8, 5, 6, device=device), layout)
+    w, b = torch.randn(8, device=device), torch.randn(8, device=device)
+    dx, dw = torch.randn_like(x), torch.randn_like(w)
+    with fwAD.dual_level():
+        z = fusednorm.group_norm(fwAD.make_dual(x, dx), 4, fwAD.make_dual(w, dw), b, activation="gelu")
+        primal, tangent = fwAD.unpack_dual(z)
+    assert tangent is not None
+    _, want = torch.func.jvp(lambda x, w: _composed_reference(4, "gelu")(x, w, b.double(), *[None] * 4),
+                             (x.double(), w.double()), (dx.double(), dw.double()))
+    torch.testing.assert_close(tangent.double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(primal, fusednorm.group_norm(x, 4, w, b, activation="gelu"))
+    assert primal.dtype == x.dtype
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_create_graph_gradients_match_the_kernels(layout, dtype, device):
