@@ -87,6 +87,34 @@ def test_compile_fullgraph_forward_backward(device, dynamic, layout):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_graphs_call_the_kernel_ops(device, dynamic):
+    # AOTAutograd traces the C++ autograd (csrc/autograd.cpp): the forward graph calls the forward
+    # kernel ops and the backward graph the backward ones, not the composed ATen path that serves
+    # create_graph, forward-mode AD and the functorch transforms.
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        def compiler(graph, _):
+            targets.append({str(n.target) for n in graph.graph.nodes if n.op == "call_function"})
+            return make_boxed_func(graph.forward)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(functional_pipeline, fullgraph=True, dynamic=dynamic, backend=backend)
+    w = torch.randn(8, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    x = torch.randn(2, 8, 6, 5, device=device, requires_grad=True)
+    compiled(x, w, b).sum().backward()
+    forward, backward = targets
+    assert {"fusednorm.group_norm_forward.default", "fusednorm.fused_group_norm_forward.default"} <= forward
+    assert {"fusednorm.group_norm_backward.default", "fusednorm.fused_group_norm_backward.default"} <= backward
+    assert not any("native_group_norm" in t for t in forward | backward)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_inductor_module_train_and_eval(device, dynamic, no_tf32):
     torch._dynamo.reset()
     torch.manual_seed(0)
