@@ -66,12 +66,14 @@ c10::List<bool> wanted(std::initializer_list<const OptTensor*> tensors) {
   return out;
 }
 
-// mean and rstd never get gradients: marked non-differentiable, with grads not materialised (else
-// autograd fills zeros for them: two launches a backward, which show on small shapes).
-void save_statistics(AutogradContext* ctx, const at::Tensor& mean, const at::Tensor& rstd) {
-  ctx->mark_non_differentiable({mean, rstd});
-  ctx->set_materialize_grads(false);
-}
+// mean and rstd have no derivative. They leave a Function's forward through this argument rather
+// than as its outputs: outputs marked non-differentiable make compiled autograd
+// (torch._dynamo.compiled_autograd) fail an internal assert on the node, and unmarked ones would
+// take gradients that the backward ignores. The Function's one output then needs no zero-filled
+// gradients for the others.
+struct Statistics {
+  at::Tensor mean, rstd;
+};
 
 // The forward as differentiable ATen ops of its tensor arguments by position: input, weight, bias
 // and, for the fused op, scale, shift, residual, multiplier (undefined where absent). at::group_norm
@@ -178,9 +180,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_below_autograd
 class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, int64_t num_groups,
-      const OptTensor& weight, const OptTensor& bias, double eps) {
+      const OptTensor& weight, const OptTensor& bias, double eps, Statistics* stats) {
     auto [output, mean, rstd] = group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
-    save_statistics(ctx, mean, rstd);
+    *stats = {mean, rstd};
     ctx->save_for_backward({input, mean, rstd, or_undefined(weight), or_undefined(bias)});
     ctx->saved_data["num_groups"] = num_groups;
     ctx->saved_data["eps"] = eps;
@@ -188,11 +190,11 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
     ctx->saved_data["wanted"] = wanted({&x, &weight, &bias});
     // The op returns parameter gradients in the weight's dtype; the bias may have another.
     if (requires_grad(bias)) ctx->saved_data["bias_dtype"] = bias->scalar_type();
-    return {output, mean, rstd};
+    return {output};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(5);
+    variable_list out(6);
     const at::Tensor& grad_out = grads[0];
     if (!grad_out.defined()) return out;  // the output got no gradient
     const variable_list saved = ctx->get_saved_variables();
@@ -203,7 +205,7 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
       const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble()};
       const variable_list g =
           differentiable_grads({saved[0], saved[3], saved[4]}, {mask[0], mask[1], mask[2]}, grad_out, forward);
-      return {g[0], {}, g[1], g[2], {}};
+      return {g[0], {}, g[1], g[2], {}, {}};
     }
     static auto op = find_op<BackwardFn>("fusednorm::group_norm_backward");
     auto [grad_input, grad_weight, grad_bias] =
@@ -225,8 +227,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const
   if (!records_graph({&x, &weight, &bias})) {
     return group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
   }
-  variable_list out = GroupNormForward::apply(input, num_groups, weight, bias, eps);
-  return {out[0], out[1], out[2]};
+  Statistics stats;
+  variable_list out = GroupNormForward::apply(input, num_groups, weight, bias, eps, &stats);
+  return {out[0], stats.mean, stats.rstd};
 }
 
 using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t,
@@ -262,10 +265,10 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, int64_t num_groups,
       const OptTensor& weight, const OptTensor& bias, double eps, const OptTensor& scale,
       const OptTensor& shift, const OptTensor& residual, c10::string_view activation,
-      double negative_slope, const OptTensor& multiplier) {
+      double negative_slope, const OptTensor& multiplier, Statistics* stats) {
     const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
     auto [output, mean, rstd] = fused_group_norm_forward_below_autograd(input, weight, bias, args);
-    save_statistics(ctx, mean, rstd);
+    *stats = {mean, rstd};
     ctx->save_for_backward({input, mean, rstd, or_undefined(weight), or_undefined(bias), or_undefined(scale),
         or_undefined(shift), or_undefined(residual), or_undefined(multiplier)});
     ctx->saved_data["num_groups"] = num_groups;
@@ -278,11 +281,11 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     // its whole gradient, rather than two that autograd would add in a pass of its own.
     ctx->saved_data["residual_is_multiplier"] =
         residual.has_value() && multiplier.has_value() && residual->is_same(*multiplier);
-    return {output, mean, rstd};
+    return {output};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(11);
+    variable_list out(12);
     const at::Tensor& grad_out = grads[0];
     if (!grad_out.defined()) return out;  // the output got no gradient
     const variable_list saved = ctx->get_saved_variables();
@@ -303,7 +306,7 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
       const variable_list g = differentiable_grads({input, weight, bias, scale, shift, residual, multiplier},
           {mask[0], mask[1], mask[2], mask[3], mask[4], mask[5] || (summed && mask[6]), mask[6] && !summed},
           grad_out, forward);
-      return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6]};
+      return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6], {}};
     }
     static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
     auto [g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier] = op.call(grad_out,
@@ -338,9 +341,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
   if (!records_graph({&x, &weight, &bias, &scale, &shift, &residual, &multiplier})) {
     return fused_group_norm_forward_below_autograd(input, weight, bias, args);
   }
+  Statistics stats;
   variable_list out = FusedGroupNormForward::apply(input, num_groups, weight, bias, eps, scale, shift,
-      residual, activation, negative_slope, multiplier);
-  return {out[0], out[1], out[2]};
+      residual, activation, negative_slope, multiplier, &stats);
+  return {out[0], stats.mean, stats.rstd};
 }
 
 }  // namespace

@@ -114,6 +114,40 @@ def test_compiled_graphs_call_the_kernel_ops(device, dynamic):
     assert not any("native_group_norm" in t for t in forward | backward)
 
 
+@pytest.mark.skipif(not hasattr(getattr(torch._dynamo, "compiled_autograd", None), "_enable"),
+                    reason="compiled autograd needs a newer torch")
+def test_compiled_autograd(device):
+    # Compiled autograd (the backward of an eager forward captured by torch.compile) traces the C++
+    # autograd nodes: it needs nodes without non-differentiable outputs (csrc/autograd.cpp returns
+    # mean and rstd beside the Function). Gradients match the ordinary backward's.
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(26)
+    x = torch.randn(2, 8, 6, 5, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    r = torch.randn(2, 8, 6, 5, device=device, requires_grad=True)
+    m = torch.randn(2, 8, 6, 5, device=device, requires_grad=True)
+    calls = {
+        "plain": lambda: fusednorm.group_norm(x, 4, w, None),
+        "fused": lambda: fusednorm.group_norm(x, 4, w, None, activation="silu", residual=r, multiplier=m),
+        "instance": lambda: fusednorm.instance_norm(x, weight=w, activation="gelu"),
+    }
+    for name, call in calls.items():
+        leaves = (x, w, r, m)
+        dz = torch.randn_like(x)
+        want = torch.autograd.grad(call(), leaves, dz, allow_unused=True)
+        torch._dynamo.reset()
+        out = call()
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            out.backward(dz)
+        for leaf, g in zip(leaves, want):
+            if g is None:
+                assert leaf.grad is None, name
+            else:
+                torch.testing.assert_close(leaf.grad, g, msg=lambda msg: f"{name}: {msg}")
+            leaf.grad = None
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_inductor_module_train_and_eval(device, dynamic, no_tf32):
     torch._dynamo.reset()
