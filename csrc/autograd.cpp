@@ -59,11 +59,20 @@ bool records_graph(std::initializer_list<const OptTensor*> tensors) {
 }
 
 // Which inputs want a gradient, as Python's ctx.needs_input_grad: their requires_grad at the
-// forward (which runs only while a graph is recorded).
-c10::List<bool> wanted(std::initializer_list<const OptTensor*> tensors) {
+// forward (which runs only while a graph is recorded), saved in the context and read back by the
+// backward as its op's output mask.
+void save_wanted(AutogradContext* ctx, std::initializer_list<const OptTensor*> tensors) {
   c10::List<bool> out;
   for (const OptTensor* t : tensors) out.push_back(requires_grad(*t));
-  return out;
+  ctx->saved_data["wanted"] = out;
+}
+
+template <size_t K>
+std::array<bool, K> wanted_mask(AutogradContext* ctx) {
+  const c10::List<bool> want = ctx->saved_data["wanted"].toBoolList();
+  std::array<bool, K> mask{};
+  for (size_t i = 0; i < K; ++i) mask[i] = want[i];
+  return mask;
 }
 
 // mean and rstd have no derivative. They leave a Function's forward through this argument rather
@@ -147,17 +156,17 @@ bool in_functorch_transform() {
   }
 }
 
-// Whether the call must go through the composed forward: an argument carries a forward-mode
-// tangent (at ATen's level, 0), or a graph is recorded under a functorch transform.
-bool needs_composition(std::initializer_list<const OptTensor*> tensors) {
+// Whether an argument carries a forward-mode tangent (at ATen's level, 0).
+bool has_tangent(std::initializer_list<const OptTensor*> tensors) {
   for (const OptTensor* t : tensors) {
     if (t->has_value() && (*t)->defined() && (*t)->_fw_grad(/*level=*/0).defined()) return true;
   }
-  return records_graph(tensors) && in_functorch_transform();
+  return false;
 }
 
-// The composed forward's output, which carries the tangents and the graph, in the input's dtype;
-// mean and rstd, which have no derivative, from the kernel op.
+// The result of a call with a tangent, or one that records a graph under a functorch transform: the
+// composed forward's output, which carries the tangents and the graph, in the input's dtype; mean
+// and rstd, which have no derivative, from the kernel op.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> through_composition(
     const std::tuple<at::Tensor, at::Tensor, at::Tensor>& kernel_result, const variable_list& inputs,
     const ComposedForward& forward) {
@@ -187,19 +196,17 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
     ctx->saved_data["num_groups"] = num_groups;
     ctx->saved_data["eps"] = eps;
     const OptTensor x(input);
-    ctx->saved_data["wanted"] = wanted({&x, &weight, &bias});
+    save_wanted(ctx, {&x, &weight, &bias});
     // The op returns parameter gradients in the weight's dtype; the bias may have another.
     if (requires_grad(bias)) ctx->saved_data["bias_dtype"] = bias->scalar_type();
     return {output};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(6);
+    // (One output, its gradient materialised: grads[0] is defined.)
     const at::Tensor& grad_out = grads[0];
-    if (!grad_out.defined()) return out;  // the output got no gradient
     const variable_list saved = ctx->get_saved_variables();
-    const c10::List<bool> want = ctx->saved_data["wanted"].toBoolList();
-    const std::array<bool, 3> mask{want[0], want[1], want[2]};
+    const std::array<bool, 3> mask = wanted_mask<3>(ctx);
     const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
     if (at::GradMode::is_enabled()) {  // create_graph
       const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble()};
@@ -208,6 +215,7 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
       return {g[0], {}, g[1], g[2], {}, {}};
     }
     static auto op = find_op<BackwardFn>("fusednorm::group_norm_backward");
+    variable_list out(6);
     auto [grad_input, grad_weight, grad_bias] =
         op.call(grad_out, saved[0], saved[1], saved[2], as_optional(saved[3]), num_groups, mask);
     if (mask[0]) out[0] = grad_input;
@@ -220,13 +228,12 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const at::Tensor& input,
     int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps) {
   const OptTensor x(input);
-  if (needs_composition({&x, &weight, &bias})) {
+  const bool graph = records_graph({&x, &weight, &bias});
+  if (has_tangent({&x, &weight, &bias}) || (graph && in_functorch_transform())) {
     return through_composition(group_norm_forward_below_autograd(input, num_groups, weight, bias, eps),
         {input, or_undefined(weight), or_undefined(bias)}, ComposedForward{num_groups, eps});
   }
-  if (!records_graph({&x, &weight, &bias})) {
-    return group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
-  }
+  if (!graph) return group_norm_forward_below_autograd(input, num_groups, weight, bias, eps);
   Statistics stats;
   variable_list out = GroupNormForward::apply(input, num_groups, weight, bias, eps, &stats);
   return {out[0], stats.mean, stats.rstd};
@@ -276,7 +283,7 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["negative_slope"] = negative_slope;
     const OptTensor x(input);
-    ctx->saved_data["wanted"] = wanted({&x, &weight, &bias, &scale, &shift, &residual, &multiplier});
+    save_wanted(ctx, {&x, &weight, &bias, &scale, &shift, &residual, &multiplier});
     // One tensor as both residual and multiplier (problem 3's (h + y) * y): the backward op returns
     // its whole gradient, rather than two that autograd would add in a pass of its own.
     ctx->saved_data["residual_is_multiplier"] =
@@ -285,17 +292,14 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(12);
-    const at::Tensor& grad_out = grads[0];
-    if (!grad_out.defined()) return out;  // the output got no gradient
+    const at::Tensor& grad_out = grads[0];  // defined, as above
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3],
                      &bias = saved[4], &scale = saved[5], &shift = saved[6], &residual = saved[7],
                      &multiplier = saved[8];
-    const c10::List<bool> want = ctx->saved_data["wanted"].toBoolList();
     // In the order of the backward op's outputs: input, weight, bias, scale, shift, residual,
     // multiplier.
-    const std::array<bool, 7> mask{want[0], want[1], want[2], want[3], want[4], want[5], want[6]};
+    const std::array<bool, 7> mask = wanted_mask<7>(ctx);
     const bool summed = ctx->saved_data["residual_is_multiplier"].toBool();
     const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
     const std::string activation = ctx->saved_data["activation"].toStringRef();
@@ -313,6 +317,7 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
         input, mean, rstd, as_optional(weight), as_optional(bias), num_groups, as_optional(scale),
         as_optional(shift), as_optional(residual), activation, negative_slope, as_optional(multiplier),
         mask, summed);
+    variable_list out(12);
     // Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
     // shape (N, C).
     if (mask[0]) out[0] = g_input;
@@ -332,15 +337,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
     const OptTensor& multiplier) {
   const OptTensor x(input);
   const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
-  if (needs_composition({&x, &weight, &bias, &scale, &shift, &residual, &multiplier})) {
+  const std::initializer_list<const OptTensor*> tensors{&x, &weight, &bias, &scale, &shift, &residual, &multiplier};
+  const bool graph = records_graph(tensors);
+  if (has_tangent(tensors) || (graph && in_functorch_transform())) {
     return through_composition(fused_group_norm_forward_below_autograd(input, weight, bias, args),
         {input, or_undefined(weight), or_undefined(bias), or_undefined(scale), or_undefined(shift),
             or_undefined(residual), or_undefined(multiplier)},
         ComposedForward{num_groups, eps, activation, negative_slope});
   }
-  if (!records_graph({&x, &weight, &bias, &scale, &shift, &residual, &multiplier})) {
-    return fused_group_norm_forward_below_autograd(input, weight, bias, args);
-  }
+  if (!graph) return fused_group_norm_forward_below_autograd(input, weight, bias, args);
   Statistics stats;
   variable_list out = FusedGroupNormForward::apply(input, num_groups, weight, bias, eps, scale, shift,
       residual, activation, negative_slope, multiplier, &stats);
