@@ -272,7 +272,7 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, int64_t num_groups,
       const OptTensor& weight, const OptTensor& bias, double eps, const OptTensor& scale,
       const OptTensor& shift, const OptTensor& residual, c10::string_view activation,
-      double negative_slope, const OptTensor& multiplier, Statistics* stats) {
+      double negative_slope, const OptTensor& multiplier, bool residual_is_multiplier, Statistics* stats) {
     const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
     auto [output, mean, rstd] = fused_group_norm_forward_below_autograd(input, weight, bias, args);
     *stats = {mean, rstd};
@@ -284,10 +284,7 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     ctx->saved_data["negative_slope"] = negative_slope;
     const OptTensor x(input);
     save_wanted(ctx, {&x, &weight, &bias, &scale, &shift, &residual, &multiplier});
-    // One tensor as both residual and multiplier (problem 3's (h + y) * y): the backward op returns
-    // its whole gradient, rather than two that autograd would add in a pass of its own.
-    ctx->saved_data["residual_is_multiplier"] =
-        residual.has_value() && multiplier.has_value() && residual->is_same(*multiplier);
+    ctx->saved_data["residual_is_multiplier"] = residual_is_multiplier;
     return {output};
   }
 
@@ -304,20 +301,21 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const double negative_slope = ctx->saved_data["negative_slope"].toDouble();
+    // summed: mask[6] is false (the multiplier came in detached) and the residual's gradient is the
+    // tensor's whole gradient.
     if (at::GradMode::is_enabled()) {  // create_graph
       const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble(), activation, negative_slope};
-      // One tensor as residual and multiplier: its whole gradient at the residual's position, as below.
-      const variable_list g = differentiable_grads({input, weight, bias, scale, shift, residual, multiplier},
-          {mask[0], mask[1], mask[2], mask[3], mask[4], mask[5] || (summed && mask[6]), mask[6] && !summed},
-          grad_out, forward);
-      return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6], {}};
+      const variable_list g = differentiable_grads(
+          {input, weight, bias, scale, shift, residual, summed ? residual : multiplier},
+          std::vector<bool>(mask.begin(), mask.end()), grad_out, forward);
+      return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6], {}, {}};
     }
     static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
     auto [g_input, g_weight, g_bias, g_scale, g_shift, g_residual, g_multiplier] = op.call(grad_out,
         input, mean, rstd, as_optional(weight), as_optional(bias), num_groups, as_optional(scale),
         as_optional(shift), as_optional(residual), activation, negative_slope, as_optional(multiplier),
         mask, summed);
-    variable_list out(12);
+    variable_list out(13);  // one per forward argument
     // Parameter and modulation gradients come in their parameters' dtypes; scale's and shift's in
     // shape (N, C).
     if (mask[0]) out[0] = g_input;
@@ -325,8 +323,8 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     if (mask[2]) out[3] = g_bias;
     if (mask[3]) out[5] = g_scale.reshape_symint(scale.sym_sizes());
     if (mask[4]) out[6] = g_shift.reshape_symint(shift.sym_sizes());
-    if (mask[5] || (summed && mask[6])) out[7] = g_residual;
-    if (mask[6] && !summed) out[10] = g_multiplier;
+    if (mask[5]) out[7] = g_residual;
+    if (mask[6]) out[10] = g_multiplier;
     return out;
   }
 };
@@ -346,9 +344,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
         ComposedForward{num_groups, eps, activation, negative_slope});
   }
   if (!graph) return fused_group_norm_forward_below_autograd(input, weight, bias, args);
+  // One tensor as both residual and multiplier (problem 3's (h + y) * y): the node takes it once,
+  // as the residual, and the backward op returns its whole gradient there, rather than two that
+  // autograd would add in a pass of its own. The multiplier slot gets a detached alias, so that the
+  // node has no second edge to the tensor (compiled autograd adds the gradients of two edges even
+  // where one is undefined, and failed on it).
+  const bool same = residual.has_value() && multiplier.has_value() && residual->is_same(*multiplier);
+  const OptTensor multiplier_input = same ? OptTensor(multiplier->detach()) : multiplier;
   Statistics stats;
   variable_list out = FusedGroupNormForward::apply(input, num_groups, weight, bias, eps, scale, shift,
-      residual, activation, negative_slope, multiplier, &stats);
+      residual, activation, negative_slope, multiplier_input, same, &stats);
   return {out[0], stats.mean, stats.rstd};
 }
 

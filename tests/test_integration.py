@@ -131,6 +131,8 @@ def test_compiled_autograd(device):
         "plain": lambda: fusednorm.group_norm(x, 4, w, None),
         "fused": lambda: fusednorm.group_norm(x, 4, w, None, activation="silu", residual=r, multiplier=m),
         "instance": lambda: fusednorm.instance_norm(x, weight=w, activation="gelu"),
+        # Problem 3's (h + y) * y: one tensor as residual and multiplier, one summed gradient.
+        "residual is multiplier": lambda: fusednorm.group_norm(x, 4, w, None, residual=r, multiplier=r),
     }
     for name, call in calls.items():
         leaves = (x, w, r, m)
