@@ -18,6 +18,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -119,8 +120,10 @@ variable_list in_opmath(const variable_list& inputs) {
 // `inputs`, with a graph; undefined at the other positions. (One tensor as residual and
 // multiplier is one input reached by two casts: its gradient at the residual's position is the
 // whole of it.)
-variable_list differentiable_grads(const variable_list& inputs, const std::vector<bool>& wanted,
+template <size_t K>
+variable_list differentiable_grads(const variable_list& inputs, const std::array<bool, K>& wanted,
     const at::Tensor& grad_out, const ComposedForward& forward) {
+  TORCH_INTERNAL_ASSERT(inputs.size() == K);
   const at::Tensor z = forward(in_opmath(inputs));
   variable_list targets;
   std::vector<size_t> positions;
@@ -211,7 +214,7 @@ class GroupNormForward : public torch::autograd::Function<GroupNormForward> {
     if (at::GradMode::is_enabled()) {  // create_graph
       const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble()};
       const variable_list g =
-          differentiable_grads({saved[0], saved[3], saved[4]}, {mask[0], mask[1], mask[2]}, grad_out, forward);
+          differentiable_grads({saved[0], saved[3], saved[4]}, mask, grad_out, forward);
       return {g[0], {}, g[1], g[2], {}, {}};
     }
     static auto op = find_op<BackwardFn>("fusednorm::group_norm_backward");
@@ -306,8 +309,8 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
     if (at::GradMode::is_enabled()) {  // create_graph
       const ComposedForward forward{num_groups, ctx->saved_data["eps"].toDouble(), activation, negative_slope};
       const variable_list g = differentiable_grads(
-          {input, weight, bias, scale, shift, residual, summed ? residual : multiplier},
-          std::vector<bool>(mask.begin(), mask.end()), grad_out, forward);
+          {input, weight, bias, scale, shift, residual, summed ? residual : multiplier}, mask, grad_out,
+          forward);
       return {g[0], {}, g[1], g[2], {}, g[3], g[4], g[5], {}, {}, g[6], {}, {}};
     }
     static auto op = find_op<FusedBackwardFn>("fusednorm::fused_group_norm_backward");
