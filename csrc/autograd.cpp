@@ -159,17 +159,19 @@ bool in_functorch_transform() {
   }
 }
 
-// Whether an argument carries a forward-mode tangent (at ATen's level, 0).
-bool has_tangent(std::initializer_list<const OptTensor*> tensors) {
+// Whether the call must go through the composed forward: an argument carries a forward-mode
+// tangent (at ATen's level, 0), or a graph is recorded (`graph`, records_graph of the same
+// tensors, which the caller needs too) under a functorch transform.
+bool needs_composition(std::initializer_list<const OptTensor*> tensors, bool graph) {
   for (const OptTensor* t : tensors) {
     if (t->has_value() && (*t)->defined() && (*t)->_fw_grad(/*level=*/0).defined()) return true;
   }
-  return false;
+  return graph && in_functorch_transform();
 }
 
-// The result of a call with a tangent, or one that records a graph under a functorch transform: the
-// composed forward's output, which carries the tangents and the graph, in the input's dtype; mean
-// and rstd, which have no derivative, from the kernel op.
+// The result of a call that needs_composition: the composed forward's output, which carries the
+// tangents and the graph, in the input's dtype; mean and rstd, which have no derivative, from the
+// kernel op.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> through_composition(
     const std::tuple<at::Tensor, at::Tensor, at::Tensor>& kernel_result, const variable_list& inputs,
     const ComposedForward& forward) {
@@ -232,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const
     int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps) {
   const OptTensor x(input);
   const bool graph = records_graph({&x, &weight, &bias});
-  if (has_tangent({&x, &weight, &bias}) || (graph && in_functorch_transform())) {
+  if (needs_composition({&x, &weight, &bias}, graph)) {
     return through_composition(group_norm_forward_below_autograd(input, num_groups, weight, bias, eps),
         {input, or_undefined(weight), or_undefined(bias)}, ComposedForward{num_groups, eps});
   }
@@ -340,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
   const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
   const std::initializer_list<const OptTensor*> tensors{&x, &weight, &bias, &scale, &shift, &residual, &multiplier};
   const bool graph = records_graph(tensors);
-  if (has_tangent(tensors) || (graph && in_functorch_transform())) {
+  if (needs_composition(tensors, graph)) {
     return through_composition(fused_group_norm_forward_below_autograd(input, weight, bias, args),
         {input, or_undefined(weight), or_undefined(bias), or_undefined(scale), or_undefined(shift),
             or_undefined(residual), or_undefined(multiplier)},
