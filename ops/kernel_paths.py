@@ -16,6 +16,7 @@ KNOBS = (
     "FUSEDNORM_TEAM_FORWARD",          # 0: off, 1: every group
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
+    "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
 )
 
 _ONE_PASS = {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)}
@@ -25,7 +26,9 @@ _TEAM_ON = {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", "FUSEDNORM_TEAM_FORWARD": "1", 
 TEST_PATHS = {
     "one_pass": _ONE_PASS,
     "one_pass_shared": {**_ONE_PASS, "FUSEDNORM_ONE_PASS_REGISTERS": "0"},
-    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **_TEAM_OFF},
+    # The split passes, with the parameter gradients summed by clusters of 8 CTAs (sm_90) even
+    # where the default takes one.
+    "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **_TEAM_OFF, "FUSEDNORM_PARAM_GRAD_PARTS": "8"},
     "team": _TEAM_ON,
 }
 
@@ -37,6 +40,7 @@ PATHS = {
     "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
     "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
+    "param1": {"FUSEDNORM_PARAM_GRAD_PARTS": "1"},  # the default with one CTA per 32 channels' parameter gradients
 }
 
 

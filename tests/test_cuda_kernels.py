@@ -436,6 +436,29 @@ def test_deterministic(shape, G, dtype, layout):
             assert torch.equal(p, q), f"{name} differs between runs"
 
 
+@pytest.mark.parametrize("parts", ["1", "3", "8"])
+def test_parameter_gradients_over_a_cluster(parts, monkeypatch):
+    """grad_weight / grad_bias of 32 channels are summed by a cluster of CTAs on sm_90
+    (FUSEDNORM_PARAM_GRAD_PARTS forces its size; elsewhere every CTA sums alone): against the
+    float64 reference in float64 (a lost rank's share would show), bitwise equal on a rerun, and
+    within rounding of one CTA's sums in float32. The shapes leave hundreds of partials a channel
+    (channels_last) and a few (contiguous), with channel blocks of 32, 5 x 32 and one partial."""
+    for shape, G, layout in (((2, 320, 32, 32), 32, "channels_last"), ((3, 1000, 6, 6), 8, "channels_last"),
+                             ((4, 48, 64, 64), 4, "contiguous")):
+        monkeypatch.setenv("FUSEDNORM_PARAM_GRAD_PARTS", parts)
+        x = make(shape, torch.float64, layout, seed=4, offset=1.0)
+        dy = make(shape, torch.float64, layout, seed=5)
+        w, b = make_params(shape[1], torch.float64)
+        check_backward(dy, x, G, w, b)
+        x32, dy32, w32, b32 = (t.float() for t in (x, dy, w, b))
+        got = _run_all(x32, G, w32, b32, dy32)
+        assert all(torch.equal(p, q) for p, q in zip(got, _run_all(x32, G, w32, b32, dy32))), "rerun differs"
+        monkeypatch.setenv("FUSEDNORM_PARAM_GRAD_PARTS", "1")
+        one = _run_all(x32, G, w32, b32, dy32)
+        for name, p, q in zip(("dw", "db"), got[4:], one[4:]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_graph_capture(layout, dtype):

@@ -533,6 +533,19 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("parts", ["1", "3", "8"])
+def test_per_sample_parameter_gradients_over_a_cluster_cuda(parts, monkeypatch):
+    # With a scale the parameter-gradient finalize weights each sample and writes grad_scale /
+    # grad_shift per (n, c); a cluster's warps take whole samples, N below and above the number of
+    # warps (32 a CTA). float64, against the composed reference.
+    monkeypatch.setenv("FUSEDNORM_PARAM_GRAD_PARTS", parts)
+    torch.manual_seed(12)
+    for shape, G in (((2, 320, 16, 16), 32), ((70, 64, 2, 2), 8)):
+        for names in (["scale", "shift"], ["scale", "residual", "multiplier"]):
+            check_fused(shape, G, torch.float64, "channels_last", names, "silu", "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 @pytest.mark.parametrize("shape", [(1024, 8192), (6, 3000), (12, 6000)], ids=str)
 def test_residual_that_is_the_multiplier_cuda(shape, path, monkeypatch):

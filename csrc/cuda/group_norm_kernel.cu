@@ -55,6 +55,7 @@
 // from the caching allocator and nothing synchronises with the host, so the ops can be captured
 // in CUDA graphs.
 
+#include "clusters.cuh"
 #include "group_norm.h"
 
 #include <ATen/ATen.h>
@@ -70,6 +71,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -956,11 +958,14 @@ __global__ void __launch_bounds__(kThreads) finalize_grad_coefs_kernel(const Gra
 }
 
 // Pass 3, backward: grad_weight[c] = sum_n rstd * (dsc - delta * db), grad_bias[c] = sum_n db,
-// from the per-(n, k, c) partials. A block takes 32 channels (lanes, coalesced) and spreads the
-// (n, k) entries over its 32 warps; the warps' sums are added in a fixed order. The launch has
-// only C / 32 blocks and the ChannelsLast reduce leaves hundreds of entries per channel, so the
-// loads in flight per block, not bandwidth, bound this pass: hence 1024 threads (with 256 it
-// took 10-20 us of the UNet and ResNet channels_last backward rows, 4-8 us now).
+// from the per-(n, k, c) partials. A channel block of 32 channels (lanes, coalesced) spreads its
+// (n, k) entries over the 32 warps of each of `parts` CTAs, a cluster: warp w of rank r takes
+// entries r * 32 + w, r * 32 + w + 32 * parts, ... Each CTA adds its warps' sums in warp order,
+// then rank 0 adds the CTAs' sums in rank order from their shared memory: a fixed order for a given
+// `parts`, so deterministic. The ChannelsLast reduce leaves up to kMaxParamEntries entries per
+// channel and there are only C / 32 channel blocks, so the loads in flight, not bandwidth, bound
+// this pass: one CTA a block (sm < 90, or few entries) took 5-8 us of the UNet and ResNet
+// channels_last backward rows with 1024 threads (10-20 us with 256).
 // PER_SAMPLE (a scale, or grad_scale / grad_shift wanted): the gradients are per (n, c) first,
 //   db = sum_k part_c[n, k, c, 0],  xs = rstd * (sum_k part_c[n, k, c, 1] - delta * db)
 // (xs = sum_s dp * xhat), giving grad_shift[n, c] = db, grad_scale[n, c] = w[c] * xs + b[c] * db,
@@ -974,6 +979,7 @@ struct ParamGradArgs {
   const acc_t* rec;     // kRec per (n, g): delta at 1, rstd at 2
   GradRef dweight, dbias;
   int64_t C, G, D, split, entries;  // entries = N * split
+  int parts;                        // CTAs (a cluster) per channel block
 };
 
 // The PER_SAMPLE kernel's arguments (the plain kernel keeps exactly its own struct).
@@ -986,6 +992,8 @@ struct SampleParamGradArgs : ParamGradArgs<acc_t> {
 };
 
 constexpr int kParamGradThreads = 1024;
+// Most CTAs a channel block's finalize spreads over: the portable cluster size.
+constexpr int kMaxParamGradParts = 8;
 
 template <typename acc_t, bool PER_SAMPLE>
 __global__ void __launch_bounds__(kParamGradThreads) finalize_param_grads_kernel(
@@ -995,8 +1003,20 @@ __global__ void __launch_bounds__(kParamGradThreads) finalize_param_grads_kernel
   __shared__ acc_t sb[kParamGradThreads];
   const int lane = threadIdx.x & (kWarp - 1);
   const int warp = threadIdx.x >> kLogWarp;
-  for (int64_t c_base = static_cast<int64_t>(blockIdx.x) * kWarp; c_base < a.C;
-       c_base += static_cast<int64_t>(gridDim.x) * kWarp) {
+  const int64_t block = blockIdx.x / a.parts;  // the cluster
+  const int64_t blocks = gridDim.x / a.parts;
+#if FUSEDNORM_CLUSTERS
+  const int parts = a.parts;
+  const int rank = static_cast<int>(blockIdx.x - block * a.parts);
+#else
+  // No clusters in this architecture's code: each CTA of a would-be cluster takes every entry
+  // and stores the same sums.
+  constexpr int parts = 1;
+  constexpr int rank = 0;
+#endif
+  const int64_t first = static_cast<int64_t>(rank) * kWarps + warp;  // this warp's first entry
+  const int64_t stride = static_cast<int64_t>(parts) * kWarps;
+  for (int64_t c_base = block * kWarp; c_base < a.C; c_base += blocks * kWarp) {
     const int64_t c = c_base + lane;
     acc_t dw = acc_t(0), db = acc_t(0);
     if (c < a.C) {
@@ -1004,7 +1024,7 @@ __global__ void __launch_bounds__(kParamGradThreads) finalize_param_grads_kernel
       if constexpr (PER_SAMPLE) {
         const acc_t w = load_param(a.weight, c, acc_t(1));
         const acc_t b = load_param(a.bias, c, acc_t(0));
-        for (int64_t n = warp; n < a.N; n += kWarps) {
+        for (int64_t n = first; n < a.N; n += stride) {
           const acc_t* p = a.part_c + (n * a.split * a.C + c) * 2;  // entry (n, 0)
           acc_t db_n = acc_t(0), dsc_n = acc_t(0);
 #pragma unroll 4
@@ -1026,7 +1046,7 @@ __global__ void __launch_bounds__(kParamGradThreads) finalize_param_grads_kernel
         }
       } else {
 #pragma unroll 4
-        for (int64_t e = warp; e < a.entries; e += kWarps) {
+        for (int64_t e = first; e < a.entries; e += stride) {
           const int64_t n = div_nn(e, a.split);
           const acc_t* p = a.part_c + (e * a.C + c) * 2;  // e = n * split + k
           const acc_t* rec = a.rec + (n * a.G + g) * kRec;
@@ -1038,11 +1058,35 @@ __global__ void __launch_bounds__(kParamGradThreads) finalize_param_grads_kernel
     sw[threadIdx.x] = dw;
     sb[threadIdx.x] = db;
     __syncthreads();
-    if (warp == 0 && c < a.C) {
+    if (warp == 0) {
       for (int w = 1; w < kWarps; ++w) {
         dw += sw[w * kWarp + lane];
         db += sb[w * kWarp + lane];
       }
+    }
+#if FUSEDNORM_CLUSTERS
+    if (parts > 1) {
+      // Warp 0 of every rank publishes its CTA's sums in its own slots (lane < kWarp); the
+      // other warps' slots are no longer read.
+      cg::cluster_group cluster = cg::this_cluster();
+      if (warp == 0) {
+        sw[lane] = dw;
+        sb[lane] = db;
+      }
+      cluster.sync();
+      if (rank == 0 && warp == 0) {
+        dw = acc_t(0);
+        db = acc_t(0);
+        for (int r = 0; r < parts; ++r) {
+          dw += cluster.map_shared_rank(sw, r)[lane];
+          db += cluster.map_shared_rank(sb, r)[lane];
+        }
+      }
+      // No CTA may overwrite or leave its slots while rank 0 can still read them.
+      cluster.sync();
+    }
+#endif
+    if (rank == 0 && warp == 0 && c < a.C) {
       store_grad(a.dweight, c, dw);
       store_grad(a.dbias, c, db);
     }
@@ -1797,6 +1841,38 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 }
 
+// CTAs (a cluster) per channel block of the parameter-gradient finalize `kernel`, for `work`
+// entries (or samples) per channel and `blocks` channel blocks: about two entries a warp, at most
+// kMaxParamGradParts, and only as many as let every block's cluster run at once: a CTA takes a
+// whole SM (54-64 registers a thread) and a cluster's CTAs one GPC, so fewer clusters fit than
+// SMs / parts. On an H200, clusters of 3 for 40 blocks and of 6 for 20 made the finalize
+// 1.04-1.4x slower than one CTA a block, where clusters that fit made it up to 1.9x faster
+// (RESULTS.md, fifteenth run). 1 where the device has no clusters. FUSEDNORM_PARAM_GRAD_PARTS
+// replaces the choice (clamped to 1..kMaxParamGradParts; the tests force 8 on the split path).
+template <typename Kernel>
+int param_grad_parts(Kernel kernel, int64_t work, int64_t blocks) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major < 9) return 1;
+  if (const char* env = std::getenv("FUSEDNORM_PARAM_GRAD_PARTS")) {
+    return static_cast<int>(imax(1, imin(std::atoi(env), kMaxParamGradParts)));
+  }
+  // Clusters of each size the device runs at once, per device (0: not asked yet).
+  static std::array<std::array<int, kMaxParamGradParts + 1>, 64> resident{};
+  const int device = c10::cuda::current_device();
+  if (device >= static_cast<int>(resident.size())) return 1;
+  constexpr int64_t kWarps = kParamGradThreads / kWarp;
+  int parts = static_cast<int>(imin(ceil_div(work, 2 * kWarps), kMaxParamGradParts));
+  for (; parts > 1; --parts) {
+    int& clusters = resident[device][parts];
+    if (clusters == 0) {
+      const int n = max_active_clusters(kernel, kParamGradThreads, 0, parts);
+      clusters = n > 0 ? n : -1;
+    }
+    if (clusters >= blocks) break;
+  }
+  return imax(1, parts);
+}
+
 // grad_weight, grad_bias, grad_scale, grad_shift (those `mask` asks for) from the per-(n, k, c)
 // partials and the (n, g) records of either backward path.
 template <typename scalar_t>
@@ -1815,8 +1891,13 @@ void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor
   pg.D = sh.D;
   pg.split = p.split;
   pg.entries = sh.N * p.split;
-  const int grid = grid_for(ceil_div(sh.C, kWarp));
-  if (ep.scale.defined() || mask[3] || mask[4]) {
+  const bool per_sample = ep.scale.defined() || mask[3] || mask[4];
+  const int64_t blocks = ceil_div(sh.C, kWarp);
+  const auto plain_kernel = finalize_param_grads_kernel<acc_t, false>;
+  const auto sample_kernel = finalize_param_grads_kernel<acc_t, true>;
+  pg.parts = per_sample ? param_grad_parts(sample_kernel, sh.N, blocks) : param_grad_parts(plain_kernel, pg.entries, blocks);
+  const unsigned grid = static_cast<unsigned>(imin(blocks, grid_for(blocks * pg.parts) / pg.parts) * pg.parts);
+  if (per_sample) {
     // With a scale each sample's share is weighted by 1 + scale[n, c], and grad_scale /
     // grad_shift are per (n, c).
     SampleParamGradArgs<acc_t> ps{pg};
@@ -1826,11 +1907,10 @@ void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor
     ps.dscale = GradRef{mask[3] ? g.scale.data_ptr() : nullptr, g.scale.scalar_type()};
     ps.dshift = GradRef{mask[4] ? g.shift.data_ptr() : nullptr, g.shift.scalar_type()};
     ps.N = sh.N;
-    finalize_param_grads_kernel<acc_t, true><<<grid, kParamGradThreads, 0, stream>>>(ps);
+    launch_clustered(sample_kernel, grid, kParamGradThreads, 0, pg.parts, stream, ps);
   } else {
-    finalize_param_grads_kernel<acc_t, false><<<grid, kParamGradThreads, 0, stream>>>(pg);
+    launch_clustered(plain_kernel, grid, kParamGradThreads, 0, pg.parts, stream, pg);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Fills the requested entries of `g` (mask in schema order: input, weight, bias, scale, shift,

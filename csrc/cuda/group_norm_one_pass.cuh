@@ -16,8 +16,8 @@
 // of 8192, UNet's small groups) take group_norm_registers_kernel instead: the same arithmetic
 // without the shared-memory staging, whose 64 KB per CTA bounded how many groups an SM held.
 
-#include <cooperative_groups.h>
 #include <cuda_pipeline.h>
+#include "clusters.cuh"
 #include "group_norm.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -32,8 +32,6 @@
 
 namespace fusednorm {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kOnePassThreads = 256;
 // Largest group (x and its tensor-sized operands, in bytes) taken by the one-pass kernels: the CTAs
@@ -188,13 +186,6 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   }
   return s;
 }
-
-// Thread blocks clusters (sm_90): the CTAs of a cluster read each other's shared memory.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define FUSEDNORM_CLUSTERS 1
-#else
-#define FUSEDNORM_CLUSTERS 0
-#endif
 
 // The sum over the cluster of each CTA's `cta_total` (the same in every thread of a CTA), added in
 // rank order so that every CTA gets the same bits. `slot` is this CTA's shared exchange slot; it
@@ -476,25 +467,8 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
   auto kernel = group_norm_one_pass_kernel<scalar_t, V, A>;
   allow_dynamic_smem(kernel, smem_bytes);
   if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  if (a.cluster == 1) {
-    kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, stream>>>(a);
-  } else {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(items * a.cluster));
-    config.blockDim = dim3(kOnePassThreads);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = stream;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = static_cast<unsigned>(a.cluster);
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_clustered(kernel, static_cast<unsigned>(items * a.cluster), kOnePassThreads, smem_bytes, a.cluster,
+      at::cuda::getCurrentCUDAStream(), a);
 }
 
 // Packs per thread of the register kernel, and its extra streams: R * (1 + E) <= kRegisterPacks
