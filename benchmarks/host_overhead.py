@@ -4,10 +4,13 @@ fused (GN+SiLU), with the raw kernel ops beside them. The small rows of the GPU 
 this time, not by their kernels.
 
     python benchmarks/host_overhead.py [--device cpu|cuda] [--threads 1] [--reps 2000]
+        [--shape 2,320,64,64 --dtype float16 --channels-last] [--enqueue]
 
 Calls are timed in turns (the order rotating) and each figure is the median in microseconds; on
 CUDA each call is followed by a synchronize, so a figure is its host time plus one tiny kernel's
-latency.
+latency. With --enqueue the clock stops when the call returns (the synchronize comes after it,
+so each call starts on an idle GPU): the host time alone, which is what bounds a call whose
+kernels take less, on an input of any size (--shape).
 """
 
 import argparse
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 import fusednorm
 
 
-def timed_in_turns(fns, reps, sync):
+def timed_in_turns(fns, reps, sync, enqueue=False):
     times = {k: [] for k in fns}
     keys = list(fns)
     for _ in range(50):
@@ -31,8 +34,11 @@ def timed_in_turns(fns, reps, sync):
         for k in keys[i % len(keys):] + keys[:i % len(keys)]:
             t0 = time.perf_counter()
             fns[k]()
-            sync()
+            if not enqueue:
+                sync()
             times[k].append(time.perf_counter() - t0)
+            if enqueue:
+                sync()
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
@@ -41,6 +47,10 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=2000)
+    parser.add_argument("--shape", default="2,64,2,2", help="input shape, comma-separated (C a multiple of 32)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--enqueue", action="store_true", help="time until the call returns, not until the GPU is done")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -48,7 +58,12 @@ def main():
 
     torch.manual_seed(0)
     G = 32
-    x, w, b = torch.randn(2, 64, 2, 2, device=device), torch.randn(64, device=device), torch.randn(64, device=device)
+    shape = tuple(int(v) for v in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    if args.channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    w, b = torch.randn(shape[1], device=device, dtype=dtype), torch.randn(shape[1], device=device, dtype=dtype)
     dy = torch.randn_like(x)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
     leaves = [xg, wg, bg]
@@ -60,7 +75,9 @@ def main():
     }
     _, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, G, w, b, 1e-5)
     N, C, HxW = x.shape[0], x.shape[1], x.numel() // (x.shape[0] * x.shape[1])
-    _, aten_mean, aten_rstd = torch.ops.aten.native_group_norm(x, w, b, N, C, HxW, G, 1e-5)
+    # ATen's CUDA kernel takes contiguous input only (F.group_norm makes it so).
+    xa, dya = x.contiguous(), dy.contiguous()
+    _, aten_mean, aten_rstd = torch.ops.aten.native_group_norm(xa, w, b, N, C, HxW, G, 1e-5)
     fns = {
         "fusednorm GN+SiLU forward, grad": lambda: fusednorm.group_norm(xg, G, wg, bg, activation="silu"),
         "eager GN+SiLU forward, grad": lambda: F.silu(F.group_norm(xg, G, wg, bg)),
@@ -75,10 +92,13 @@ def main():
         "op group_norm_backward": lambda: torch.ops.fusednorm.group_norm_backward(
             dy, x, mean, rstd, w, G, [True] * 3),
         "op aten native_group_norm_backward": lambda: torch.ops.aten.native_group_norm_backward(
-            dy, x, aten_mean, aten_rstd, w, N, C, HxW, G, [True] * 3),
+            dya, xa, aten_mean, aten_rstd, w, N, C, HxW, G, [True] * 3),
     }
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s), input {tuple(x.shape)}")
-    for name, us in timed_in_turns(fns, args.reps, sync).items():
+    layout = "channels_last" if args.channels_last else "contiguous"
+    what = "host time to return" if args.enqueue else "host time + GPU"
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s), input {tuple(x.shape)} "
+          f"{dtype} {layout}; {what}")
+    for name, us in timed_in_turns(fns, args.reps, sync, args.enqueue).items():
         print(f"{name:36s} {us:8.1f} us")
 
 
