@@ -24,24 +24,36 @@ namespace fusednorm {
 
 namespace cg = cooperative_groups;
 
+// A launch configuration of `grid` CTAs in clusters of `cluster` CTAs along x. Not copyable:
+// `config` points at `attr`.
+struct ClusterLaunch {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr{};
+
+  ClusterLaunch(unsigned grid, unsigned block, size_t smem_bytes, int cluster, cudaStream_t stream = nullptr) {
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(block);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // How many clusters of `cluster` CTAs of `kernel` the current device runs at once; 0 where it
-// cannot say (no clusters). Clusters are placed within one GPC, so this can be well under
-// SMs / cluster for CTAs that take a whole SM.
+// cannot say (no clusters, or a size the kernel is not allowed). Clusters are placed within one
+// GPC, so this can be well under SMs / cluster for CTAs that take a whole SM.
 template <typename Kernel>
 int max_active_clusters(Kernel kernel, unsigned block, size_t smem_bytes, int cluster) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(cluster));
-  config.blockDim = dim3(block);
-  config.dynamicSmemBytes = smem_bytes;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  config.attrs = &attr;
-  config.numAttrs = 1;
+  const ClusterLaunch launch(static_cast<unsigned>(cluster), block, smem_bytes, cluster);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess) {
     (void)cudaGetLastError();  // a refused query must not surface at the next launch check
     return 0;
   }
@@ -56,19 +68,8 @@ void launch_clustered(Kernel kernel, unsigned grid, unsigned block, size_t smem_
   if (cluster <= 1) {
     kernel<<<grid, block, smem_bytes, stream>>>(args...);
   } else {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(block);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+    const ClusterLaunch launch(grid, block, smem_bytes, cluster, stream);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, args...));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -543,20 +543,8 @@ bool clusters_of_16(const cudaDeviceProp& prop) {
       auto kernel = group_norm_one_pass_kernel<float, 4, Activation::None>;
       ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kOnePassCtaBytes) == cudaSuccess;
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(16);
-      config.blockDim = dim3(kOnePassThreads);
-      config.dynamicSmemBytes = kOnePassCtaBytes;
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 16;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      int clusters = 0;
-      ok = ok && cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0;
-      (void)cudaGetLastError();  // a refused query must not surface at the next launch check
+      ok = ok && max_active_clusters(kernel, kOnePassThreads, kOnePassCtaBytes, 16) > 0;
+      (void)cudaGetLastError();  // a refused attribute must not surface at the next launch check
     }
     known[device] = ok ? 2 : 1;
   }
