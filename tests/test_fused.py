@@ -127,6 +127,21 @@ def test_instance_norm_fused_train_and_eval(activation, device):
     torch.testing.assert_close(z, epilogue_reference(y, activation=activation, **ops), atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_activation_alone_keeps_its_slope(train, device):
+    # An activation without tensor operands takes the functions' shortest call into the op (two
+    # keywords); negative_slope must still reach it, in both norms.
+    torch.manual_seed(4)
+    x = torch.randn(3, 6, 5, 4, dtype=torch.float64, device=device)
+    w, b = torch.randn(6, dtype=torch.float64, device=device), torch.randn(6, dtype=torch.float64, device=device)
+    rm, rv = torch.randn(6, dtype=torch.float64, device=device), torch.rand(6, dtype=torch.float64, device=device) + 0.5
+    want = F.leaky_relu(F.instance_norm(x, rm.clone(), rv.clone(), w, b, train), 0.3)
+    z = fusednorm.instance_norm(x, rm, rv, w, b, train, activation="leaky_relu", negative_slope=0.3)
+    torch.testing.assert_close(z, want, atol=1e-10, rtol=1e-8)
+    z = fusednorm.group_norm(x, 3, w, b, activation="leaky_relu", negative_slope=0.3)
+    torch.testing.assert_close(z, F.leaky_relu(F.group_norm(x, 3, w, b), 0.3), atol=1e-10, rtol=1e-8)
+
+
 def test_operands_of_another_dtype_are_cast_to_the_input_dtype(device):
     x = torch.randn(2, 4, 8, device=device)
     r = torch.randn(2, 4, 8, dtype=torch.float64, device=device, requires_grad=True)
