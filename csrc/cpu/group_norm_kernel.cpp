@@ -42,6 +42,13 @@ inline void load_widened(const c10::BFloat16* p, at::vec::Vectorized<float>& out
 inline void load_widened(const c10::Half* p, at::vec::Vectorized<float>& out) {
   at::vec::load_fp32_from_fp16(p, out);
 }
+// Two float vectors' worth (one whole reduced-precision vector).
+inline void load_widened(const c10::BFloat16* p, at::vec::Vectorized<float>& lo, at::vec::Vectorized<float>& hi) {
+  at::vec::load_fp32_from_bf16(p, lo, hi);
+}
+inline void load_widened(const c10::Half* p, at::vec::Vectorized<float>& lo, at::vec::Vectorized<float>& hi) {
+  at::vec::load_fp32_from_fp16(p, lo, hi);
+}
 
 // Loads and stores between T and vectors of opmath_type<T>. bfloat16 and half convert a whole
 // vector at a time with ATen's conversions (round to nearest even, as c10's scalar conversion);
@@ -130,13 +137,24 @@ std::array<double, K> reduce_row(const T* x, const Y* y, int64_t n, F f) {
   return total;
 }
 
-// Applies out[i] = f(x[i], y[i], i) over a contiguous row.
+// Applies out[i] = f(x[i], y[i], i) over a contiguous row. bfloat16 / half go two float vectors
+// at a time, so that each store is one whole reduced-precision vector.
 template <typename T, typename Y = T, typename F>
 void map_row(const T* x, const Y* y, T* out, int64_t n, F f) {
   using IO = VecIO<T>;
   using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
   int64_t i = 0;
+  if constexpr (!std::is_same_v<T, typename IO::acc_t>) {
+    constexpr int64_t kSize = IO::kSize;
+    for (; i + 2 * kSize <= n; i += 2 * kSize) {
+      Vec x0, x1;
+      load_widened(x + i, x0, x1);
+      const Vec y0 = y ? YIO::load(y + i) : Vec(0);
+      const Vec y1 = y ? YIO::load(y + i + kSize) : Vec(0);
+      at::vec::convert_from_float<T>(f(x0, y0, i), f(x1, y1, i + kSize)).store(out + i);
+    }
+  }
   for (; i + IO::kSize <= n; i += IO::kSize) {
     IO::store(out + i, f(IO::load(x + i), y ? YIO::load(y + i) : Vec(0), i));
   }
