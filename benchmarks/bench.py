@@ -76,6 +76,9 @@ def cpu_suite() -> List[Case]:
         Case("GN CPU", (8, 320, 32, 32), torch.float32, "group"),
         Case("GN CPU", (8, 320, 32, 32), torch.float32, "group", channels_last=True),
         Case("IN CPU", (4, 64, 64, 64), torch.float32, "instance", affine=False),
+        # bfloat16 on the CPU converts in vectors (CPU eleventh run: it had been 3-4x ATen's time).
+        Case("GN CPU bf16", (8, 320, 32, 32), torch.bfloat16, "group"),
+        Case("GN CPU bf16", (8, 320, 32, 32), torch.bfloat16, "group", channels_last=True),
         Case("GN+SiLU CPU", (8, 320, 32, 32), torch.float32, "group", activation="silu"),
         Case("AdaGN+SiLU CPU", (8, 320, 32, 32), torch.float32, "group", activation="silu", operands=("scale", "shift")),
         Case("problem 3 tail CPU", (256, 8192), torch.float32, "group", groups=1, affine=False,
