@@ -17,6 +17,7 @@ KNOBS = (
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
+    "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
 )
 
 _ONE_PASS = {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)}
@@ -41,6 +42,7 @@ PATHS = {
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
     "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
     "param1": {"FUSEDNORM_PARAM_GRAD_PARTS": "1"},  # the default with one CTA per 32 channels' parameter gradients
+    "colsact0": {"FUSEDNORM_COLS_ACT_KERNEL": "0"},
 }
 
 
