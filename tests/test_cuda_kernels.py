@@ -665,6 +665,63 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
         torch.testing.assert_close(got, want, **param_tol)
 
 
+# The channels-last forward holds a group in registers where a CTA of 512 threads covers its S
+# rows in 2 packs a thread (4 but in bfloat16): each row's D channels in 16-byte packs, D a
+# multiple of the pack width; the rest takes the split passes.
+CL_REGISTER_CASES = [
+    ((8, 1280, 8, 8), 32),      # UNet's channels_last groups: D = 40, S = 64
+    ((2, 1280, 16, 16), 32),    # S = 256: 4 rows a thread in float16, split in bfloat16 and float32
+    ((3, 48, 5, 7), 2),         # D = 24: threads past whole rows idle, a partial last round
+    ((2, 4096, 2, 2), 1),       # 512 packs a row in float16 (a thread a pack), split in float32
+    ((2, 64, 3, 3, 3), 8),      # channels_last_3d, D = 8
+    ((4, 32, 1, 3), 4),         # S = 3
+    ((2, 36, 4, 4), 3),         # D = 12: not a multiple of 8 (split in float16), of 4 (registers in float32)
+]
+
+
+def _cuda_kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.key for e in prof.key_averages())
+
+
+def _takes_cols_registers(shape, G, dtype):
+    """Whether launch_cols_registers_if_fits takes the group (one stream)."""
+    V = 16 // dtype.itemsize
+    D, S = shape[1] // G, math.prod(shape[2:])
+    if D % V:
+        return False
+    rows = 512 // (D // V)
+    return D // V <= 512 and (S <= 2 * rows or (S <= 4 * rows and dtype != torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CL_REGISTER_CASES, ids=_id)
+def test_channels_last_forward_in_registers(case, dtype, monkeypatch):
+    shape, G = case
+    x = make(shape, dtype, layout="channels_last", seed=4, offset=2.0)
+    w, b = make_params(shape[1], dtype)
+    kernel_paths.set_path(monkeypatch, "one_pass")
+    names = _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    assert ("registers_kernel" in names) == _takes_cols_registers(shape, G, dtype), names
+    y, mean, rstd = check_forward(x, G, w, b)
+    assert y.movedim(1, -1).is_contiguous()
+    kernel_paths.set_path(monkeypatch, "split")
+    assert "registers_kernel" not in _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, y2, **tol)
+    torch.testing.assert_close(mean, mean2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd, rstd2, rtol=1e-5, atol=1e-6)
+    # A constant group: variance exactly 0, y exactly the bias.
+    kernel_paths.set_path(monkeypatch, "one_pass")
+    x[0, : shape[1] // G] = 1.5
+    y, mean, _ = OPS.group_norm_forward(x, G, w, b, EPS)
+    assert mean[0, 0] == 1.5
+    assert torch.all(y[0, : shape[1] // G] == b[: shape[1] // G].view(-1, *([1] * (x.dim() - 2))))
+
+
 def test_team_edges(monkeypatch):
     # The team kernels on rounds fewer and more than one a team, teams of one CTA and of many
     # (channels split over several CTAs, and CTAs holding several channels), and a constant group

@@ -548,6 +548,21 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("path", ["one_pass", "split"])
+@pytest.mark.parametrize("activation", [None, "silu", "relu", "gelu"])
+def test_fused_channels_last_in_registers_cuda(activation, path, monkeypatch):
+    # The channels-last register forward (test_cuda_kernels.py, CL_REGISTER_CASES) takes the
+    # epilogue with per-lane coefficients and at most one tensor-sized operand (none in bfloat16);
+    # other epilogues and activations take the split passes.
+    kernel_paths.set_path(monkeypatch, path)
+    torch.manual_seed(11)
+    for shape, G, dtype in (((2, 64, 4, 4), 4, torch.float32), ((2, 80, 3, 5), 2, torch.float16),
+                            ((2, 64, 4, 4), 4, torch.bfloat16), ((2, 48, 2, 2, 3), 2, torch.float32)):
+        for names in (OPERANDS, ["scale", "shift"], ["residual"], ["multiplier"], ["scale"], []):
+            check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("parts", ["1", "3", "8"])
 def test_per_sample_parameter_gradients_over_a_cluster_cuda(parts, monkeypatch):
     # With a scale the parameter-gradient finalize weights each sample and writes grad_scale /

@@ -79,6 +79,7 @@ struct OnePassArgs {
   int64_t C, S, G, D, len;  // len = D * S, the elements of a group
   int64_t chunk;            // packs per CTA: a cluster of `cluster` CTAs takes a group
   int cluster;
+  bool cols;  // ChannelsLast: a group is S rows of D channels, C elements apart (register kernel only)
   acc_t eps;
   EpiArgs<scalar_t> epi;
 
@@ -97,13 +98,15 @@ struct OnePassArgs {
 };
 
 // The arguments of the one-pass and team forwards, but for chunk and cluster; false where the
-// layout, the group's length or a tensor-sized operand's alignment rules out 16-byte packs.
+// group's length (ChannelsFirst) or channels (ChannelsLast: a pack must lie in one row of a group)
+// or a tensor-sized operand's alignment rules out 16-byte packs.
 template <typename scalar_t, int V>
 bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd, OnePassArgs<scalar_t>& a) {
   using acc_t = acc_type<scalar_t>;
-  if (layout != Layout::ChannelsFirst || (sh.D * sh.S) % V != 0) return false;
+  a.cols = layout == Layout::ChannelsLast;
+  if (a.cols ? sh.D % V != 0 : (sh.D * sh.S) % V != 0) return false;
   a.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
   a.x = x.data_ptr<scalar_t>();
   a.y = y.data_ptr<scalar_t>();
@@ -270,21 +273,50 @@ struct OnePassOutput {
   }
 
   __device__ __forceinline__ scalar_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
-    acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * ca + cb;
+    return element_with(ca, cb, x, r, has_r, m, has_m);
+  }
+
+  __device__ __forceinline__ scalar_t element_with(
+      acc_t a_c, acc_t b_c, scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
+    acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * a_c + b_c;
     if (has_r) p += static_cast<acc_t>(r);
     acc_t z = device_activation_forward(A, p, a.epi.slope);
     if (has_m) z *= static_cast<acc_t>(m);
     return static_cast<scalar_t>(z);
   }
 
+  __device__ __forceinline__ Affine<acc_t> channel(int64_t c) const {
+    const Affine<acc_t> m =
+        modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+    return {rstd * m.w, m.b};
+  }
+
   __device__ __forceinline__ void coefficients(int64_t c) {
     if (c != cached_c) {
-      const Affine<acc_t> m =
-          modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
-      ca = rstd * m.w;
+      const Affine<acc_t> m = channel(c);
+      ca = m.w;
       cb = m.b;
       cached_c = c;
     }
+  }
+
+  // ChannelsLast: a pack holds V channels, first_lane the group's channel of its element 0 (the
+  // same for every pack of a thread: its coefficients are loaded once, into lane_a / lane_b).
+  __device__ __forceinline__ void lane_coefficients(int first_lane, acc_t (&lane_a)[V], acc_t (&lane_b)[V]) const {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const Affine<acc_t> m = channel(c_first + first_lane + j);
+      lane_a[j] = m.w;
+      lane_b[j] = m.b;
+    }
+  }
+
+  __device__ __forceinline__ P lane_pack(const acc_t (&lane_a)[V], const acc_t (&lane_b)[V], const P& xp,
+      const P& rp, bool has_r, const P& mp, bool has_m) const {
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = element_with(lane_a[j], lane_b[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    return o;
   }
 };
 
@@ -370,29 +402,77 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 // of a kernel, and R * (1 + E) packs must stay within the budget. finish() takes the activation
 // A at compile time (the output is unrolled over R * V elements, and a switch over every
 // activation in it took ptxas ~10 s per kernel with R = 8).
-template <typename scalar_t, int V, int R, int E>
+//
+// kCols: the ChannelsLast layout, where group (n, g) is S rows of D channels, C elements apart
+// (UNet's channels_last groups of 40 channels on 8x8 and 16x16 pixels, which the split passes
+// took in three launches). A thread keeps one pack-wide lane of the D channels and takes rows
+// row0, row0 + step, ..., so that its V channels' coefficients are loaded once.
+template <typename scalar_t, int V, int R, int E, bool kCols = false>
 struct RegisterGroup {
   using P = Pack<scalar_t, V>;
   P x[R];
   P extra[E > 0 ? E : 1][R];  // extra[0]: the residual if given, else the multiplier; [1]: the multiplier
   scalar_t first;             // x's first element, K
+  // kCols: the thread's lane (its first channel in the group, lane * V), first row, and the rows a
+  // CTA covers at once; threads past step * (D / V) hold nothing.
+  int lane = 0, row0 = 0, step = 0;
 
-  // Issues every load of group `item` (the thread's packs threadIdx.x + k * blockDim.x).
+  // Group (n, g)'s first element.
+  __device__ __forceinline__ int64_t group_offset(const OnePassArgs<scalar_t>& a, int64_t item) const {
+    if constexpr (kCols) {
+      const int64_t n = div_nn(item, a.G);
+      return n * a.S * a.C + (item - n * a.G) * a.D;
+    } else {
+      return item * a.len;
+    }
+  }
+
+  // Whether the thread's k-th pack lies in the group.
+  __device__ __forceinline__ bool valid(const OnePassArgs<scalar_t>& a, int k) const {
+    if constexpr (kCols) {
+      return row0 < step && row0 + k * step < a.S;
+    } else {
+      return static_cast<int>(threadIdx.x + k * blockDim.x) < static_cast<int>(a.len / V);
+    }
+  }
+
+  // kCols: the thread's k-th pack, in elements from the group's first.
+  __device__ __forceinline__ int64_t cols_offset(const OnePassArgs<scalar_t>& a, int k) const {
+    return static_cast<int64_t>(row0 + k * step) * a.C + lane * V;
+  }
+
+  // Issues every load of group `item` (ChannelsFirst: the thread's packs threadIdx.x + k * blockDim.x).
   __device__ __forceinline__ void load(const OnePassArgs<scalar_t>& a, int64_t item) {
-    const int64_t off = item * a.len;
-    const int lenv = static_cast<int>(a.len / V);
+    const int64_t off = group_offset(a, item);
     const scalar_t* extra0 = a.epi.residual != nullptr ? a.epi.residual : a.epi.multiplier;
-    const P* xg = reinterpret_cast<const P*>(a.x + off);
-    const P* eg0 = reinterpret_cast<const P*>(offset_or_null(extra0, off));
-    const P* eg1 = reinterpret_cast<const P*>(offset_or_null(a.epi.multiplier, off));
     first = a.x[off];
+    if constexpr (kCols) {
+      const int lanes = static_cast<int>(a.D / V);
+      row0 = static_cast<int>(threadIdx.x) / lanes;
+      lane = static_cast<int>(threadIdx.x) - row0 * lanes;
+      step = static_cast<int>(blockDim.x) / lanes;
 #pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
-      if (v < lenv) {
-        x[k] = xg[v];
-        if (E >= 1) extra[0][k] = eg0[v];
-        if (E >= 2) extra[1][k] = eg1[v];
+      for (int k = 0; k < R; ++k) {
+        if (valid(a, k)) {
+          const int64_t e = off + cols_offset(a, k);
+          x[k] = *reinterpret_cast<const P*>(a.x + e);
+          if (E >= 1) extra[0][k] = *reinterpret_cast<const P*>(extra0 + e);
+          if (E >= 2) extra[1][k] = *reinterpret_cast<const P*>(a.epi.multiplier + e);
+        }
+      }
+    } else {
+      const int lenv = static_cast<int>(a.len / V);
+      const P* xg = reinterpret_cast<const P*>(a.x + off);
+      const P* eg0 = reinterpret_cast<const P*>(offset_or_null(extra0, off));
+      const P* eg1 = reinterpret_cast<const P*>(offset_or_null(a.epi.multiplier, off));
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
+        if (v < lenv) {
+          x[k] = xg[v];
+          if (E >= 1) extra[0][k] = eg0[v];
+          if (E >= 2) extra[1][k] = eg1[v];
+        }
       }
     }
   }
@@ -402,20 +482,18 @@ struct RegisterGroup {
   template <int MaxThreads, Activation A>
   __device__ __forceinline__ void finish(const OnePassArgs<scalar_t>& a, int64_t item, acc_type<scalar_t>* red) const {
     using acc_t = acc_type<scalar_t>;
-    const int lenv = static_cast<int>(a.len / V);
-    const auto valid = [&](int k) { return static_cast<int>(threadIdx.x + k * blockDim.x) < lenv; };
     const acc_t K = static_cast<acc_t>(first);
     acc_t sum = acc_t(0);
 #pragma unroll
     for (int k = 0; k < R; ++k) {
-      if (valid(k)) sum += pack_shifted_sum(x[k], K);
+      if (valid(a, k)) sum += pack_shifted_sum(x[k], K);
     }
     const acc_t total = static_cast<acc_t>(a.len);
     const acc_t shifted_mean = one_pass_block_sum<MaxThreads>(sum, red) / total;
     acc_t m2 = acc_t(0);
 #pragma unroll
     for (int k = 0; k < R; ++k) {
-      if (valid(k)) m2 += pack_squared_deviations(x[k], K, shifted_mean);
+      if (valid(a, k)) m2 += pack_squared_deviations(x[k], K, shifted_mean);
     }
     const acc_t rstd = acc_t(1) / sqrt(one_pass_block_sum<MaxThreads>(m2, red) / total + a.eps);
     if (threadIdx.x == 0) {
@@ -426,12 +504,26 @@ struct RegisterGroup {
     OnePassOutput<scalar_t, V, A> out(a, n, item - n * a.G, K, shifted_mean, rstd);
     const bool has_r = E >= 1 && a.epi.residual != nullptr;
     const bool has_m = E >= 1 && a.epi.multiplier != nullptr;
-    P* yg = reinterpret_cast<P*>(a.y + item * a.len);
+    if constexpr (kCols) {
+      if (row0 >= step) return;
+      acc_t lane_a[V], lane_b[V];
+      out.lane_coefficients(lane * V, lane_a, lane_b);
+      scalar_t* yg = a.y + group_offset(a, item);
 #pragma unroll
-    for (int k = 0; k < R; ++k) {
-      if (valid(k)) {
-        const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
-        yg[v] = out.uniform_pack(v, x[k], extra[0][k], has_r, extra[E >= 2 ? 1 : 0][k], has_m);
+      for (int k = 0; k < R; ++k) {
+        if (valid(a, k)) {
+          *reinterpret_cast<P*>(yg + cols_offset(a, k)) =
+              out.lane_pack(lane_a, lane_b, x[k], extra[0][k], has_r, extra[E >= 2 ? 1 : 0][k], has_m);
+        }
+      }
+    } else {
+      P* yg = reinterpret_cast<P*>(a.y + item * a.len);
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        if (valid(a, k)) {
+          const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
+          yg[v] = out.uniform_pack(v, x[k], extra[0][k], has_r, extra[E >= 2 ? 1 : 0][k], has_m);
+        }
       }
     }
   }
@@ -444,10 +536,10 @@ struct RegisterGroup {
 // 16 warps an SM, did no better (67%): the SM was waiting on its own instruction latencies.
 constexpr int kRegisterThreads = 512;
 
-template <typename scalar_t, int V, int R, int E, Activation A>
+template <typename scalar_t, int V, int R, int E, Activation A, bool kCols>
 __global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kernel(const OnePassArgs<scalar_t> a) {
   __shared__ acc_type<scalar_t> red[kRegisterThreads / kWarp];
-  RegisterGroup<scalar_t, V, R, E> group;
+  RegisterGroup<scalar_t, V, R, E, kCols> group;
   group.load(a, blockIdx.x);
   group.finish<kRegisterThreads, A>(a, blockIdx.x, red);
 }
@@ -476,20 +568,50 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
 // register cap of 64.
 constexpr int kRegisterPacks = 8;
 
-template <typename scalar_t, int V, int R, int E>
+// One CTA a group, of whole warps enough for R packs a thread (ChannelsLast: R rows a thread,
+// D / V threads a row).
+template <typename scalar_t, int V, int R, int E, bool kCols>
 void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
   static_assert(R * (1 + E) <= kRegisterPacks, "register kernel over its budget");
-  const int64_t lenv = a.len / V;
-  const int threads = static_cast<int>(std::min<int64_t>(kRegisterThreads, ceil_div(ceil_div(lenv, R), kWarp) * kWarp));
+  const int64_t wanted = kCols ? (a.D / V) * ceil_div(a.S, R) : ceil_div(a.len / V, R);
+  const int threads = static_cast<int>(std::min<int64_t>(kRegisterThreads, ceil_div(wanted, kWarp) * kWarp));
   const auto launch = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(items), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   switch (a.epi.act) {
-    case Activation::SiLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::SiLU>);
-    case Activation::ReLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::ReLU>);
-    default: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::None>);
+    case Activation::SiLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::SiLU, kCols>);
+    case Activation::ReLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::ReLU, kCols>);
+    default: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::None, kCols>);
   }
+}
+
+// The ChannelsLast register kernel, when a CTA of kRegisterThreads covers the group's S rows in
+// R <= 4 rows a thread. Each thread also holds its V channels' two coefficients (2 V registers),
+// so that it takes at most 2 packs with one extra stream or 4 without (ptxas sm_90, float16 /
+// float32: 44-64 registers, no spills).
+template <typename scalar_t, int V>
+bool launch_cols_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
+  // bfloat16 spilled (6 / 12-24 bytes) with more than 2 packs and no extra stream: that one only.
+  constexpr bool kSmall = std::is_same_v<scalar_t, at::BFloat16>;
+  const int64_t lanes = a.D / V;
+  if (lanes > kRegisterThreads || a.streams() > (kSmall ? 1 : 2)) return false;
+  const int64_t rows_at_once = kRegisterThreads / lanes;
+  if (a.S <= 2 * rows_at_once) {
+    if (a.streams() == 1) {
+      launch_registers<scalar_t, V, 2, 0, true>(a, items);
+    } else if constexpr (!kSmall) {
+      launch_registers<scalar_t, V, 2, 1, true>(a, items);
+    }
+    return true;
+  }
+  if constexpr (!kSmall) {
+    if (a.S <= 4 * rows_at_once && a.streams() == 1) {
+      launch_registers<scalar_t, V, 4, 0, true>(a, items);
+      return true;
+    }
+  }
+  return false;
 }
 
 // Runs the register kernel and returns true when the group fits its registers (2 packs a thread
@@ -504,6 +626,7 @@ bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
   if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
     return false;
   }
+  if (a.cols) return launch_cols_registers_if_fits<scalar_t, V>(a, items);
   if (!a.template uniform_packs<V>()) return false;
   const int extra_streams = a.streams() - 1;
   // bfloat16 takes more registers than float16 for the same packs (its kernels with 2 packs and
@@ -512,19 +635,19 @@ bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
   const int64_t lenv = a.len / V;
   if (lenv <= 2 * kRegisterThreads && extra_streams <= max_extra) {
     if (extra_streams == 0) {
-      launch_registers<scalar_t, V, 2, 0>(a, items);
+      launch_registers<scalar_t, V, 2, 0, false>(a, items);
     } else if (extra_streams == 1) {
-      launch_registers<scalar_t, V, 2, 1>(a, items);
+      launch_registers<scalar_t, V, 2, 1, false>(a, items);
     } else if constexpr (max_extra >= 2) {
-      launch_registers<scalar_t, V, 2, 2>(a, items);
+      launch_registers<scalar_t, V, 2, 2, false>(a, items);
     }
     return true;
   }
   if (lenv <= 4 * kRegisterThreads && extra_streams <= max_extra - 1) {
     if (extra_streams == 0) {
-      launch_registers<scalar_t, V, 4, 0>(a, items);
+      launch_registers<scalar_t, V, 4, 0, false>(a, items);
     } else if constexpr (max_extra >= 2) {
-      launch_registers<scalar_t, V, 4, 1>(a, items);
+      launch_registers<scalar_t, V, 4, 1, false>(a, items);
     }
     return true;
   }
@@ -569,9 +692,9 @@ int one_pass_cluster(int64_t bytes, int64_t items, const cudaDeviceProp& prop) {
   return ceil_div(bytes, k) <= kOnePassCtaBytes || (k == 1 && bytes <= prop.sharedMemPerBlockOptin) ? k : 0;
 }
 
-// Runs the forward in one pass and returns true when the group fits (see above), the layout is
-// ChannelsFirst and every tensor-sized operand takes 16-byte packs; otherwise returns false and
-// the caller runs the split forward.
+// Runs the forward in one pass and returns true when the group fits (see above; ChannelsLast: the
+// register kernel's limits) and every tensor-sized operand takes 16-byte packs; otherwise returns
+// false and the caller runs the split forward.
 template <typename scalar_t>
 bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
@@ -587,6 +710,13 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     const int64_t bytes = streams * a.len * static_cast<int64_t>(sizeof(scalar_t));
     const OnePassLimit limit = one_pass_limit();
     if (bytes > limit.max_bytes) return false;
+    if (a.cols) {
+      // ChannelsLast: the register kernel or the split passes (the shared-memory and cluster
+      // kernels read a group as contiguous packs).
+      a.cluster = 1;
+      a.chunk = a.len / V;
+      return items <= std::numeric_limits<int>::max() && launch_registers_if_fits<scalar_t, V>(a, items);
+    }
     const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
     const int cluster = one_pass_cluster(bytes, items, prop);
     if (cluster == 0 || items * cluster > std::numeric_limits<int>::max()) return false;

@@ -623,7 +623,7 @@ bool forward_team(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     return false;  // double: the split path
   } else {
     const int mode = team_forward_mode();
-    if (mode == 0 || sh.N * sh.G == 0 || sh.D * sh.S == 0) return false;
+    if (mode == 0 || layout != Layout::ChannelsFirst || sh.N * sh.G == 0 || sh.D * sh.S == 0) return false;
     TeamArgs<scalar_t> a{};
     OnePassArgs<scalar_t>& o = a.op;
     if (!make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o)) return false;
