@@ -21,6 +21,7 @@ CASES = [
     ((6, 3000), 1),  # S == 1 rows of 750 packs: the register forward with 2 packs a thread
     ((4, 6000), 1),  # 1500 packs (float32): 4 packs a thread, a partial last round
     ((2, 10, 3, 4, 5), 5),
+    ((2, 80, 6, 5), 2),  # D = 40: channels_last groups in registers (2 rows a thread)
     ((0, 8, 4, 4), 4),
     ((2, 8, 0, 4), 4),
 ]
@@ -82,6 +83,8 @@ def run_all_fused():
             if x.dim() >= 3:
                 cl = x.movedim(1, -1).contiguous().movedim(-1, 1)
                 run_fused(cl, groups, w, None, "gelu", ("scale", "multiplier"))
+                # SiLU with one tensor operand: the channels-last register forward where it fits.
+                run_fused(cl, groups, w, w, "silu", ("scale", "shift", "residual"))
             flat = torch.randn(x.numel() + 1, device="cuda", dtype=dtype)
             run_fused(flat[1:].view(shape), groups, None, w, "leaky_relu", ("shift", "residual", "multiplier"))
 
