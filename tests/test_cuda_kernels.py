@@ -667,15 +667,21 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
 
 # The channels-last forward holds a group in registers where a CTA of 512 threads covers its S
 # rows in 2 packs a thread (4 but in bfloat16): each row's D channels in 16-byte packs, D a
-# multiple of the pack width; the rest takes the split passes.
-CL_REGISTER_CASES = [
+# multiple of the pack width. Other groups whose rows are whole 4-byte packs and fit a CTA's
+# shared memory take the channels-last shared-memory kernel (activation none / SiLU / ReLU); the
+# rest the split passes.
+CL_ONE_PASS_CASES = [
     ((8, 1280, 8, 8), 32),      # UNet's channels_last groups: D = 40, S = 64
-    ((2, 1280, 16, 16), 32),    # S = 256: 4 rows a thread in float16, split in bfloat16 and float32
+    ((2, 1280, 16, 16), 32),    # S = 256: 4 rows a thread in float16, shared memory in bfloat16 and float32
     ((3, 48, 5, 7), 2),         # D = 24: threads past whole rows idle, a partial last round
     ((2, 4096, 2, 2), 1),       # 512 packs a row in float16 (a thread a pack), split in float32
     ((2, 64, 3, 3, 3), 8),      # channels_last_3d, D = 8
     ((4, 32, 1, 3), 4),         # S = 3
-    ((2, 36, 4, 4), 3),         # D = 12: not a multiple of 8 (split in float16), of 4 (registers in float32)
+    ((2, 36, 4, 4), 3),         # D = 12: 8-byte packs in half precision, 16-byte in float32
+    ((2, 320, 16, 16), 32),     # UNet's D = 10: 4-byte packs in half precision, 8-byte in float32
+    ((2, 64, 48, 48), 8),       # D = 8, 2304 rows: too many for registers (float16: 36 KB, float32: 72 KB)
+    ((2, 6, 9, 7), 6),          # D = 1 (InstanceNorm): a 4-byte element a pack in float32, split in half precision
+    ((2, 12, 5, 5), 4),         # D = 3
 ]
 
 
@@ -686,36 +692,48 @@ def _cuda_kernel_names(fn):
     return " ".join(e.key for e in prof.key_averages())
 
 
-def _takes_cols_registers(shape, G, dtype):
-    """Whether launch_cols_registers_if_fits takes the group (one stream)."""
-    V = 16 // dtype.itemsize
+def _channels_last_path(shape, G, dtype, registers=True):
+    """The kernel forward_one_pass picks for a channels_last input with the one-pass path forced,
+    one stream, no activation: "registers", "shared" (group_norm_cols_one_pass_kernel) or "split"."""
     D, S = shape[1] // G, math.prod(shape[2:])
-    if D % V:
-        return False
-    rows = 512 // (D // V)
-    return D // V <= 512 and (S <= 2 * rows or (S <= 4 * rows and dtype != torch.bfloat16))
+    size = dtype.itemsize
+    V = 16 // size
+    if registers and D % V == 0:
+        rows = 512 // (D // V)
+        if D // V <= 512 and (S <= 2 * rows or (S <= 4 * rows and dtype != torch.bfloat16)):
+            return "registers"
+    row = D * size
+    if row % 4:
+        return "split"
+    pack = 16 if row % 16 == 0 else 8 if row % 8 == 0 else 4
+    optin = getattr(torch.cuda.get_device_properties(DEV), "shared_memory_per_block_optin", 48 * 1024)
+    return "shared" if row // pack <= 256 and S * row + 1024 <= optin else "split"
 
 
+@pytest.mark.parametrize("path", ["one_pass", "one_pass_shared"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", CL_REGISTER_CASES, ids=_id)
-def test_channels_last_forward_in_registers(case, dtype, monkeypatch):
+@pytest.mark.parametrize("case", CL_ONE_PASS_CASES, ids=_id)
+def test_channels_last_forward_in_one_pass(case, dtype, path, monkeypatch):
     shape, G = case
     x = make(shape, dtype, layout="channels_last", seed=4, offset=2.0)
     w, b = make_params(shape[1], dtype)
-    kernel_paths.set_path(monkeypatch, "one_pass")
+    kernel_paths.set_path(monkeypatch, path)
+    expected = _channels_last_path(shape, G, dtype, registers=path == "one_pass")
     names = _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
-    assert ("registers_kernel" in names) == _takes_cols_registers(shape, G, dtype), names
+    assert ("registers_kernel" in names) == (expected == "registers"), names
+    assert ("cols_one_pass_kernel" in names) == (expected == "shared"), names
     y, mean, rstd = check_forward(x, G, w, b)
     assert y.movedim(1, -1).is_contiguous()
     kernel_paths.set_path(monkeypatch, "split")
-    assert "registers_kernel" not in _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    names = _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    assert "registers_kernel" not in names and "cols_one_pass_kernel" not in names, names
     y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(y, y2, **tol)
     torch.testing.assert_close(mean, mean2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rstd, rstd2, rtol=1e-5, atol=1e-6)
     # A constant group: variance exactly 0, y exactly the bias.
-    kernel_paths.set_path(monkeypatch, "one_pass")
+    kernel_paths.set_path(monkeypatch, path)
     x[0, : shape[1] // G] = 1.5
     y, mean, _ = OPS.group_norm_forward(x, G, w, b, EPS)
     assert mean[0, 0] == 1.5

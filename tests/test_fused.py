@@ -548,16 +548,18 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["one_pass", "split"])
+@pytest.mark.parametrize("path", ["one_pass", "one_pass_shared", "split"])
 @pytest.mark.parametrize("activation", [None, "silu", "relu", "gelu"])
-def test_fused_channels_last_in_registers_cuda(activation, path, monkeypatch):
-    # The channels-last register forward (test_cuda_kernels.py, CL_REGISTER_CASES) takes the
-    # epilogue with per-lane coefficients and at most one tensor-sized operand (none in bfloat16);
-    # other epilogues and activations take the split passes.
+def test_fused_channels_last_one_pass_cuda(activation, path, monkeypatch):
+    # The channels-last one-pass forwards (test_cuda_kernels.py, CL_ONE_PASS_CASES) take the
+    # epilogue with per-lane coefficients: the register kernel with at most one tensor-sized
+    # operand (none in bfloat16), the shared-memory kernel with any (the register kernel off on the
+    # one_pass_shared path, and D = 10 / 3 in any case); other activations take the split passes.
     kernel_paths.set_path(monkeypatch, path)
     torch.manual_seed(11)
     for shape, G, dtype in (((2, 64, 4, 4), 4, torch.float32), ((2, 80, 3, 5), 2, torch.float16),
-                            ((2, 64, 4, 4), 4, torch.bfloat16), ((2, 48, 2, 2, 3), 2, torch.float32)):
+                            ((2, 64, 4, 4), 4, torch.bfloat16), ((2, 48, 2, 2, 3), 2, torch.float32),
+                            ((2, 40, 3, 3), 4, torch.float16), ((2, 12, 3, 4), 4, torch.float32)):
         for names in (OPERANDS, ["scale", "shift"], ["residual"], ["multiplier"], ["scale"], []):
             check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
 

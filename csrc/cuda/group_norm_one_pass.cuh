@@ -98,15 +98,16 @@ struct OnePassArgs {
 };
 
 // The arguments of the one-pass and team forwards, but for chunk and cluster; false where the
-// group's length (ChannelsFirst) or channels (ChannelsLast: a pack must lie in one row of a group)
-// or a tensor-sized operand's alignment rules out 16-byte packs.
+// group's length (ChannelsFirst) or a tensor-sized operand's alignment rules out 16-byte packs,
+// or (ChannelsLast) a group's channels are not a whole number of 4-byte packs (the narrowest copy
+// of the channels-last shared-memory kernel; the register kernel needs 16-byte ones).
 template <typename scalar_t, int V>
 bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd, OnePassArgs<scalar_t>& a) {
   using acc_t = acc_type<scalar_t>;
   a.cols = layout == Layout::ChannelsLast;
-  if (a.cols ? sh.D % V != 0 : (sh.D * sh.S) % V != 0) return false;
+  if (a.cols ? (sh.D * static_cast<int64_t>(sizeof(scalar_t))) % 4 != 0 : (sh.D * sh.S) % V != 0) return false;
   a.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
   a.x = x.data_ptr<scalar_t>();
   a.y = y.data_ptr<scalar_t>();
@@ -544,6 +545,69 @@ __global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kern
   group.finish<kRegisterThreads, A>(a, blockIdx.x, red);
 }
 
+// The one-pass forward of a ChannelsLast group in shared memory, for the groups the register kernel
+// cannot take: D not a multiple of the 16-byte pack (UNet's 10 and 20 channels a group in half
+// precision) or more rows than a CTA covers in registers (ResNet's 3136). One CTA a group; V is
+// the widest pack (16, 8 or 4 bytes) that divides a row's D channels. Each thread keeps one lane
+// of V channels and takes rows row0, row0 + step, ...: it copies its packs into shared memory
+// (cp.async, all in flight), sums them twice there (the exact two-pass moments), and writes y from
+// them, so it reads only what it copied itself and needs no barrier but the block sums'; its
+// lane's coefficients are loaded once. Threads past step * lanes only join the block sums. The
+// residual and multiplier are read in the output loop (once each, as x is).
+template <typename scalar_t, int V, Activation A>
+__global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kernel(const OnePassArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  extern __shared__ __align__(16) unsigned char one_pass_smem[];
+  __shared__ acc_t red[kOnePassThreads / kWarp];
+  P* xs = reinterpret_cast<P*>(one_pass_smem);  // the group dense: pack (s, lane) at s * lanes + lane
+  const int64_t item = blockIdx.x;
+  const int64_t n = div_nn(item, a.G);
+  const int64_t g = item - n * a.G;
+  const int64_t base = n * a.S * a.C + g * a.D;  // element (s, d) of the group: base + s * C + d
+  const int lanes = static_cast<int>(a.D / V);
+  const int step = kOnePassThreads / lanes;
+  const int row0 = static_cast<int>(threadIdx.x) / lanes;
+  const int lane = static_cast<int>(threadIdx.x) - row0 * lanes;
+  const int64_t rows = row0 < step ? a.S : 0;  // this thread's rows: row0, row0 + step, ... < rows
+  for (int64_t s = row0; s < rows; s += step) {
+    __pipeline_memcpy_async(&xs[s * lanes + lane], a.x + base + s * a.C + lane * V, sizeof(P));
+  }
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+
+  const acc_t K = static_cast<acc_t>(a.x[base]);
+  acc_t sum = acc_t(0);
+  // (Packs copied out of shared memory whole: one V-wide load each.)
+  for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[s * lanes + lane]), K);
+  const acc_t total = static_cast<acc_t>(a.len);
+  const acc_t shifted_mean = one_pass_block_sum(sum, red) / total;
+  acc_t m2 = acc_t(0);
+  for (int64_t s = row0; s < rows; s += step) m2 += pack_squared_deviations(P(xs[s * lanes + lane]), K, shifted_mean);
+  const acc_t group_rstd = acc_t(1) / sqrt(one_pass_block_sum(m2, red) / total + a.eps);
+  if (threadIdx.x == 0) {
+    a.mean[item] = K + shifted_mean;
+    a.rstd[item] = group_rstd;
+  }
+  if (rows == 0) return;
+
+  OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
+  acc_t lane_a[V], lane_b[V];
+  out.lane_coefficients(lane * V, lane_a, lane_b);
+  const EpiArgs<scalar_t>& e = a.epi;
+  dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
+    const bool has_r = decltype(operands)::value && e.residual != nullptr;
+    const bool has_m = decltype(operands)::value && e.multiplier != nullptr;
+    for (int64_t s = row0; s < rows; s += step) {
+      const int64_t off = base + s * a.C + lane * V;
+      P rp, mp;
+      if (has_r) rp = *reinterpret_cast<const P*>(e.residual + off);
+      if (has_m) mp = *reinterpret_cast<const P*>(e.multiplier + off);
+      *reinterpret_cast<P*>(a.y + off) = out.lane_pack(lane_a, lane_b, P(xs[s * lanes + lane]), rp, has_r, mp, has_m);
+    }
+  });
+}
+
 // Lets `kernel` take `bytes` of dynamic shared memory. Without the opt-in a CTA gets 48 KB in all,
 // its static shared memory (under 1 KB in these kernels) included: a 48 KB group of the one-pass
 // backward failed to launch ("invalid argument") when the opt-in began above 48 KB.
@@ -626,7 +690,7 @@ bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
   if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
     return false;
   }
-  if (a.cols) return launch_cols_registers_if_fits<scalar_t, V>(a, items);
+  if (a.cols) return a.D % V == 0 && launch_cols_registers_if_fits<scalar_t, V>(a, items);
   if (!a.template uniform_packs<V>()) return false;
   const int extra_streams = a.streams() - 1;
   // bfloat16 takes more registers than float16 for the same packs (its kernels with 2 packs and
@@ -652,6 +716,51 @@ bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
     return true;
   }
   return false;
+}
+
+// Runs the channels-last shared-memory kernel and returns true when a row's channels make at
+// most kOnePassThreads packs, the group fits the CTA's shared memory, and the activation is none,
+// SiLU or ReLU (the others take the split passes rather than add instantiations). Unless forced,
+// as the ChannelsFirst kernel: groups over 48 KB only when there is a group for every SM, and at
+// most kColsOnePassMaxBytes (two CTAs an SM).
+constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
+
+template <typename scalar_t>
+bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t items, bool forced) {
+  if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
+    return false;
+  }
+  const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(scalar_t));
+  const int pack_bytes = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
+  const int64_t lanes = row_bytes / pack_bytes;
+  const int64_t bytes = a.S * row_bytes;
+  const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
+  if (lanes > kOnePassThreads || bytes + 1024 > static_cast<int64_t>(prop.sharedMemPerBlockOptin)) return false;
+  if (!forced && (bytes > kColsOnePassMaxBytes || (bytes > 48 * 1024 && items < prop.multiProcessorCount))) {
+    return false;
+  }
+  const auto launch = [&](auto kernel) {
+    allow_dynamic_smem(kernel, static_cast<size_t>(bytes));
+    kernel<<<static_cast<unsigned>(items), kOnePassThreads, static_cast<size_t>(bytes),
+        at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const auto with_width = [&](auto width) {
+    constexpr int V = decltype(width)::value / static_cast<int>(sizeof(scalar_t));
+    switch (a.epi.act) {
+      case Activation::SiLU: return launch(group_norm_cols_one_pass_kernel<scalar_t, V, Activation::SiLU>);
+      case Activation::ReLU: return launch(group_norm_cols_one_pass_kernel<scalar_t, V, Activation::ReLU>);
+      default: return launch(group_norm_cols_one_pass_kernel<scalar_t, V, Activation::None>);
+    }
+  };
+  if (pack_bytes == 16) {
+    with_width(std::integral_constant<int, 16>());
+  } else if (pack_bytes == 8) {
+    with_width(std::integral_constant<int, 8>());
+  } else {
+    with_width(std::integral_constant<int, 4>());
+  }
+  return true;
 }
 
 // Whether the device schedules clusters of 16 CTAs of kOnePassCtaBytes (H100's non-portable
@@ -711,11 +820,13 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
     const OnePassLimit limit = one_pass_limit();
     if (bytes > limit.max_bytes) return false;
     if (a.cols) {
-      // ChannelsLast: the register kernel or the split passes (the shared-memory and cluster
-      // kernels read a group as contiguous packs).
+      // ChannelsLast: the register kernel, its shared-memory kernel, or the split passes (the
+      // ChannelsFirst shared-memory and cluster kernels read a group as contiguous packs).
       a.cluster = 1;
       a.chunk = a.len / V;
-      return items <= std::numeric_limits<int>::max() && launch_registers_if_fits<scalar_t, V>(a, items);
+      if (items > std::numeric_limits<int>::max()) return false;
+      return launch_registers_if_fits<scalar_t, V>(a, items) ||
+          launch_cols_one_pass_if_fits<scalar_t>(a, items, limit.forced);
     }
     const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
     const int cluster = one_pass_cluster(bytes, items, prop);
