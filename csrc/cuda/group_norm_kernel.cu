@@ -1568,6 +1568,42 @@ void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a) 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Host side: calls f(std::integral_constant<Activation, act>()), the activation as a template
+// argument of the one-pass and team kernels (every activation: their loops are small).
+template <typename F>
+void dispatch_activation(Activation act, const F& f) {
+  switch (act) {
+    case Activation::SiLU: return f(std::integral_constant<Activation, Activation::SiLU>());
+    case Activation::GELU: return f(std::integral_constant<Activation, Activation::GELU>());
+    case Activation::GELUTanh: return f(std::integral_constant<Activation, Activation::GELUTanh>());
+    case Activation::ReLU: return f(std::integral_constant<Activation, Activation::ReLU>());
+    case Activation::LeakyReLU: return f(std::integral_constant<Activation, Activation::LeakyReLU>());
+    case Activation::Mish: return f(std::integral_constant<Activation, Activation::Mish>());
+    default: return f(std::integral_constant<Activation, Activation::None>());
+  }
+}
+
+// As dispatch_activation, for the kernels instantiated for the common activations only (none,
+// SiLU, ReLU: the register, channels-last one-pass and channels-last activation kernels, where
+// each activation is one more copy of an unrolled element loop). Returns false, calling nothing,
+// for the others: the caller takes a more general kernel.
+template <typename F>
+bool dispatch_common_activation(Activation act, const F& f) {
+  switch (act) {
+    case Activation::None:
+      f(std::integral_constant<Activation, Activation::None>());
+      return true;
+    case Activation::SiLU:
+      f(std::integral_constant<Activation, Activation::SiLU>());
+      return true;
+    case Activation::ReLU:
+      f(std::integral_constant<Activation, Activation::ReLU>());
+      return true;
+    default:
+      return false;
+  }
+}
+
 template <typename scalar_t, int V, ApplyMode M>
 void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -1586,15 +1622,10 @@ void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != Appl
         kernel<<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      constexpr int kNone = static_cast<int>(Activation::None);
-      constexpr int kSiLU = static_cast<int>(Activation::SiLU);
-      constexpr int kReLU = static_cast<int>(Activation::ReLU);
-      switch (a.epi.act) {
-        case Activation::None: return launch(apply_cols_act_kernel<scalar_t, V, kNone>);
-        case Activation::SiLU: return launch(apply_cols_act_kernel<scalar_t, V, kSiLU>);
-        case Activation::ReLU: return launch(apply_cols_act_kernel<scalar_t, V, kReLU>);
-        default: break;  // the other activations: the shared kernel
-      }
+      const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
+        launch(apply_cols_act_kernel<scalar_t, V, static_cast<int>(decltype(act)::value)>);
+      });
+      if (launched) return;  // the other activations: the shared kernel
     }
   }
   apply_cols_kernel<scalar_t, V, M><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);

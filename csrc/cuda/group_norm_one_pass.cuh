@@ -53,21 +53,6 @@ OnePassLimit one_pass_limit() {
   return env != nullptr ? OnePassLimit{std::atoll(env), true} : OnePassLimit{kOnePassMaxBytes, false};
 }
 
-// Calls f(std::integral_constant<Activation, act>()): the activation as a template argument of
-// the one-pass kernels (every activation: their loops are small).
-template <typename F>
-void dispatch_activation(Activation act, const F& f) {
-  switch (act) {
-    case Activation::SiLU: return f(std::integral_constant<Activation, Activation::SiLU>());
-    case Activation::GELU: return f(std::integral_constant<Activation, Activation::GELU>());
-    case Activation::GELUTanh: return f(std::integral_constant<Activation, Activation::GELUTanh>());
-    case Activation::ReLU: return f(std::integral_constant<Activation, Activation::ReLU>());
-    case Activation::LeakyReLU: return f(std::integral_constant<Activation, Activation::LeakyReLU>());
-    case Activation::Mish: return f(std::integral_constant<Activation, Activation::Mish>());
-    default: return f(std::integral_constant<Activation, Activation::None>());
-  }
-}
-
 template <typename scalar_t>
 struct OnePassArgs {
   using acc_t = acc_type<scalar_t>;
@@ -79,7 +64,7 @@ struct OnePassArgs {
   int64_t C, S, G, D, len;  // len = D * S, the elements of a group
   int64_t chunk;            // packs per CTA: a cluster of `cluster` CTAs takes a group
   int cluster;
-  bool cols;  // ChannelsLast: a group is S rows of D channels, C elements apart (register kernel only)
+  bool cols;  // ChannelsLast: a group is S rows of D channels, C elements apart (ColsPlace)
   acc_t eps;
   EpiArgs<scalar_t> epi;
 
@@ -87,6 +72,9 @@ struct OnePassArgs {
   int streams() const {
     return 1 + (epi.residual != nullptr) + (epi.multiplier != nullptr && epi.multiplier != epi.residual);
   }
+
+  // ChannelsLast: the first element of group (n, g); its element (s, d) lies s * C + d further.
+  __host__ __device__ int64_t cols_group_base(int64_t n, int64_t g) const { return n * S * C + g * D; }
 
   // Whether the elements of each V-element pack share their coefficients (OnePassOutput's
   // uniform_pack): S a multiple of V (a pack lies in one channel) or no per-channel parameter.
@@ -393,6 +381,27 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 #endif
 }
 
+// Where a thread works in a ChannelsLast group of S rows of D channels (OnePassArgs::cols): in
+// lanes of V channels, thread t keeps lane t % lanes, so that its channels' coefficients load
+// once, and takes rows row0 = t / lanes, row0 + step, ...; threads past step * lanes hold none.
+template <int V>
+struct ColsPlace {
+  int lanes = 0, row0 = 0, lane = 0, step = 0;
+
+  ColsPlace() = default;
+  __device__ __forceinline__ ColsPlace(int64_t D, int threads)
+      : lanes(static_cast<int>(D / V)),
+        row0(static_cast<int>(threadIdx.x) / lanes),
+        lane(static_cast<int>(threadIdx.x) - row0 * lanes),
+        step(threads / lanes) {}
+
+  __device__ __forceinline__ bool active() const { return row0 < step; }
+  // The thread's pack of row s: in elements from the group's first, and its index in the group
+  // stored densely (pack (s, lane) at s * lanes + lane).
+  __device__ __forceinline__ int64_t offset(int64_t s, int64_t C) const { return s * C + lane * V; }
+  __device__ __forceinline__ int64_t dense(int64_t s) const { return s * lanes + lane; }
+};
+
 // The one-pass forward with the group in registers, for groups of at most R packs per thread of
 // a CTA (S == 1 rows such as problem 3's, UNet's small groups). The arithmetic is the
 // shared-memory kernel's, but without its staging: every load of a thread is issued up front into
@@ -406,23 +415,21 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 //
 // kCols: the ChannelsLast layout, where group (n, g) is S rows of D channels, C elements apart
 // (UNet's channels_last groups of 40 channels on 8x8 and 16x16 pixels, which the split passes
-// took in three launches). A thread keeps one pack-wide lane of the D channels and takes rows
-// row0, row0 + step, ..., so that its V channels' coefficients are loaded once.
+// took in three launches); a thread's packs are those of its ColsPlace, its k-th in row
+// row0 + k * step.
 template <typename scalar_t, int V, int R, int E, bool kCols = false>
 struct RegisterGroup {
   using P = Pack<scalar_t, V>;
   P x[R];
   P extra[E > 0 ? E : 1][R];  // extra[0]: the residual if given, else the multiplier; [1]: the multiplier
   scalar_t first;             // x's first element, K
-  // kCols: the thread's lane (its first channel in the group, lane * V), first row, and the rows a
-  // CTA covers at once; threads past step * (D / V) hold nothing.
-  int lane = 0, row0 = 0, step = 0;
+  ColsPlace<V> place;  // kCols
 
   // Group (n, g)'s first element.
   __device__ __forceinline__ int64_t group_offset(const OnePassArgs<scalar_t>& a, int64_t item) const {
     if constexpr (kCols) {
       const int64_t n = div_nn(item, a.G);
-      return n * a.S * a.C + (item - n * a.G) * a.D;
+      return a.cols_group_base(n, item - n * a.G);
     } else {
       return item * a.len;
     }
@@ -431,7 +438,7 @@ struct RegisterGroup {
   // Whether the thread's k-th pack lies in the group.
   __device__ __forceinline__ bool valid(const OnePassArgs<scalar_t>& a, int k) const {
     if constexpr (kCols) {
-      return row0 < step && row0 + k * step < a.S;
+      return place.active() && place.row0 + k * place.step < a.S;
     } else {
       return static_cast<int>(threadIdx.x + k * blockDim.x) < static_cast<int>(a.len / V);
     }
@@ -439,7 +446,7 @@ struct RegisterGroup {
 
   // kCols: the thread's k-th pack, in elements from the group's first.
   __device__ __forceinline__ int64_t cols_offset(const OnePassArgs<scalar_t>& a, int k) const {
-    return static_cast<int64_t>(row0 + k * step) * a.C + lane * V;
+    return place.offset(place.row0 + k * place.step, a.C);
   }
 
   // Issues every load of group `item` (ChannelsFirst: the thread's packs threadIdx.x + k * blockDim.x).
@@ -448,10 +455,7 @@ struct RegisterGroup {
     const scalar_t* extra0 = a.epi.residual != nullptr ? a.epi.residual : a.epi.multiplier;
     first = a.x[off];
     if constexpr (kCols) {
-      const int lanes = static_cast<int>(a.D / V);
-      row0 = static_cast<int>(threadIdx.x) / lanes;
-      lane = static_cast<int>(threadIdx.x) - row0 * lanes;
-      step = static_cast<int>(blockDim.x) / lanes;
+      place = ColsPlace<V>(a.D, static_cast<int>(blockDim.x));
 #pragma unroll
       for (int k = 0; k < R; ++k) {
         if (valid(a, k)) {
@@ -506,9 +510,9 @@ struct RegisterGroup {
     const bool has_r = E >= 1 && a.epi.residual != nullptr;
     const bool has_m = E >= 1 && a.epi.multiplier != nullptr;
     if constexpr (kCols) {
-      if (row0 >= step) return;
+      if (!place.active()) return;
       acc_t lane_a[V], lane_b[V];
-      out.lane_coefficients(lane * V, lane_a, lane_b);
+      out.lane_coefficients(place.lane * V, lane_a, lane_b);
       scalar_t* yg = a.y + group_offset(a, item);
 #pragma unroll
       for (int k = 0; k < R; ++k) {
@@ -548,11 +552,11 @@ __global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kern
 // The one-pass forward of a ChannelsLast group in shared memory, for the groups the register kernel
 // cannot take: D not a multiple of the 16-byte pack (UNet's 10 and 20 channels a group in half
 // precision) or more rows than a CTA covers in registers (ResNet's 3136). One CTA a group; V is
-// the widest pack (16, 8 or 4 bytes) that divides a row's D channels. Each thread keeps one lane
-// of V channels and takes rows row0, row0 + step, ...: it copies its packs into shared memory
+// the widest pack (16, 8 or 4 bytes) that divides a row's D channels. Each thread takes the packs
+// of its ColsPlace: it copies them into shared memory
 // (cp.async, all in flight), sums them twice there (the exact two-pass moments), and writes y from
 // them, so it reads only what it copied itself and needs no barrier but the block sums'; its
-// lane's coefficients are loaded once. Threads past step * lanes only join the block sums. The
+// lane's coefficients are loaded once. Threads without a lane only join the block sums. The
 // residual and multiplier are read in the output loop (once each, as x is).
 template <typename scalar_t, int V, Activation A>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kernel(const OnePassArgs<scalar_t> a) {
@@ -560,18 +564,16 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kern
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
   __shared__ acc_t red[kOnePassThreads / kWarp];
-  P* xs = reinterpret_cast<P*>(one_pass_smem);  // the group dense: pack (s, lane) at s * lanes + lane
+  P* xs = reinterpret_cast<P*>(one_pass_smem);  // the group dense (ColsPlace::dense)
   const int64_t item = blockIdx.x;
   const int64_t n = div_nn(item, a.G);
   const int64_t g = item - n * a.G;
-  const int64_t base = n * a.S * a.C + g * a.D;  // element (s, d) of the group: base + s * C + d
-  const int lanes = static_cast<int>(a.D / V);
-  const int step = kOnePassThreads / lanes;
-  const int row0 = static_cast<int>(threadIdx.x) / lanes;
-  const int lane = static_cast<int>(threadIdx.x) - row0 * lanes;
-  const int64_t rows = row0 < step ? a.S : 0;  // this thread's rows: row0, row0 + step, ... < rows
+  const int64_t base = a.cols_group_base(n, g);
+  const ColsPlace<V> place(a.D, kOnePassThreads);
+  const int row0 = place.row0, step = place.step;
+  const int64_t rows = place.active() ? a.S : 0;  // this thread's rows: row0, row0 + step, ... < rows
   for (int64_t s = row0; s < rows; s += step) {
-    __pipeline_memcpy_async(&xs[s * lanes + lane], a.x + base + s * a.C + lane * V, sizeof(P));
+    __pipeline_memcpy_async(&xs[place.dense(s)], a.x + base + place.offset(s, a.C), sizeof(P));
   }
   __pipeline_commit();
   __pipeline_wait_prior(0);
@@ -579,11 +581,11 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kern
   const acc_t K = static_cast<acc_t>(a.x[base]);
   acc_t sum = acc_t(0);
   // (Packs copied out of shared memory whole: one V-wide load each.)
-  for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[s * lanes + lane]), K);
+  for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[place.dense(s)]), K);
   const acc_t total = static_cast<acc_t>(a.len);
   const acc_t shifted_mean = one_pass_block_sum(sum, red) / total;
   acc_t m2 = acc_t(0);
-  for (int64_t s = row0; s < rows; s += step) m2 += pack_squared_deviations(P(xs[s * lanes + lane]), K, shifted_mean);
+  for (int64_t s = row0; s < rows; s += step) m2 += pack_squared_deviations(P(xs[place.dense(s)]), K, shifted_mean);
   const acc_t group_rstd = acc_t(1) / sqrt(one_pass_block_sum(m2, red) / total + a.eps);
   if (threadIdx.x == 0) {
     a.mean[item] = K + shifted_mean;
@@ -593,17 +595,17 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kern
 
   OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
   acc_t lane_a[V], lane_b[V];
-  out.lane_coefficients(lane * V, lane_a, lane_b);
+  out.lane_coefficients(place.lane * V, lane_a, lane_b);
   const EpiArgs<scalar_t>& e = a.epi;
   dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
     const bool has_r = decltype(operands)::value && e.residual != nullptr;
     const bool has_m = decltype(operands)::value && e.multiplier != nullptr;
     for (int64_t s = row0; s < rows; s += step) {
-      const int64_t off = base + s * a.C + lane * V;
+      const int64_t off = base + place.offset(s, a.C);
       P rp, mp;
       if (has_r) rp = *reinterpret_cast<const P*>(e.residual + off);
       if (has_m) mp = *reinterpret_cast<const P*>(e.multiplier + off);
-      *reinterpret_cast<P*>(a.y + off) = out.lane_pack(lane_a, lane_b, P(xs[s * lanes + lane]), rp, has_r, mp, has_m);
+      *reinterpret_cast<P*>(a.y + off) = out.lane_pack(lane_a, lane_b, P(xs[place.dense(s)]), rp, has_r, mp, has_m);
     }
   });
 }
@@ -643,11 +645,10 @@ void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
     kernel<<<static_cast<unsigned>(items), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  switch (a.epi.act) {
-    case Activation::SiLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::SiLU, kCols>);
-    case Activation::ReLU: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::ReLU, kCols>);
-    default: return launch(group_norm_registers_kernel<scalar_t, V, R, E, Activation::None, kCols>);
-  }
+  const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
+    launch(group_norm_registers_kernel<scalar_t, V, R, E, decltype(act)::value, kCols>);
+  });
+  TORCH_INTERNAL_ASSERT(launched, "register kernel: an activation launch_registers_if_fits refuses");
 }
 
 // The ChannelsLast register kernel, when a CTA of kRegisterThreads covers the group's S rows in
@@ -687,9 +688,7 @@ template <typename scalar_t, int V>
 bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
   const char* env = std::getenv("FUSEDNORM_ONE_PASS_REGISTERS");
   if (env != nullptr && std::atoi(env) == 0) return false;
-  if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
-    return false;
-  }
+  if (!dispatch_common_activation(a.epi.act, [](auto) {})) return false;  // instantiated for those only
   if (a.cols) return a.D % V == 0 && launch_cols_registers_if_fits<scalar_t, V>(a, items);
   if (!a.template uniform_packs<V>()) return false;
   const int extra_streams = a.streams() - 1;
@@ -727,9 +726,6 @@ constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
 
 template <typename scalar_t>
 bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t items, bool forced) {
-  if (a.epi.act != Activation::None && a.epi.act != Activation::SiLU && a.epi.act != Activation::ReLU) {
-    return false;
-  }
   const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(scalar_t));
   const int pack_bytes = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
   const int64_t lanes = row_bytes / pack_bytes;
@@ -747,20 +743,12 @@ bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t items,
   };
   const auto with_width = [&](auto width) {
     constexpr int V = decltype(width)::value / static_cast<int>(sizeof(scalar_t));
-    switch (a.epi.act) {
-      case Activation::SiLU: return launch(group_norm_cols_one_pass_kernel<scalar_t, V, Activation::SiLU>);
-      case Activation::ReLU: return launch(group_norm_cols_one_pass_kernel<scalar_t, V, Activation::ReLU>);
-      default: return launch(group_norm_cols_one_pass_kernel<scalar_t, V, Activation::None>);
-    }
+    return dispatch_common_activation(
+        a.epi.act, [&](auto act) { launch(group_norm_cols_one_pass_kernel<scalar_t, V, decltype(act)::value>); });
   };
-  if (pack_bytes == 16) {
-    with_width(std::integral_constant<int, 16>());
-  } else if (pack_bytes == 8) {
-    with_width(std::integral_constant<int, 8>());
-  } else {
-    with_width(std::integral_constant<int, 4>());
-  }
-  return true;
+  if (pack_bytes == 16) return with_width(std::integral_constant<int, 16>());
+  if (pack_bytes == 8) return with_width(std::integral_constant<int, 8>());
+  return with_width(std::integral_constant<int, 4>());
 }
 
 // Whether the device schedules clusters of 16 CTAs of kOnePassCtaBytes (H100's non-portable
@@ -823,7 +811,6 @@ bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::T
       // ChannelsLast: the register kernel, its shared-memory kernel, or the split passes (the
       // ChannelsFirst shared-memory and cluster kernels read a group as contiguous packs).
       a.cluster = 1;
-      a.chunk = a.len / V;
       if (items > std::numeric_limits<int>::max()) return false;
       return launch_registers_if_fits<scalar_t, V>(a, items) ||
           launch_cols_one_pass_if_fits<scalar_t>(a, items, limit.forced);
