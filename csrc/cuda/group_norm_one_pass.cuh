@@ -549,15 +549,19 @@ __global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kern
   group.finish<kRegisterThreads, A>(a, blockIdx.x, red);
 }
 
+// Rows whose residual / multiplier packs a thread of group_norm_cols_one_pass_kernel loads at once.
+constexpr int kColsOperandBatch = 4;
+
 // The one-pass forward of a ChannelsLast group in shared memory, for the groups the register kernel
 // cannot take: D not a multiple of the 16-byte pack (UNet's 10 and 20 channels a group in half
 // precision) or more rows than a CTA covers in registers (ResNet's 3136). One CTA a group; V is
 // the widest pack (16, 8 or 4 bytes) that divides a row's D channels. Each thread takes the packs
-// of its ColsPlace: it copies them into shared memory
-// (cp.async, all in flight), sums them twice there (the exact two-pass moments), and writes y from
-// them, so it reads only what it copied itself and needs no barrier but the block sums'; its
-// lane's coefficients are loaded once. Threads without a lane only join the block sums. The
-// residual and multiplier are read in the output loop (once each, as x is).
+// of its ColsPlace: it copies them into shared memory (cp.async, all in flight), sums them twice
+// there (the exact two-pass moments), and writes y from them, so it reads only what it copied
+// itself and needs no barrier but the block sums'; its lane's coefficients are loaded once.
+// Threads without a lane only join the block sums. The residual and multiplier are read in the
+// output loop (once each, as x is), kColsOperandBatch rows at a time.
+
 template <typename scalar_t, int V, Activation A>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kernel(const OnePassArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
@@ -598,14 +602,31 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kern
   out.lane_coefficients(place.lane * V, lane_a, lane_b);
   const EpiArgs<scalar_t>& e = a.epi;
   dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
-    const bool has_r = decltype(operands)::value && e.residual != nullptr;
-    const bool has_m = decltype(operands)::value && e.multiplier != nullptr;
-    for (int64_t s = row0; s < rows; s += step) {
-      const int64_t off = base + place.offset(s, a.C);
-      P rp, mp;
-      if (has_r) rp = *reinterpret_cast<const P*>(e.residual + off);
-      if (has_m) mp = *reinterpret_cast<const P*>(e.multiplier + off);
-      *reinterpret_cast<P*>(a.y + off) = out.lane_pack(lane_a, lane_b, P(xs[place.dense(s)]), rp, has_r, mp, has_m);
+    constexpr bool kOperands = decltype(operands)::value;
+    const bool has_r = kOperands && e.residual != nullptr;
+    const bool has_m = kOperands && e.multiplier != nullptr;
+    // The operands of kBatch rows are loaded together before their rows' stores: the compiler
+    // cannot move a load above a store to y (they may alias), so one row at a time waited a
+    // memory latency a row.
+    constexpr int kBatch = kOperands ? kColsOperandBatch : 1;
+    for (int64_t s0 = row0; s0 < rows; s0 += kBatch * step) {
+      P rp[kBatch], mp[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t off = base + place.offset(s0 + u * step, a.C);
+        if (s0 + u * step < rows) {
+          if (has_r) rp[u] = *reinterpret_cast<const P*>(e.residual + off);
+          if (has_m) mp[u] = *reinterpret_cast<const P*>(e.multiplier + off);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t s = s0 + u * step;
+        if (s < rows) {
+          *reinterpret_cast<P*>(a.y + base + place.offset(s, a.C)) =
+              out.lane_pack(lane_a, lane_b, P(xs[place.dense(s)]), rp[u], has_r, mp[u], has_m);
+        }
+      }
     }
   });
 }
