@@ -18,6 +18,7 @@ KNOBS = (
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
+    "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too
 )
 
 _ONE_PASS = {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)}
@@ -43,6 +44,8 @@ PATHS = {
     "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
     "param1": {"FUSEDNORM_PARAM_GRAD_PARTS": "1"},  # the default with one CTA per 32 channels' parameter gradients
     "colsact0": {"FUSEDNORM_COLS_ACT_KERNEL": "0"},
+    "colspipe0": {"FUSEDNORM_COLS_PIPELINE": "0"},
+    "colspipe1": {"FUSEDNORM_COLS_PIPELINE": "1"},
 }
 
 

@@ -22,6 +22,7 @@ CASES = [
     ((4, 6000), 1),  # 1500 packs (float32): 4 packs a thread, a partial last round
     ((2, 10, 3, 4, 5), 5),
     ((2, 80, 6, 5), 2),  # D = 40: channels_last groups in registers (2 rows a thread)
+    ((40, 320, 2, 2), 32),  # 1280 channels_last groups of D = 10: CTAs of the shared-memory kernel take several, double-buffered
     ((0, 8, 4, 4), 4),
     ((2, 8, 0, 4), 4),
 ]

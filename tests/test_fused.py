@@ -565,6 +565,21 @@ def test_fused_channels_last_one_pass_cuda(activation, path, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("pipeline", [None, "0", "1"])
+def test_fused_channels_last_double_buffered_cuda(pipeline, monkeypatch):
+    # 1280 channels_last groups of D = 10, more than the CTAs of the shared-memory forward resident
+    # at once: each CTA takes several, the next group's copy in flight (FUSEDNORM_COLS_PIPELINE
+    # unset: without a residual or multiplier; 1: with them too; 0: never).
+    kernel_paths.set_path(monkeypatch, "one_pass_shared")
+    if pipeline is not None:
+        monkeypatch.setenv("FUSEDNORM_COLS_PIPELINE", pipeline)
+    torch.manual_seed(13)
+    for dtype in (torch.float16, torch.float32):
+        for names in (OPERANDS, ["residual"], ["multiplier"], ["scale", "shift"], []):
+            check_fused((40, 320, 2, 2), 32, dtype, "channels_last", names, "silu", "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("parts", ["1", "3", "8"])
 def test_per_sample_parameter_gradients_over_a_cluster_cuda(parts, monkeypatch):
     # With a scale the parameter-gradient finalize weights each sample and writes grad_scale /

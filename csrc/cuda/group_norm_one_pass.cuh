@@ -554,81 +554,104 @@ constexpr int kColsOperandBatch = 4;
 
 // The one-pass forward of a ChannelsLast group in shared memory, for the groups the register kernel
 // cannot take: D not a multiple of the 16-byte pack (UNet's 10 and 20 channels a group in half
-// precision) or more rows than a CTA covers in registers (ResNet's 3136). One CTA a group; V is
-// the widest pack (16, 8 or 4 bytes) that divides a row's D channels. Each thread takes the packs
-// of its ColsPlace: it copies them into shared memory (cp.async, all in flight), sums them twice
-// there (the exact two-pass moments), and writes y from them, so it reads only what it copied
-// itself and needs no barrier but the block sums'; its lane's coefficients are loaded once.
-// Threads without a lane only join the block sums. The residual and multiplier are read in the
-// output loop (once each, as x is), kColsOperandBatch rows at a time.
-
+// precision) or more rows than a CTA covers in registers (ResNet's 3136). A CTA takes groups
+// blockIdx.x, + gridDim.x, ...; V is the widest pack (16, 8 or 4 bytes) that divides a row's D
+// channels. Each thread takes the packs of its ColsPlace: it copies them into shared memory
+// (cp.async, all in flight), sums them twice there (the exact two-pass moments), and writes y from
+// them, so it reads only what it copied itself and needs no barrier but the block sums'; its
+// lane's coefficients are loaded once. Threads without a lane only join the block sums. The
+// residual and multiplier are read in the output loop (once each, as x is), kColsOperandBatch
+// rows at a time.
+// buffer_packs > 0: two buffers of that many packs, the next group's copy in flight during this
+// one's sums and output (with one group a CTA, every CTA of the single wave loaded, then summed,
+// then wrote at the same time). 0: one buffer, and a grid of one CTA a group.
 template <typename scalar_t, int V, Activation A>
-__global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kernel(const OnePassArgs<scalar_t> a) {
+__global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kernel(
+    const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
   __shared__ acc_t red[kOnePassThreads / kWarp];
-  P* xs = reinterpret_cast<P*>(one_pass_smem);  // the group dense (ColsPlace::dense)
-  const int64_t item = blockIdx.x;
-  const int64_t n = div_nn(item, a.G);
-  const int64_t g = item - n * a.G;
-  const int64_t base = a.cols_group_base(n, g);
+  P* buffers = reinterpret_cast<P*>(one_pass_smem);  // groups dense (ColsPlace::dense)
   const ColsPlace<V> place(a.D, kOnePassThreads);
   const int row0 = place.row0, step = place.step;
   const int64_t rows = place.active() ? a.S : 0;  // this thread's rows: row0, row0 + step, ... < rows
-  for (int64_t s = row0; s < rows; s += step) {
-    __pipeline_memcpy_async(&xs[place.dense(s)], a.x + base + place.offset(s, a.C), sizeof(P));
-  }
-  __pipeline_commit();
-  __pipeline_wait_prior(0);
-
-  const acc_t K = static_cast<acc_t>(a.x[base]);
-  acc_t sum = acc_t(0);
-  // (Packs copied out of shared memory whole: one V-wide load each.)
-  for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[place.dense(s)]), K);
-  const acc_t total = static_cast<acc_t>(a.len);
-  const acc_t shifted_mean = one_pass_block_sum(sum, red) / total;
-  acc_t m2 = acc_t(0);
-  for (int64_t s = row0; s < rows; s += step) m2 += pack_squared_deviations(P(xs[place.dense(s)]), K, shifted_mean);
-  const acc_t group_rstd = acc_t(1) / sqrt(one_pass_block_sum(m2, red) / total + a.eps);
-  if (threadIdx.x == 0) {
-    a.mean[item] = K + shifted_mean;
-    a.rstd[item] = group_rstd;
-  }
-  if (rows == 0) return;
-
-  OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
-  acc_t lane_a[V], lane_b[V];
-  out.lane_coefficients(place.lane * V, lane_a, lane_b);
-  const EpiArgs<scalar_t>& e = a.epi;
-  dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
-    constexpr bool kOperands = decltype(operands)::value;
-    const bool has_r = kOperands && e.residual != nullptr;
-    const bool has_m = kOperands && e.multiplier != nullptr;
-    // The operands of kBatch rows are loaded together before their rows' stores: the compiler
-    // cannot move a load above a store to y (they may alias), so one row at a time waited a
-    // memory latency a row.
-    constexpr int kBatch = kOperands ? kColsOperandBatch : 1;
-    for (int64_t s0 = row0; s0 < rows; s0 += kBatch * step) {
-      P rp[kBatch], mp[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int64_t off = base + place.offset(s0 + u * step, a.C);
-        if (s0 + u * step < rows) {
-          if (has_r) rp[u] = *reinterpret_cast<const P*>(e.residual + off);
-          if (has_m) mp[u] = *reinterpret_cast<const P*>(e.multiplier + off);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int64_t s = s0 + u * step;
-        if (s < rows) {
-          *reinterpret_cast<P*>(a.y + base + place.offset(s, a.C)) =
-              out.lane_pack(lane_a, lane_b, P(xs[place.dense(s)]), rp[u], has_r, mp[u], has_m);
-        }
-      }
+  const auto copy_in = [&](int64_t item, P* xs) {
+    const int64_t n = div_nn(item, a.G);
+    const int64_t base = a.cols_group_base(n, item - n * a.G);
+    for (int64_t s = row0; s < rows; s += step) {
+      __pipeline_memcpy_async(&xs[place.dense(s)], a.x + base + place.offset(s, a.C), sizeof(P));
     }
-  });
+    __pipeline_commit();
+  };
+  const bool pipelined = buffer_packs > 0;
+  copy_in(blockIdx.x, buffers);
+  int b = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    P* xs = buffers + b * buffer_packs;
+    const int64_t next = item + gridDim.x;
+    if (pipelined && next < items) {
+      b ^= 1;
+      copy_in(next, buffers + b * buffer_packs);
+      __pipeline_wait_prior(1);
+    } else {
+      if (!pipelined && item != blockIdx.x) copy_in(item, xs);
+      __pipeline_wait_prior(0);
+    }
+    const int64_t n = div_nn(item, a.G);
+    const int64_t g = item - n * a.G;
+    const int64_t base = a.cols_group_base(n, g);
+
+    const acc_t K = static_cast<acc_t>(a.x[base]);
+    acc_t sum = acc_t(0);
+    // (Packs copied out of shared memory whole: one V-wide load each.)
+    for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[place.dense(s)]), K);
+    const acc_t total = static_cast<acc_t>(a.len);
+    const acc_t shifted_mean = one_pass_block_sum(sum, red) / total;
+    acc_t m2 = acc_t(0);
+    for (int64_t s = row0; s < rows; s += step) {
+      m2 += pack_squared_deviations(P(xs[place.dense(s)]), K, shifted_mean);
+    }
+    const acc_t group_rstd = acc_t(1) / sqrt(one_pass_block_sum(m2, red) / total + a.eps);
+    if (threadIdx.x == 0) {
+      a.mean[item] = K + shifted_mean;
+      a.rstd[item] = group_rstd;
+    }
+    if (rows == 0) continue;  // (the next group's block sums still need this thread)
+
+    OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
+    acc_t lane_a[V], lane_b[V];
+    out.lane_coefficients(place.lane * V, lane_a, lane_b);
+    const EpiArgs<scalar_t>& e = a.epi;
+    dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
+      constexpr bool kOperands = decltype(operands)::value;
+      const bool has_r = kOperands && e.residual != nullptr;
+      const bool has_m = kOperands && e.multiplier != nullptr;
+      // The operands of kBatch rows are loaded together before their rows' stores: the compiler
+      // cannot move a load above a store to y (they may alias), so one row at a time waited a
+      // memory latency a row.
+      constexpr int kBatch = kOperands ? kColsOperandBatch : 1;
+      for (int64_t s0 = row0; s0 < rows; s0 += kBatch * step) {
+        P rp[kBatch], mp[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int64_t off = base + place.offset(s0 + u * step, a.C);
+          if (s0 + u * step < rows) {
+            if (has_r) rp[u] = *reinterpret_cast<const P*>(e.residual + off);
+            if (has_m) mp[u] = *reinterpret_cast<const P*>(e.multiplier + off);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int64_t s = s0 + u * step;
+          if (s < rows) {
+            *reinterpret_cast<P*>(a.y + base + place.offset(s, a.C)) =
+                out.lane_pack(lane_a, lane_b, P(xs[place.dense(s)]), rp[u], has_r, mp[u], has_m);
+          }
+        }
+      }
+    });
+  }
 }
 
 // Lets `kernel` take `bytes` of dynamic shared memory. Without the opt-in a CTA gets 48 KB in all,
@@ -756,10 +779,33 @@ bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t items,
   if (!forced && (bytes > kColsOnePassMaxBytes || (bytes > 48 * 1024 && items < prop.multiProcessorCount))) {
     return false;
   }
+  // Without a residual or multiplier, and where the CTAs of one group each would not all be
+  // resident at once with two buffers: two buffers a CTA (the kernel's buffer_packs) and a grid of
+  // the CTAs resident at once. Measured on an H100 (RESULTS.md, seventeenth run): (8,320,64,64)
+  // fp16 GN+SiLU 0.072 -> 0.065 ms; ResNet's GN+residual+ReLU 0.068 -> 0.078 (half the CTAs an SM
+  // then wait on the residual's loads), hence none with operands. FUSEDNORM_COLS_PIPELINE=0: one
+  // buffer, one CTA a group; 1: two buffers with operands too.
+  const char* env = std::getenv("FUSEDNORM_COLS_PIPELINE");
+  const int knob = env == nullptr ? -1 : std::atoi(env);
+  const bool pipeline = (knob == 1 || (knob == -1 && a.streams() == 1)) &&
+      2 * bytes + 1024 <= static_cast<int64_t>(prop.sharedMemPerBlockOptin);
   const auto launch = [&](auto kernel) {
-    allow_dynamic_smem(kernel, static_cast<size_t>(bytes));
-    kernel<<<static_cast<unsigned>(items), kOnePassThreads, static_cast<size_t>(bytes),
-        at::cuda::getCurrentCUDAStream()>>>(a);
+    int64_t grid = items;
+    int64_t buffer_packs = 0;
+    size_t smem = static_cast<size_t>(bytes);
+    if (pipeline) {
+      allow_dynamic_smem(kernel, 2 * smem);
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kOnePassThreads, 2 * smem));
+      if (per_sm > 0 && items > static_cast<int64_t>(per_sm) * prop.multiProcessorCount) {
+        grid = static_cast<int64_t>(per_sm) * prop.multiProcessorCount;
+        buffer_packs = bytes / pack_bytes;
+        smem *= 2;
+      }
+    }
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<static_cast<unsigned>(grid), kOnePassThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+        a, items, buffer_packs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const auto with_width = [&](auto width) {
