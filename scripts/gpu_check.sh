@@ -34,6 +34,6 @@ timeout "${PYTEST_TIMEOUT:-420}" python -m pytest tests -q -ra -p no:cacheprovid
 echo "pytest exit code: $?"
 tail -45 "$OUT/pytest.log"
 [ "${SKIP_SANITIZER:-0}" = 1 ] && exit 0
-timeout "${SANITIZER_TIMEOUT:-150}" scripts/sanitize.sh > "$OUT/sanitizer.log" 2>&1
+timeout "${SANITIZER_TIMEOUT:-480}" scripts/sanitize.sh > "$OUT/sanitizer.log" 2>&1
 echo "sanitizer exit code: $?"
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|==" "$OUT/sanitizer.log" | tail -8

@@ -2,12 +2,27 @@
 # compute-sanitizer memcheck and racecheck over a representative subset of the CUDA kernels
 # (scripts/sanitizer_cases.py: every layout, dtype, parameter combination and split path once).
 # Needs the environment of scripts/setup_env.sh (or any python with fusednorm installed).
+# racecheck over the whole list took over 530 s in one process on an H100, and 298 s as six
+# processes in parallel (RESULTS.md, seventeenth run): it runs as RACE_SHARDS (default 6)
+# processes, each every N-th case (sanitizer_cases.py --shard).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LOGS="$(mktemp -d)"
 status=0
-for tool in memcheck racecheck; do
-  echo "== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
-    python "$ROOT/scripts/sanitizer_cases.py" || status=1
+echo "== compute-sanitizer --tool memcheck"
+compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+  python "$ROOT/scripts/sanitizer_cases.py" || status=1
+shards="${RACE_SHARDS:-6}"
+echo "== compute-sanitizer --tool racecheck ($shards shards in parallel)"
+pids=()
+for ((i = 0; i < shards; i++)); do
+  compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+    python "$ROOT/scripts/sanitizer_cases.py" --shard "$i/$shards" > "$LOGS/racecheck_$i.log" 2>&1 &
+  pids+=($!)
 done
+for ((i = 0; i < shards; i++)); do
+  wait "${pids[$i]}" || status=1
+  cat "$LOGS/racecheck_$i.log"
+done
+rm -rf "$LOGS"
 exit $status
