@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call on a library built here by scripts/build_for_gpu_machine.sh (no build on the
+# GPU machine: ~200 s of device time saved a call). Carry `gpu_build` and `.whl` (the wheels of
+# scripts/device_wheels.sh; the GPU machine has no network), then run on the device:
+#     scripts/gpu_prebuilt.sh test             # the whole suite, spread over the cores with
+#                                              # pytest-xdist when its wheel is carried
+#     scripts/gpu_prebuilt.sh sanitize         # scripts/sanitize.sh (memcheck, racecheck)
+#     scripts/gpu_prebuilt.sh bench FILTER S   # bench.py on the cases matching FILTER, S seconds
+#     scripts/gpu_prebuilt.sh paths ARGS...    # benchmarks/compare_paths.py ARGS
+# Logs and results go to $OUT (the device tool's output folder) or results/. Each subcommand fits
+# one call of 600 s. Its commands are those the seventeenth run (RESULTS.md) ran from untracked
+# scripts on an H100; this script itself was written after that session's device time was spent.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$ROOT/results}"
+mkdir -p "$OUT"
+cd "$ROOT"
+[ -f gpu_build/_C.so ] || { echo "no gpu_build/_C.so: run scripts/build_for_gpu_machine.sh and carry gpu_build" >&2; exit 1; }
+export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # see gpu_check.sh
+cp gpu_build/_C.so gpu_build/_build_info.py ops/
+# fusednorm importable without installing it: a folder whose `fusednorm` is this tree's ops/.
+SHIM="$(mktemp -d)"
+ln -s "$ROOT/ops" "$SHIM/fusednorm"
+WHEELS="$(mktemp -d)"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python -m pip install -q --no-deps --target "$WHEELS" .whl/*.whl > /dev/null 2>&1
+fi
+export PYTHONPATH="$SHIM:$ROOT/benchmarks:$WHEELS"
+nvidia-smi --query-gpu=name --format=csv,noheader
+python -c "import torch, fusednorm; print('torch', torch.__version__)" || exit 1
+
+case "${1:-}" in
+  test)
+    workers=()
+    python -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-12}")
+    SECONDS=0
+    CI=true timeout "${PYTEST_TIMEOUT:-420}" python -m pytest tests -q -ra -p no:cacheprovider \
+      "${workers[@]}" --durations=15 > "$OUT/pytest.log" 2>&1
+    echo "pytest exit code $? after $SECONDS s"
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | tail -15
+    ;;
+  sanitize)
+    timeout "${SANITIZER_TIMEOUT:-540}" scripts/sanitize.sh > "$OUT/sanitizer.log" 2>&1
+    echo "sanitizer exit code: $?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases done" "$OUT/sanitizer.log"
+    ;;
+  bench)
+    python benchmarks/bench.py --out "$OUT" --filter "${2:-}" --budget "${3:-300}" 2>&1 | grep -vi warning | tail -70
+    ;;
+  paths)
+    shift
+    python benchmarks/compare_paths.py "$@" 2>&1 | grep -vi warning
+    ;;
+  *)
+    echo "usage: scripts/gpu_prebuilt.sh test | sanitize | bench FILTER SECONDS | paths ARGS..." >&2
+    exit 2
+    ;;
+esac
