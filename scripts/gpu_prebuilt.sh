@@ -9,7 +9,9 @@
 #     scripts/gpu_prebuilt.sh paths ARGS...    # benchmarks/compare_paths.py ARGS
 # Logs and results go to $OUT (the device tool's output folder) or results/. Each subcommand fits
 # one call of 600 s. Its commands are those the seventeenth run (RESULTS.md) ran from untracked
-# scripts on an H100; this script itself was written after that session's device time was spent.
+# scripts on an H100; this script itself was written after that session's device time was spent
+# and has run only on the CPU machine (a CPU build as gpu_build, a stub nvidia-smi: `test` passed
+# the suite under pytest-xdist, `paths --help` answered).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/results}"
