@@ -2,11 +2,14 @@
 # One device call on a library built here by scripts/build_for_gpu_machine.sh (no build on the
 # GPU machine: ~200 s of device time saved a call). Carry `gpu_build` and `.whl` (the wheels of
 # scripts/device_wheels.sh; the GPU machine has no network), then run on the device:
-#     scripts/gpu_prebuilt.sh test             # the whole suite, spread over the cores with
-#                                              # pytest-xdist when its wheel is carried
+#     scripts/gpu_prebuilt.sh test [ARGS...]   # the whole suite (or pytest ARGS: -k, files),
+#                                              # spread over the cores with pytest-xdist when
+#                                              # its wheel is carried
 #     scripts/gpu_prebuilt.sh sanitize         # scripts/sanitize.sh (memcheck, racecheck)
 #     scripts/gpu_prebuilt.sh bench FILTER S   # bench.py on the cases matching FILTER, S seconds
 #     scripts/gpu_prebuilt.sh paths ARGS...    # benchmarks/compare_paths.py ARGS
+#     scripts/gpu_prebuilt.sh py FILE ARGS...  # any script, with fusednorm and benchmarks/ importable
+# GPU_BUILD=DIR takes DIR/_C.so instead of gpu_build's (a second build carried for an A/B run).
 # Logs and results go to $OUT (the device tool's output folder) or results/. Each subcommand fits
 # one call of 600 s. Its commands are those the seventeenth run (RESULTS.md) ran from untracked
 # scripts on an H100; this script itself was written after that session's device time was spent
@@ -17,9 +20,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/results}"
 mkdir -p "$OUT"
 cd "$ROOT"
-[ -f gpu_build/_C.so ] || { echo "no gpu_build/_C.so: run scripts/build_for_gpu_machine.sh and carry gpu_build" >&2; exit 1; }
+BUILD="${GPU_BUILD:-gpu_build}"  # another folder of a build: A/B runs in one call
+[ -f "$BUILD/_C.so" ] || { echo "no $BUILD/_C.so: run scripts/build_for_gpu_machine.sh and carry $BUILD" >&2; exit 1; }
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # see gpu_check.sh
-cp gpu_build/_C.so gpu_build/_build_info.py ops/
+cp "$BUILD/_C.so" gpu_build/_build_info.py ops/
 # fusednorm importable without installing it: a folder whose `fusednorm` is this tree's ops/.
 SHIM="$(mktemp -d)"
 ln -s "$ROOT/ops" "$SHIM/fusednorm"
@@ -33,10 +37,13 @@ python -c "import torch, fusednorm; print('torch', torch.__version__)" || exit 1
 
 case "${1:-}" in
   test)
+    shift
     workers=()
     python -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-12}")
     SECONDS=0
-    CI=true timeout "${PYTEST_TIMEOUT:-420}" python -m pytest tests -q -ra -p no:cacheprovider \
+    targets=("$@")
+    [ ${#targets[@]} -gt 0 ] || targets=(tests)
+    CI=true timeout "${PYTEST_TIMEOUT:-420}" python -m pytest "${targets[@]}" -q -ra -p no:cacheprovider \
       "${workers[@]}" --durations=15 > "$OUT/pytest.log" 2>&1
     echo "pytest exit code $? after $SECONDS s"
     grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | tail -15
@@ -53,8 +60,12 @@ case "${1:-}" in
     shift
     python benchmarks/compare_paths.py "$@" 2>&1 | grep -vi warning
     ;;
+  py)
+    shift
+    python "$@" 2>&1 | grep -vi warning
+    ;;
   *)
-    echo "usage: scripts/gpu_prebuilt.sh test | sanitize | bench FILTER SECONDS | paths ARGS..." >&2
+    echo "usage: scripts/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS..." >&2
     exit 2
     ;;
 esac
