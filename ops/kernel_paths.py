@@ -19,6 +19,7 @@ KNOBS = (
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
     "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too
+    "FUSEDNORM_COLS_SPAN",             # channels-last shared-memory forward: at most this many groups a CTA
 )
 
 _ONE_PASS = {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)}
@@ -46,6 +47,7 @@ PATHS = {
     "colsact0": {"FUSEDNORM_COLS_ACT_KERNEL": "0"},
     "colspipe0": {"FUSEDNORM_COLS_PIPELINE": "0"},
     "colspipe1": {"FUSEDNORM_COLS_PIPELINE": "1"},
+    "colsspan1": {"FUSEDNORM_COLS_SPAN": "1"},  # one group a CTA
 }
 
 

@@ -25,6 +25,7 @@ CASES = [
     ((2, 10, 3, 4, 5), 5),
     ((2, 80, 6, 5), 2),  # D = 40: channels_last groups in registers (2 rows a thread)
     ((40, 320, 2, 2), 32),  # 1280 channels_last groups of D = 10: CTAs of the shared-memory kernel take several, double-buffered
+    ((2, 64, 6, 7), 16),  # D = 4: channels_last rows of 8 / 16 bytes, 4 / 2 groups a CTA of the shared-memory kernel
     ((0, 8, 4, 4), 4),
     ((2, 8, 0, 4), 4),
 ]

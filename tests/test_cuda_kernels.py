@@ -684,6 +684,8 @@ CL_ONE_PASS_CASES = [
     ((2, 12, 5, 5), 4),         # D = 3
     ((96, 320, 4, 5), 32),      # 3072 groups, more than the CTAs resident at once: each CTA takes ~3
                                 # in the shared-memory kernel, the next one's copy in flight
+    ((2, 64, 6, 7), 16),        # D = 4: rows of 8 bytes (half precision: 4 groups a CTA of the
+                                # shared-memory kernel) or 16 (float32: registers; shared: 2 a CTA)
 ]
 
 

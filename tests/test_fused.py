@@ -580,6 +580,24 @@ def test_fused_channels_last_double_buffered_cuda(pipeline, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("span", [None, "1", "2"])
+def test_fused_channels_last_groups_a_cta_cuda(span, monkeypatch):
+    # Where a group's row fills less than a 32-byte sector, a CTA of the channels-last
+    # shared-memory forward takes 2 or 4 adjacent groups (D = 8 in bfloat16, D = 10 in float16, D = 4
+    # in float32: 2; D = 4 in float16: 4, or 2 where G = 6), each thread's pack in one group;
+    # FUSEDNORM_COLS_SPAN caps the groups a CTA (1: one).
+    kernel_paths.set_path(monkeypatch, "one_pass_shared")
+    if span is not None:
+        monkeypatch.setenv("FUSEDNORM_COLS_SPAN", span)
+    torch.manual_seed(14)
+    for shape, G, dtype in (((2, 64, 9, 7), 8, torch.bfloat16), ((3, 80, 5, 5), 8, torch.float16),
+                            ((2, 32, 3, 5), 8, torch.float32), ((2, 32, 3, 5), 8, torch.float16),
+                            ((2, 24, 4, 3), 6, torch.float16)):
+        for names in (OPERANDS, ["residual"], []):
+            check_fused(shape, G, dtype, "channels_last", names, "relu", "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("parts", ["1", "3", "8"])
 def test_per_sample_parameter_gradients_over_a_cluster_cuda(parts, monkeypatch):
     # With a scale the parameter-gradient finalize weights each sample and writes grad_scale /

@@ -134,6 +134,35 @@ __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
   return total;
 }
 
+// Most adjacent groups a CTA of group_norm_cols_one_pass_kernel takes at once (its `span`).
+constexpr int kMaxColsSpan = 4;
+
+// one_pass_block_sum for `span` <= kMaxColsSpan sums at once: each thread adds v into slot `slot`
+// and gets that slot's total (smem holds kMaxColsSpan values a warp). Fixed order, as the single sum.
+template <typename acc_t>
+__device__ __forceinline__ acc_t one_pass_slot_sum(acc_t v, int slot, int span, acc_t* smem) {
+  if (span == 1) return one_pass_block_sum(v, smem);
+  constexpr int kWarps = kOnePassThreads / kWarp;
+#pragma unroll
+  for (int q = 0; q < kMaxColsSpan; ++q) {
+    if (q < span) {
+      acc_t u = slot == q ? v : acc_t(0);
+#pragma unroll
+      for (int off = kWarp / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
+      if ((threadIdx.x & (kWarp - 1)) == 0) smem[q * kWarps + (threadIdx.x >> kLogWarp)] = u;
+    }
+  }
+  __syncthreads();
+  const int warps = static_cast<int>(blockDim.x >> kLogWarp);
+  acc_t total = acc_t(0);
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warps) total += smem[slot * kWarps + w];
+  }
+  __syncthreads();
+  return total;
+}
+
 // A 16-byte pack from shared memory in one 16-byte load. Read element by element where it lies
 // (p.v[j] through a reference into shared memory), a half / bfloat16 pack took eight 2-byte loads.
 template <typename P>
@@ -552,33 +581,56 @@ __global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kern
 // Rows whose residual / multiplier packs a thread of group_norm_cols_one_pass_kernel loads at once.
 constexpr int kColsOperandBatch = 4;
 
-// The one-pass forward of a ChannelsLast group in shared memory, for the groups the register kernel
+// The one-pass forward of ChannelsLast groups in shared memory, for the groups the register kernel
 // cannot take: D not a multiple of the 16-byte pack (UNet's 10 and 20 channels a group in half
-// precision) or more rows than a CTA covers in registers (ResNet's 3136). A CTA takes groups
-// blockIdx.x, + gridDim.x, ...; V is the widest pack (16, 8 or 4 bytes) that divides a row's D
-// channels. Each thread takes the packs of its ColsPlace: it copies them into shared memory
+// precision) or more rows than a CTA covers in registers (ResNet's 3136).
+//
+// A CTA takes `span` adjacent groups of a sample at once (a slab: S rows of span * D channels),
+// slabs blockIdx.x, + gridDim.x, ...: a group's row of 16 or 20 bytes fills half a 32-byte sector,
+// and with one group a CTA each sector was read by two CTAs (ncu: L2 served 2.6x the bytes
+// needed). V is the widest pack (16, 8 or 4 bytes) that divides a row's D channels, so that a pack
+// lies in one group: the thread's group q = lane * V / D is fixed, and the moments are span block
+// sums at once (one_pass_slot_sum).
+//
+// Each thread takes the packs of its ColsPlace in the slab: it copies them into shared memory
 // (cp.async, all in flight), sums them twice there (the exact two-pass moments), and writes y from
 // them, so it reads only what it copied itself and needs no barrier but the block sums'; its
 // lane's coefficients are loaded once. Threads without a lane only join the block sums. The
 // residual and multiplier are read in the output loop (once each, as x is), kColsOperandBatch
-// rows at a time.
-// buffer_packs > 0: two buffers of that many packs, the next group's copy in flight during this
-// one's sums and output (with one group a CTA, every CTA of the single wave loaded, then summed,
-// then wrote at the same time). 0: one buffer, and a grid of one CTA a group.
-template <typename scalar_t, int V, Activation A>
-__global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kernel(
-    const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs) {
+// rows at a time; E is the number of those streams (RegisterGroup's E), so that a kernel holds
+// registers for its own operands only.
+//
+// At most 128 registers (two CTAs an SM): bfloat16's 16-byte packs with two streams took 146 and
+// ran one CTA an SM; the span-2 ResNet slabs of 100 KB run two. Measured on an H100 and not kept
+// (RESULTS.md, eighteenth run): a cap of 80 or 64 registers (spills: ResNet 0.059 -> 0.079 /
+// 0.094 ms), 8 rows of operands at once (spills: 0.093), an L2 prefetch of the operands beside
+// the copy of x (0.0555 -> 0.0595).
+//
+// buffer_packs > 0: two buffers of that many packs, the next slab's copy in flight during this
+// one's sums and output (with one slab a CTA, every CTA of the single wave loaded, then summed,
+// then wrote at the same time). 0: one buffer, and a grid of one CTA a slab. items: the slabs,
+// N * G / span.
+template <typename scalar_t, int V, Activation A, int E>
+__global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_kernel(
+    const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs, int span) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
-  __shared__ acc_t red[kOnePassThreads / kWarp];
-  P* buffers = reinterpret_cast<P*>(one_pass_smem);  // groups dense (ColsPlace::dense)
-  const ColsPlace<V> place(a.D, kOnePassThreads);
+  __shared__ acc_t red[kMaxColsSpan * kOnePassThreads / kWarp];
+  P* buffers = reinterpret_cast<P*>(one_pass_smem);  // slabs dense (ColsPlace::dense)
+  const ColsPlace<V> place(span * a.D, kOnePassThreads);
   const int row0 = place.row0, step = place.step;
   const int64_t rows = place.active() ? a.S : 0;  // this thread's rows: row0, row0 + step, ... < rows
+  const int q = place.active() ? static_cast<int>(place.lane * V / a.D) : 0;  // the thread's group in the slab
+  const int64_t slabs = a.G / span;  // a sample's
+  const auto slab_base = [&](int64_t item, int64_t& n, int64_t& g0) {
+    n = div_nn(item, slabs);
+    g0 = (item - n * slabs) * span;
+    return a.cols_group_base(n, g0);
+  };
   const auto copy_in = [&](int64_t item, P* xs) {
-    const int64_t n = div_nn(item, a.G);
-    const int64_t base = a.cols_group_base(n, item - n * a.G);
+    int64_t n, g0;
+    const int64_t base = slab_base(item, n, g0);
     for (int64_t s = row0; s < rows; s += step) {
       __pipeline_memcpy_async(&xs[place.dense(s)], a.x + base + place.offset(s, a.C), sizeof(P));
     }
@@ -595,62 +647,62 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_cols_one_pass_kern
       copy_in(next, buffers + b * buffer_packs);
       __pipeline_wait_prior(1);
     } else {
-      if (!pipelined && item != blockIdx.x) copy_in(item, xs);
-      __pipeline_wait_prior(0);
+      __pipeline_wait_prior(0);  // (unpipelined, the grid is one CTA a slab: one pass of this loop)
     }
-    const int64_t n = div_nn(item, a.G);
-    const int64_t g = item - n * a.G;
-    const int64_t base = a.cols_group_base(n, g);
+    int64_t n, g0;
+    const int64_t base = slab_base(item, n, g0);
+    const int64_t g = g0 + q;
 
-    const acc_t K = static_cast<acc_t>(a.x[base]);
+    const acc_t K = static_cast<acc_t>(a.x[base + q * a.D]);
     acc_t sum = acc_t(0);
     // (Packs copied out of shared memory whole: one V-wide load each.)
     for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[place.dense(s)]), K);
     const acc_t total = static_cast<acc_t>(a.len);
-    const acc_t shifted_mean = one_pass_block_sum(sum, red) / total;
+    const acc_t shifted_mean = one_pass_slot_sum(sum, q, span, red) / total;
     acc_t m2 = acc_t(0);
     for (int64_t s = row0; s < rows; s += step) {
       m2 += pack_squared_deviations(P(xs[place.dense(s)]), K, shifted_mean);
     }
-    const acc_t group_rstd = acc_t(1) / sqrt(one_pass_block_sum(m2, red) / total + a.eps);
-    if (threadIdx.x == 0) {
-      a.mean[item] = K + shifted_mean;
-      a.rstd[item] = group_rstd;
+    const acc_t group_rstd = acc_t(1) / sqrt(one_pass_slot_sum(m2, q, span, red) / total + a.eps);
+    // The first thread of each group's lanes (row 0) writes its statistics.
+    if (rows != 0 && row0 == 0 && place.lane * V == q * a.D) {
+      a.mean[n * a.G + g] = K + shifted_mean;
+      a.rstd[n * a.G + g] = group_rstd;
     }
-    if (rows == 0) continue;  // (the next group's block sums still need this thread)
+    if (rows == 0) continue;  // (the next slab's block sums still need this thread)
 
     OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
     acc_t lane_a[V], lane_b[V];
-    out.lane_coefficients(place.lane * V, lane_a, lane_b);
+    out.lane_coefficients(place.lane * V - static_cast<int>(q * a.D), lane_a, lane_b);
     const EpiArgs<scalar_t>& e = a.epi;
-    dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
-      constexpr bool kOperands = decltype(operands)::value;
-      const bool has_r = kOperands && e.residual != nullptr;
-      const bool has_m = kOperands && e.multiplier != nullptr;
-      // The operands of kBatch rows are loaded together before their rows' stores: the compiler
-      // cannot move a load above a store to y (they may alias), so one row at a time waited a
-      // memory latency a row.
-      constexpr int kBatch = kOperands ? kColsOperandBatch : 1;
-      for (int64_t s0 = row0; s0 < rows; s0 += kBatch * step) {
-        P rp[kBatch], mp[kBatch];
+    // E >= 1: stream 0 is the residual if given, else the multiplier (both when they are one
+    // tensor); E == 2: stream 1 is the multiplier.
+    const scalar_t* stream0 = e.residual != nullptr ? e.residual : e.multiplier;
+    const bool has_r = E >= 1 && e.residual != nullptr;
+    const bool has_m = E >= 1 && e.multiplier != nullptr;
+    // The operands of kBatch rows are loaded together before their rows' stores: the compiler
+    // cannot move a load above a store to y (they may alias), so one row at a time waited a
+    // memory latency a row.
+    constexpr int kBatch = E > 0 ? kColsOperandBatch : 1;
+    for (int64_t s0 = row0; s0 < rows; s0 += kBatch * step) {
+      P ops[E > 0 ? E : 1][kBatch];
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int64_t off = base + place.offset(s0 + u * step, a.C);
-          if (s0 + u * step < rows) {
-            if (has_r) rp[u] = *reinterpret_cast<const P*>(e.residual + off);
-            if (has_m) mp[u] = *reinterpret_cast<const P*>(e.multiplier + off);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int64_t s = s0 + u * step;
-          if (s < rows) {
-            *reinterpret_cast<P*>(a.y + base + place.offset(s, a.C)) =
-                out.lane_pack(lane_a, lane_b, P(xs[place.dense(s)]), rp[u], has_r, mp[u], has_m);
-          }
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t off = base + place.offset(s0 + u * step, a.C);
+        if (s0 + u * step < rows) {
+          if constexpr (E >= 1) ops[0][u] = *reinterpret_cast<const P*>(stream0 + off);
+          if constexpr (E >= 2) ops[1][u] = *reinterpret_cast<const P*>(e.multiplier + off);
         }
       }
-    });
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t s = s0 + u * step;
+        if (s < rows) {
+          *reinterpret_cast<P*>(a.y + base + place.offset(s, a.C)) = out.lane_pack(
+              lane_a, lane_b, P(xs[place.dense(s)]), ops[0][u], has_r, ops[E >= 2 ? 1 : 0][u], has_m);
+        }
+      }
+    }
   }
 }
 
@@ -761,57 +813,87 @@ bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
   return false;
 }
 
-// Runs the channels-last shared-memory kernel and returns true when a row's channels make at
-// most kOnePassThreads packs, the group fits the CTA's shared memory, and the activation is none,
-// SiLU or ReLU (the others take the split passes rather than add instantiations). Unless forced,
-// as the ChannelsFirst kernel: groups over 48 KB only when there is a group for every SM, and at
-// most kColsOnePassMaxBytes (two CTAs an SM).
+// Runs the channels-last shared-memory kernel and returns true when a slab's rows make at most
+// kOnePassThreads packs, the slab fits the CTA's shared memory, and the activation is none, SiLU or
+// ReLU (the others take the split passes rather than add instantiations).
+//
+// The span: the fewest groups (1, 2 or 4, dividing G) whose rows together fill a 32-byte sector.
+// Measured on an H100 (RESULTS.md, eighteenth run), one group a CTA -> two: ResNet's
+// GN+residual+ReLU 0.0732 -> 0.0563 ms, (8,320,64,64) fp16 GN+SiLU 0.0664 -> 0.0486 (its 160 KB
+// slabs, one CTA an SM, against 80 KB groups double-buffered). FUSEDNORM_COLS_SPAN=N: at most N
+// groups a CTA (1: one group a CTA).
+//
+// Unless forced, as the ChannelsFirst kernel: slabs over 48 KB only when there is a slab for
+// (almost: 7/8 of) every SM, and at most kColsOnePassMaxBytes (two CTAs an SM) for one group a
+// CTA; a wider slab may take the whole shared memory (the (8,320,64,64) slabs above).
 constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
 
 template <typename scalar_t>
-bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t items, bool forced) {
+bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t groups, bool forced) {
   const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(scalar_t));
   const int pack_bytes = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
-  const int64_t lanes = row_bytes / pack_bytes;
-  const int64_t bytes = a.S * row_bytes;
+  const int64_t lanes = row_bytes / pack_bytes;  // a group's
+  const int64_t bytes = a.S * row_bytes;         // a group's
   const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
-  if (lanes > kOnePassThreads || bytes + 1024 > static_cast<int64_t>(prop.sharedMemPerBlockOptin)) return false;
-  if (!forced && (bytes > kColsOnePassMaxBytes || (bytes > 48 * 1024 && items < prop.multiProcessorCount))) {
-    return false;
+  const int64_t smem_limit = static_cast<int64_t>(prop.sharedMemPerBlockOptin) - 1024;
+  int max_span = kMaxColsSpan;
+  if (const char* env = std::getenv("FUSEDNORM_COLS_SPAN")) max_span = std::max(1, std::min(max_span, std::atoi(env)));
+  int span = 1;
+  while (2 * span <= max_span && span * row_bytes < 32 && a.G % (2 * span) == 0 &&
+      2 * span * lanes <= kOnePassThreads && 2 * span * bytes <= smem_limit) {
+    span *= 2;
   }
-  // Without a residual or multiplier, and where the CTAs of one group each would not all be
+  const auto fits = [&](int k) {
+    const int64_t slab = k * bytes;
+    if (k * lanes > kOnePassThreads || slab > smem_limit) return false;
+    return forced ||
+        (slab <= (k > 1 ? smem_limit : kColsOnePassMaxBytes) &&
+            (slab <= 48 * 1024 || 8 * (groups / k) >= 7 * prop.multiProcessorCount));
+  };
+  while (span > 1 && !fits(span)) span /= 2;
+  if (!fits(span)) return false;
+  const int64_t items = groups / span;
+  const int64_t slab_bytes = span * bytes;
+  // Without a residual or multiplier, and where the CTAs of one slab each would not all be
   // resident at once with two buffers: two buffers a CTA (the kernel's buffer_packs) and a grid of
   // the CTAs resident at once. Measured on an H100 (RESULTS.md, seventeenth run): (8,320,64,64)
-  // fp16 GN+SiLU 0.072 -> 0.065 ms; ResNet's GN+residual+ReLU 0.068 -> 0.078 (half the CTAs an SM
-  // then wait on the residual's loads), hence none with operands. FUSEDNORM_COLS_PIPELINE=0: one
-  // buffer, one CTA a group; 1: two buffers with operands too.
+  // fp16 GN+SiLU 0.072 -> 0.065 ms with one group a CTA; ResNet's GN+residual+ReLU 0.068 -> 0.078
+  // (half the CTAs an SM then wait on the residual's loads), hence none with operands.
+  // FUSEDNORM_COLS_PIPELINE=0: one buffer, one CTA a slab; 1: two buffers with operands too. (With
+  // no more slabs than SMs every CTA is resident anyway: no occupancy query on that path.)
   const char* env = std::getenv("FUSEDNORM_COLS_PIPELINE");
   const int knob = env == nullptr ? -1 : std::atoi(env);
-  const bool pipeline = (knob == 1 || (knob == -1 && a.streams() == 1)) &&
-      2 * bytes + 1024 <= static_cast<int64_t>(prop.sharedMemPerBlockOptin);
+  const bool pipeline = (knob == 1 || (knob == -1 && a.streams() == 1)) && items > prop.multiProcessorCount &&
+      2 * slab_bytes <= smem_limit;
   const auto launch = [&](auto kernel) {
     int64_t grid = items;
     int64_t buffer_packs = 0;
-    size_t smem = static_cast<size_t>(bytes);
+    size_t smem = static_cast<size_t>(slab_bytes);
     if (pipeline) {
       allow_dynamic_smem(kernel, 2 * smem);
       int per_sm = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kOnePassThreads, 2 * smem));
       if (per_sm > 0 && items > static_cast<int64_t>(per_sm) * prop.multiProcessorCount) {
         grid = static_cast<int64_t>(per_sm) * prop.multiProcessorCount;
-        buffer_packs = bytes / pack_bytes;
+        buffer_packs = slab_bytes / pack_bytes;
         smem *= 2;
       }
     }
     allow_dynamic_smem(kernel, smem);
     kernel<<<static_cast<unsigned>(grid), kOnePassThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-        a, items, buffer_packs);
+        a, items, buffer_packs, span);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const auto with_width = [&](auto width) {
     constexpr int V = decltype(width)::value / static_cast<int>(sizeof(scalar_t));
-    return dispatch_common_activation(
-        a.epi.act, [&](auto act) { launch(group_norm_cols_one_pass_kernel<scalar_t, V, decltype(act)::value>); });
+    return dispatch_common_activation(a.epi.act, [&](auto act) {
+      constexpr Activation kA = decltype(act)::value;
+      switch (a.streams()) {
+        case 1: launch(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0>); break;
+        case 2: launch(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 1>); break;
+        default: launch(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 2>); break;
+      }
+    });
   };
   if (pack_bytes == 16) return with_width(std::integral_constant<int, 16>());
   if (pack_bytes == 8) return with_width(std::integral_constant<int, 8>());
