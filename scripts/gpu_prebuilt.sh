@@ -11,10 +11,7 @@
 #     scripts/gpu_prebuilt.sh py FILE ARGS...  # any script, with fusednorm and benchmarks/ importable
 # GPU_BUILD=DIR takes DIR/_C.so instead of gpu_build's (a second build carried for an A/B run).
 # Logs and results go to $OUT (the device tool's output folder) or results/. Each subcommand fits
-# one call of 600 s. Its commands are those the seventeenth run (RESULTS.md) ran from untracked
-# scripts on an H100; this script itself was written after that session's device time was spent
-# and has run only on the CPU machine (a CPU build as gpu_build, a stub nvidia-smi: `test` passed
-# the suite under pytest-xdist, `paths --help` answered).
+# one call of 600 s. The eighteenth run (RESULTS.md) ran every subcommand on an H100 this way.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/results}"
