@@ -9,6 +9,9 @@
 #     scripts/gpu_prebuilt.sh bench FILTER S   # bench.py on the cases matching FILTER, S seconds
 #     scripts/gpu_prebuilt.sh paths ARGS...    # benchmarks/compare_paths.py ARGS
 #     scripts/gpu_prebuilt.sh py FILE ARGS...  # any script, with fusednorm and benchmarks/ importable
+#     scripts/gpu_prebuilt.sh ncu SPEC...      # Nsight Compute metrics (bytes, L2 sectors, warps,
+#                                              # occupancy limits) of the kernels of each
+#                                              # benchmarks/profile_kernels.py argument list SPEC
 # GPU_BUILD=DIR takes DIR/_C.so instead of gpu_build's (a second build carried for an A/B run).
 # Logs and results go to $OUT (the device tool's output folder) or results/. Each subcommand fits
 # one call of 600 s. The eighteenth run (RESULTS.md) ran every subcommand on an H100 this way.
@@ -61,8 +64,24 @@ case "${1:-}" in
     shift
     python "$@" 2>&1 | grep -vi warning
     ;;
+  ncu)
+    shift
+    metrics=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum
+    metrics+=,lts__t_sectors_srcunit_tex_op_write.sum,gpu__time_duration.sum
+    metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed
+    metrics+=,launch__registers_per_thread,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers
+    metrics+=,launch__grid_size
+    i=0
+    for spec in "$@"; do
+      i=$((i + 1))
+      echo "== ncu $i: $spec"
+      eval ncu --profile-from-start off --clock-control none --metrics "$metrics" \
+        python benchmarks/profile_kernels.py "$spec" > "$OUT/ncu_$i.txt" 2>&1
+      grep -E "^  [a-z_]+.*\(|dram__|lts__|gpu__time|warps_active|registers|occupancy_limit|grid_size" "$OUT/ncu_$i.txt" | head -60
+    done
+    ;;
   *)
-    echo "usage: scripts/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS..." >&2
+    echo "usage: scripts/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS... | ncu SPEC..." >&2
     exit 2
     ;;
 esac
