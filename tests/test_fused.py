@@ -564,19 +564,28 @@ def test_fused_channels_last_one_pass_cuda(activation, path, monkeypatch):
             check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
 
 
+def _check_channels_last_shared_forward(monkeypatch, knob, value, cases, operand_sets, activation):
+    """check_fused on the channels-last shared-memory forward (the register kernel off), with the
+    knob set to value (None: unset)."""
+    kernel_paths.set_path(monkeypatch, "one_pass_shared")
+    if value is not None:
+        monkeypatch.setenv(knob, value)
+    for shape, G, dtype in cases:
+        for names in operand_sets:
+            check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("pipeline", [None, "0", "1"])
 def test_fused_channels_last_double_buffered_cuda(pipeline, monkeypatch):
     # 1280 channels_last groups of D = 10, more than the CTAs of the shared-memory forward resident
     # at once: each CTA takes several, the next group's copy in flight (FUSEDNORM_COLS_PIPELINE
     # unset: without a residual or multiplier; 1: with them too; 0: never).
-    kernel_paths.set_path(monkeypatch, "one_pass_shared")
-    if pipeline is not None:
-        monkeypatch.setenv("FUSEDNORM_COLS_PIPELINE", pipeline)
     torch.manual_seed(13)
-    for dtype in (torch.float16, torch.float32):
-        for names in (OPERANDS, ["residual"], ["multiplier"], ["scale", "shift"], []):
-            check_fused((40, 320, 2, 2), 32, dtype, "channels_last", names, "silu", "cuda")
+    _check_channels_last_shared_forward(
+        monkeypatch, "FUSEDNORM_COLS_PIPELINE", pipeline,
+        [((40, 320, 2, 2), 32, torch.float16), ((40, 320, 2, 2), 32, torch.float32)],
+        (OPERANDS, ["residual"], ["multiplier"], ["scale", "shift"], []), "silu")
 
 
 @pytest.mark.cuda
@@ -586,15 +595,12 @@ def test_fused_channels_last_groups_a_cta_cuda(span, monkeypatch):
     # shared-memory forward takes 2 or 4 adjacent groups (D = 8 in bfloat16, D = 10 in float16, D = 4
     # in float32: 2; D = 4 in float16: 4, or 2 where G = 6), each thread's pack in one group;
     # FUSEDNORM_COLS_SPAN caps the groups a CTA (1: one).
-    kernel_paths.set_path(monkeypatch, "one_pass_shared")
-    if span is not None:
-        monkeypatch.setenv("FUSEDNORM_COLS_SPAN", span)
     torch.manual_seed(14)
-    for shape, G, dtype in (((2, 64, 9, 7), 8, torch.bfloat16), ((3, 80, 5, 5), 8, torch.float16),
-                            ((2, 32, 3, 5), 8, torch.float32), ((2, 32, 3, 5), 8, torch.float16),
-                            ((2, 24, 4, 3), 6, torch.float16)):
-        for names in (OPERANDS, ["residual"], []):
-            check_fused(shape, G, dtype, "channels_last", names, "relu", "cuda")
+    _check_channels_last_shared_forward(
+        monkeypatch, "FUSEDNORM_COLS_SPAN", span,
+        [((2, 64, 9, 7), 8, torch.bfloat16), ((3, 80, 5, 5), 8, torch.float16), ((2, 32, 3, 5), 8, torch.float32),
+         ((2, 32, 3, 5), 8, torch.float16), ((2, 24, 4, 3), 6, torch.float16)],
+        (OPERANDS, ["residual"], []), "relu")
 
 
 @pytest.mark.cuda
