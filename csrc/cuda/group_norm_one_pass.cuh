@@ -138,10 +138,10 @@ __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
 constexpr int kMaxColsSpan = 4;
 
 // one_pass_block_sum for `span` <= kMaxColsSpan sums at once: each thread adds v into slot `slot`
-// and gets that slot's total (smem holds kMaxColsSpan values a warp). Fixed order, as the single sum.
+// and gets that slot's total (smem holds kMaxColsSpan values a warp). Fixed order, as the single
+// sum; with span 1 it is one_pass_block_sum.
 template <typename acc_t>
 __device__ __forceinline__ acc_t one_pass_slot_sum(acc_t v, int slot, int span, acc_t* smem) {
-  if (span == 1) return one_pass_block_sum(v, smem);
   constexpr int kWarps = kOnePassThreads / kWarp;
 #pragma unroll
   for (int q = 0; q < kMaxColsSpan; ++q) {
@@ -665,7 +665,7 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     }
     const acc_t group_rstd = acc_t(1) / sqrt(one_pass_slot_sum(m2, q, span, red) / total + a.eps);
     // The first thread of each group's lanes (row 0) writes its statistics.
-    if (rows != 0 && row0 == 0 && place.lane * V == q * a.D) {
+    if (row0 == 0 && place.lane * V == q * a.D) {
       a.mean[n * a.G + g] = K + shifted_mean;
       a.rstd[n * a.G + g] = group_rstd;
     }
@@ -839,10 +839,7 @@ bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t groups
   int max_span = kMaxColsSpan;
   if (const char* env = std::getenv("FUSEDNORM_COLS_SPAN")) max_span = std::max(1, std::min(max_span, std::atoi(env)));
   int span = 1;
-  while (2 * span <= max_span && span * row_bytes < 32 && a.G % (2 * span) == 0 &&
-      2 * span * lanes <= kOnePassThreads && 2 * span * bytes <= smem_limit) {
-    span *= 2;
-  }
+  while (2 * span <= max_span && span * row_bytes < 32 && a.G % (2 * span) == 0) span *= 2;
   const auto fits = [&](int k) {
     const int64_t slab = k * bytes;
     if (k * lanes > kOnePassThreads || slab > smem_limit) return false;
@@ -850,7 +847,7 @@ bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t groups
         (slab <= (k > 1 ? smem_limit : kColsOnePassMaxBytes) &&
             (slab <= 48 * 1024 || 8 * (groups / k) >= 7 * prop.multiProcessorCount));
   };
-  while (span > 1 && !fits(span)) span /= 2;
+  while (span > 1 && !fits(span)) span /= 2;  // the widest span up to that one which fits
   if (!fits(span)) return false;
   const int64_t items = groups / span;
   const int64_t slab_bytes = span * bytes;
