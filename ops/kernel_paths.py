@@ -12,6 +12,7 @@ import os
 KNOBS = (
     "FUSEDNORM_ONE_PASS_MAX_BYTES",    # largest group of the one-pass kernels; set: forced (0: off)
     "FUSEDNORM_ONE_PASS_REGISTERS",    # 0: no register forward
+    "FUSEDNORM_REGISTERS_LATE",        # 0: register forward without parameters holds its operands with x
     "FUSEDNORM_ONE_PASS_MAX_CLUSTER",  # most CTAs of a one-pass cluster
     "FUSEDNORM_TEAM_FORWARD",          # 0: off, 1: every group
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
@@ -41,6 +42,7 @@ PATHS = {
     "noteam": _TEAM_OFF,  # the default without the team kernels
     "team64": {**_TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},
     "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
+    "early": {"FUSEDNORM_REGISTERS_LATE": "0"},  # the default with the register kernel's operands loaded up front
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},
     "cluster4": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "4"},
     "param1": {"FUSEDNORM_PARAM_GRAD_PARTS": "1"},  # the default with one CTA per 32 channels' parameter gradients

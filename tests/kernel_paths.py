@@ -10,7 +10,12 @@ PATHS = TEST_PATHS
 
 def set_path(monkeypatch, path):
     """Selects `path` (a key of PATHS) for the rest of the test."""
-    for name in KNOBS:
-        monkeypatch.delenv(name, raising=False)
+    use_defaults(monkeypatch)
     for name, value in PATHS[path].items():
         monkeypatch.setenv(name, value)
+
+
+def use_defaults(monkeypatch):
+    """Unsets every knob for the rest of the test: each path's measured default."""
+    for name in KNOBS:
+        monkeypatch.delenv(name, raising=False)

@@ -4,6 +4,7 @@ on every dtype and layout; the ops under opcheck; the modules; argument errors."
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -601,6 +602,48 @@ def test_fused_channels_last_groups_a_cta_cuda(span, monkeypatch):
         [((2, 64, 9, 7), 8, torch.bfloat16), ((3, 80, 5, 5), 8, torch.float16), ((2, 32, 3, 5), 8, torch.float32),
          ((2, 32, 3, 5), 8, torch.float16), ((2, 24, 4, 3), 6, torch.float16)],
         (OPERANDS, ["residual"], []), "relu")
+
+
+def _register_kernel_variants(fn):
+    """The last template argument (kLate) of each register-kernel launch of fn: "true" / "false"."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = " ".join(e.key for e in prof.key_averages())
+    return re.findall(r"group_norm_registers_kernel<[^()]*(?:\([^()]*\)[^()<>]*)*, (true|false|\(bool\)[01])>", names)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("late", [None, "0"])
+def test_fused_registers_late_cuda(late, monkeypatch):
+    # ChannelsFirst groups in registers without per-channel parameters (problem 3's tail), but in
+    # bfloat16, take the register kernel's late-operand variant (three CTAs an SM, the residual and multiplier loaded
+    # after the moments); FUSEDNORM_REGISTERS_LATE=0 the general one, as groups with a weight or a
+    # scale do. 2 and 4 packs a thread, partial rounds, every operand set, against float64.
+    kernel_paths.use_defaults(monkeypatch)
+    if late is not None:
+        monkeypatch.setenv("FUSEDNORM_REGISTERS_LATE", late)
+    torch.manual_seed(15)
+    cases = (((16, 6000), 1, torch.float32), ((6, 3000), 1, torch.float32), ((3, 64, 9, 7), 8, torch.float16),
+             ((4, 40, 8, 8), 2, torch.bfloat16))
+    for (shape, G, dtype), names, activation in itertools.product(
+            cases, (["residual"], ["multiplier"], ["residual", "multiplier"], [], ["scale"]), (None, "silu")):
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        ops = make_operands(x, names, "cuda", dtype)
+        # (Where the register kernel runs: two distinct operands in bfloat16, or beside 4 packs a
+        # thread, take the shared-memory kernel.)
+        variants = _register_kernel_variants(lambda: fusednorm.group_norm(x, G, activation=activation, **ops))
+        assert len(variants) <= 1, variants
+        expected = late is None and "scale" not in names and dtype != torch.bfloat16
+        assert all((v in ("true", "(bool)1")) == expected for v in variants), (shape, names, variants)
+        check_fused(shape, G, dtype, "contiguous", names, activation, "cuda", affine=False)
+    # Problem 3's tail takes it; a weight takes the general kernel.
+    h, y = torch.randn(2, 256, 8192, device="cuda")  # (more rows than SMs: one CTA a row)
+    variants = _register_kernel_variants(lambda: fusednorm.group_norm(h, 1, residual=y, multiplier=y))
+    assert variants == (["true"] if late is None else ["false"]) or variants == (["(bool)1"] if late is None else ["(bool)0"])
+    w = torch.randn(8192, device="cuda")
+    variants = _register_kernel_variants(lambda: fusednorm.group_norm(h, 1, w, residual=y))
+    assert variants in (["false"], ["(bool)0"]), variants
 
 
 @pytest.mark.cuda

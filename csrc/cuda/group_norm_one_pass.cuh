@@ -80,8 +80,12 @@ struct OnePassArgs {
   // uniform_pack): S a multiple of V (a pack lies in one channel) or no per-channel parameter.
   template <int V>
   __host__ __device__ bool uniform_packs() const {
-    return S % V == 0 ||
-        (weight.ptr == nullptr && bias.ptr == nullptr && epi.scale.ptr == nullptr && epi.shift.ptr == nullptr);
+    return S % V == 0 || uniform_channels();
+  }
+
+  // Whether every channel of a group has the same coefficients: no per-channel parameter.
+  __host__ __device__ bool uniform_channels() const {
+    return weight.ptr == nullptr && bias.ptr == nullptr && epi.scale.ptr == nullptr && epi.shift.ptr == nullptr;
   }
 };
 
@@ -273,6 +277,14 @@ struct OnePassOutput {
     return o;
   }
 
+  // A pack with the cached coefficients (every channel's, where OnePassArgs::uniform_channels).
+  __device__ __forceinline__ P constant_pack(const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) const {
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    return o;
+  }
+
   // A pack whose elements share their coefficients: S a multiple of V (a pack lies in one channel)
   // or no per-channel parameter at all. The element loop then holds no channel logic, which
   // matters where it is unrolled over a thread's R packs (the register kernel).
@@ -433,26 +445,37 @@ struct ColsPlace {
 
 // The one-pass forward with the group in registers, for groups of at most R packs per thread of
 // a CTA (S == 1 rows such as problem 3's, UNet's small groups). The arithmetic is the
-// shared-memory kernel's, but without its staging: every load of a thread is issued up front into
+// shared-memory kernel's, but without its staging: every load of x is issued up front into
 // registers, and a CTA holds no shared memory, so that the SM's register file rather than 64 KB per
-// CTA bounds how many groups are in flight. E is the number of extra tensor-sized streams held: 0,
+// CTA bounds how many groups are in flight. E is the number of extra tensor-sized streams: 0,
 // 1 (the residual, the multiplier, or both when they are one tensor, as in problem 3's
 // (h + y) * y) or 2; it is a template parameter because registers are allocated for the worst path
-// of a kernel, and R * (1 + E) packs must stay within the budget. finish() takes the activation
-// A at compile time (the output is unrolled over R * V elements, and a switch over every
-// activation in it took ptxas ~10 s per kernel with R = 8).
+// of a kernel. finish() takes the activation A at compile time (the output is unrolled over R * V
+// elements, and a switch over every activation in it took ptxas ~10 s per kernel with R = 8).
+//
+// kLate (ChannelsFirst groups without per-channel parameters, OnePassArgs::uniform_channels, as
+// problem 3's tail): compiled for three CTAs an SM rather than two, i.e. 40 registers a thread.
+// The operands are loaded in the output phase, kLateBatch packs of each at a time, rather than up
+// front beside x (the moments need x alone), and the output takes the group's one pair of
+// coefficients without OnePassOutput's channel tracking: with either, the kernel spilled under the
+// cap (ptxas sm_90: 120-128 bytes for problem 3's tail; 38 registers and none without both).
+// Otherwise R * (1 + E) packs are held at once.
 //
 // kCols: the ChannelsLast layout, where group (n, g) is S rows of D channels, C elements apart
 // (UNet's channels_last groups of 40 channels on 8x8 and 16x16 pixels, which the split passes
 // took in three launches); a thread's packs are those of its ColsPlace, its k-th in row
 // row0 + k * step.
-template <typename scalar_t, int V, int R, int E, bool kCols = false>
+constexpr int kLateBatch = 2;
+
+template <typename scalar_t, int V, int R, int E, bool kCols = false, bool kLate = false>
 struct RegisterGroup {
+  static_assert(!(kLate && kCols), "the late-operand kernel is ChannelsFirst's");
   using P = Pack<scalar_t, V>;
+  static constexpr int kHeld = E > 0 && !kLate ? E : 1;  // operand streams held from load() on
   P x[R];
-  P extra[E > 0 ? E : 1][R];  // extra[0]: the residual if given, else the multiplier; [1]: the multiplier
-  scalar_t first;             // x's first element, K
-  ColsPlace<V> place;  // kCols
+  P extra[kHeld][kLate ? 1 : R];  // extra[0]: the residual if given, else the multiplier; [1]: the multiplier
+  scalar_t first;                 // x's first element, K
+  ColsPlace<V> place;             // kCols
 
   // Group (n, g)'s first element.
   __device__ __forceinline__ int64_t group_offset(const OnePassArgs<scalar_t>& a, int64_t item) const {
@@ -464,49 +487,46 @@ struct RegisterGroup {
     }
   }
 
-  // Whether the thread's k-th pack lies in the group.
+  // The thread's k-th pack: its index counted from the group's first (ChannelsFirst: packs
+  // threadIdx.x + k * blockDim.x), whether it lies in the group, and its first element's offset
+  // from the group's first.
+  __device__ __forceinline__ int pack_index(int k) const { return static_cast<int>(threadIdx.x + k * blockDim.x); }
+
   __device__ __forceinline__ bool valid(const OnePassArgs<scalar_t>& a, int k) const {
     if constexpr (kCols) {
       return place.active() && place.row0 + k * place.step < a.S;
     } else {
-      return static_cast<int>(threadIdx.x + k * blockDim.x) < static_cast<int>(a.len / V);
+      return pack_index(k) < static_cast<int>(a.len / V);
     }
   }
 
-  // kCols: the thread's k-th pack, in elements from the group's first.
-  __device__ __forceinline__ int64_t cols_offset(const OnePassArgs<scalar_t>& a, int k) const {
-    return place.offset(place.row0 + k * place.step, a.C);
+  __device__ __forceinline__ int64_t pack_offset(const OnePassArgs<scalar_t>& a, int k) const {
+    if constexpr (kCols) {
+      return place.offset(place.row0 + k * place.step, a.C);
+    } else {
+      return static_cast<int64_t>(pack_index(k)) * V;
+    }
   }
 
-  // Issues every load of group `item` (ChannelsFirst: the thread's packs threadIdx.x + k * blockDim.x).
+  // The operands' packs at element e: ops[0] the residual if given, else the multiplier; ops[1]
+  // the multiplier.
+  __device__ __forceinline__ static void load_operands(const OnePassArgs<scalar_t>& a, int64_t e, P* ops0, P* ops1) {
+    const scalar_t* extra0 = a.epi.residual != nullptr ? a.epi.residual : a.epi.multiplier;
+    if constexpr (E >= 1) *ops0 = *reinterpret_cast<const P*>(extra0 + e);
+    if constexpr (E >= 2) *ops1 = *reinterpret_cast<const P*>(a.epi.multiplier + e);
+  }
+
+  // Issues every load of group `item` (the operands' too unless kLate).
   __device__ __forceinline__ void load(const OnePassArgs<scalar_t>& a, int64_t item) {
     const int64_t off = group_offset(a, item);
-    const scalar_t* extra0 = a.epi.residual != nullptr ? a.epi.residual : a.epi.multiplier;
     first = a.x[off];
-    if constexpr (kCols) {
-      place = ColsPlace<V>(a.D, static_cast<int>(blockDim.x));
+    if constexpr (kCols) place = ColsPlace<V>(a.D, static_cast<int>(blockDim.x));
 #pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (valid(a, k)) {
-          const int64_t e = off + cols_offset(a, k);
-          x[k] = *reinterpret_cast<const P*>(a.x + e);
-          if (E >= 1) extra[0][k] = *reinterpret_cast<const P*>(extra0 + e);
-          if (E >= 2) extra[1][k] = *reinterpret_cast<const P*>(a.epi.multiplier + e);
-        }
-      }
-    } else {
-      const int lenv = static_cast<int>(a.len / V);
-      const P* xg = reinterpret_cast<const P*>(a.x + off);
-      const P* eg0 = reinterpret_cast<const P*>(offset_or_null(extra0, off));
-      const P* eg1 = reinterpret_cast<const P*>(offset_or_null(a.epi.multiplier, off));
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
-        if (v < lenv) {
-          x[k] = xg[v];
-          if (E >= 1) extra[0][k] = eg0[v];
-          if (E >= 2) extra[1][k] = eg1[v];
-        }
+    for (int k = 0; k < R; ++k) {
+      if (valid(a, k)) {
+        const int64_t e = off + pack_offset(a, k);
+        x[k] = *reinterpret_cast<const P*>(a.x + e);
+        if constexpr (!kLate) load_operands(a, e, &extra[0][k], &extra[kHeld - 1][k]);
       }
     }
   }
@@ -538,42 +558,64 @@ struct RegisterGroup {
     OnePassOutput<scalar_t, V, A> out(a, n, item - n * a.G, K, shifted_mean, rstd);
     const bool has_r = E >= 1 && a.epi.residual != nullptr;
     const bool has_m = E >= 1 && a.epi.multiplier != nullptr;
+    acc_t lane_a[kCols ? V : 1], lane_b[kCols ? V : 1];
     if constexpr (kCols) {
       if (!place.active()) return;
-      acc_t lane_a[V], lane_b[V];
       out.lane_coefficients(place.lane * V, lane_a, lane_b);
-      scalar_t* yg = a.y + group_offset(a, item);
+    }
+    const int64_t off = group_offset(a, item);
+    if constexpr (kLate) out.coefficients(out.c_first);  // every channel's
+    // kLate: the operands of B packs are loaded together before their stores (the compiler cannot
+    // move a load above a store to y, which they may alias).
+    constexpr int B = kLate ? kLateBatch : R;
 #pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (valid(a, k)) {
-          *reinterpret_cast<P*>(yg + cols_offset(a, k)) =
-              out.lane_pack(lane_a, lane_b, x[k], extra[0][k], has_r, extra[E >= 2 ? 1 : 0][k], has_m);
+    for (int k0 = 0; k0 < R; k0 += B) {
+      P late[kLate && E > 0 ? E : 1][kLate ? B : 1];
+      if constexpr (kLate && E > 0) {
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+          if (k0 + u < R && valid(a, k0 + u)) {
+            load_operands(a, off + pack_offset(a, k0 + u), &late[0][u], &late[E - 1][u]);
+          }
         }
       }
-    } else {
-      P* yg = reinterpret_cast<P*>(a.y + item * a.len);
 #pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (valid(a, k)) {
-          const int v = static_cast<int>(threadIdx.x + k * blockDim.x);
-          yg[v] = out.uniform_pack(v, x[k], extra[0][k], has_r, extra[E >= 2 ? 1 : 0][k], has_m);
+      for (int u = 0; u < B; ++u) {
+        const int k = k0 + u;
+        if (k < R && valid(a, k)) {
+          const P& r = kLate ? late[0][kLate ? u : 0] : extra[0][kLate ? 0 : k];
+          const P& m = kLate ? late[E >= 2 ? 1 : 0][kLate ? u : 0] : extra[kHeld - 1][kLate ? 0 : k];
+          P& y = *reinterpret_cast<P*>(a.y + off + pack_offset(a, k));
+          if constexpr (kCols) {
+            y = out.lane_pack(lane_a, lane_b, x[k], r, has_r, m, has_m);
+          } else if constexpr (kLate) {
+            y = out.constant_pack(x[k], r, has_r, m, has_m);
+          } else {
+            y = out.uniform_pack(pack_index(k), x[k], r, has_r, m, has_m);
+          }
         }
       }
     }
   }
 };
 
-// One CTA a group, of up to kRegisterThreads threads, two CTAs an SM (at most 64 registers a
-// thread): warps enough to hide the latency of the reductions' barriers and shuffles. With 256
-// threads of 8 packs (96 registers, 16 warps an SM) problem 3's rows ran at 71% of the copy
-// bandwidth; persistent CTAs that loaded the next group during the current one's reductions, with
-// 16 warps an SM, did no better (67%): the SM was waiting on its own instruction latencies.
+// One CTA a group, of up to kRegisterThreads threads: warps enough to hide the latency of the
+// reductions' barriers and shuffles. With 256 threads of 8 packs (96 registers, 16 warps an SM)
+// problem 3's rows ran at 71% of the copy bandwidth; persistent CTAs that loaded the next group
+// during the current one's reductions, with 16 warps an SM, did no better (67%): the SM was
+// waiting on its own instruction latencies.
 constexpr int kRegisterThreads = 512;
 
-template <typename scalar_t, int V, int R, int E, Activation A, bool kCols>
-__global__ void __launch_bounds__(kRegisterThreads, 2) group_norm_registers_kernel(const OnePassArgs<scalar_t> a) {
+// CTAs an SM the register kernel is compiled for: two (at most 64 registers a thread) while it
+// holds the operands through the reductions, three (40) when it loads them late.
+template <bool kLate>
+constexpr int kRegisterCtasPerSm = kLate ? 3 : 2;
+
+template <typename scalar_t, int V, int R, int E, Activation A, bool kCols, bool kLate>
+__global__ void __launch_bounds__(kRegisterThreads, kRegisterCtasPerSm<kLate>)
+    group_norm_registers_kernel(const OnePassArgs<scalar_t> a) {
   __shared__ acc_type<scalar_t> red[kRegisterThreads / kWarp];
-  RegisterGroup<scalar_t, V, R, E, kCols> group;
+  RegisterGroup<scalar_t, V, R, E, kCols, kLate> group;
   group.load(a, blockIdx.x);
   group.finish<kRegisterThreads, A>(a, blockIdx.x, red);
 }
@@ -730,6 +772,13 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
 // register cap of 64.
 constexpr int kRegisterPacks = 8;
 
+// Whether groups without per-channel parameters take the register kernel's kLate variant.
+// FUSEDNORM_REGISTERS_LATE=0: the general one.
+bool registers_late() {
+  const char* env = std::getenv("FUSEDNORM_REGISTERS_LATE");
+  return env == nullptr || std::atoi(env) != 0;
+}
+
 // One CTA a group, of whole warps enough for R packs a thread (ChannelsLast: R rows a thread,
 // D / V threads a row).
 template <typename scalar_t, int V, int R, int E, bool kCols>
@@ -741,8 +790,14 @@ void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
     kernel<<<static_cast<unsigned>(items), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  // (Not bfloat16: its late kernels spilled 4-14 bytes under the cap.)
+  const bool late = !kCols && !std::is_same_v<scalar_t, at::BFloat16> && a.uniform_channels() && registers_late();
   const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
-    launch(group_norm_registers_kernel<scalar_t, V, R, E, decltype(act)::value, kCols>);
+    constexpr Activation kA = decltype(act)::value;
+    if constexpr (!kCols && !std::is_same_v<scalar_t, at::BFloat16>) {
+      if (late) return launch(group_norm_registers_kernel<scalar_t, V, R, E, kA, false, true>);
+    }
+    launch(group_norm_registers_kernel<scalar_t, V, R, E, kA, kCols, false>);
   });
   TORCH_INTERNAL_ASSERT(launched, "register kernel: an activation launch_registers_if_fits refuses");
 }
