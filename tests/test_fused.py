@@ -637,11 +637,13 @@ def test_fused_registers_late_cuda(late, monkeypatch):
         expected = late is None and "scale" not in names and dtype != torch.bfloat16
         assert all((v in ("true", "(bool)1")) == expected for v in variants), (shape, names, variants)
         check_fused(shape, G, dtype, "contiguous", names, activation, "cuda", affine=False)
-    # Problem 3's tail takes it; a weight takes the general kernel.
-    h, y = torch.randn(2, 256, 8192, device="cuda")  # (more rows than SMs: one CTA a row)
+    # Problem 3's tail takes it (rows enough for one CTA a row), and a weight the general kernel
+    # (on channels of 1024 elements: a pack's elements share their weight).
+    h, y = torch.randn(2, 256, 8192, device="cuda")
     variants = _register_kernel_variants(lambda: fusednorm.group_norm(h, 1, residual=y, multiplier=y))
     assert variants == (["true"] if late is None else ["false"]) or variants == (["(bool)1"] if late is None else ["(bool)0"])
-    w = torch.randn(8192, device="cuda")
+    h, y = torch.randn(2, 256, 8, 1024, device="cuda")
+    w = torch.randn(8, device="cuda")
     variants = _register_kernel_variants(lambda: fusednorm.group_norm(h, 1, w, residual=y))
     assert variants in (["false"], ["(bool)0"]), variants
 
