@@ -21,6 +21,7 @@ KNOBS = (
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
     "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too
     "FUSEDNORM_COLS_SPAN",             # channels-last shared-memory forward: at most this many groups a CTA
+    "FUSEDNORM_BACKWARD_THREADS",      # one-pass backward: threads a CTA (256 or 512)
 )
 
 _ONE_PASS = {"FUSEDNORM_ONE_PASS_MAX_BYTES": str(1 << 20)}
@@ -50,6 +51,7 @@ PATHS = {
     "colspipe0": {"FUSEDNORM_COLS_PIPELINE": "0"},
     "colspipe1": {"FUSEDNORM_COLS_PIPELINE": "1"},
     "colsspan1": {"FUSEDNORM_COLS_SPAN": "1"},  # one group a CTA
+    "bwd256": {"FUSEDNORM_BACKWARD_THREADS": "256"},  # the one-pass backward in CTAs of 256 threads
 }
 
 

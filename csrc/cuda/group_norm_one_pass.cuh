@@ -1196,14 +1196,19 @@ __device__ __forceinline__ void add_channel_sums(Sums<acc_t, 1>& s, const EpiArg
   }
 }
 
+// CTAs of up to kBackwardThreads threads, two an SM (at most 64 registers a thread): the groups
+// of 1024 packs and more take 512 threads (backward_threads), the others kOnePassThreads.
+constexpr int kBackwardThreads = 512;
+
 template <typename scalar_t, int V, Activation A>
-__global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_kernel(
+__global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_pass_kernel(
     const OnePassBackwardArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
-  __shared__ acc_t red[kOnePassThreads / kWarp];
-  __shared__ Sums<acc_t, 1> seg_smem[kOnePassThreads / kWarp];
+  __shared__ acc_t red[kBackwardThreads / kWarp];
+  __shared__ Sums<acc_t, 1> seg_smem[kBackwardThreads / kWarp];
+  const int threads = static_cast<int>(blockDim.x);
   const EpiArgs<scalar_t>& e = a.epi;
   const int64_t item = blockIdx.x;
   const int64_t n = div_nn(item, a.G);
@@ -1211,7 +1216,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   const int64_t off = item * a.len;
   const int64_t lenv = a.len / V;
   const BackwardOperands<scalar_t, V> element(reinterpret_cast<P*>(one_pass_smem), lenv, e, a.mean[item]);
-  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) element.copy_in(v, item * lenv + v, a);
+  for (int64_t v = threadIdx.x; v < lenv; v += threads) element.copy_in(v, item * lenv + v, a);
   __pipeline_commit();
   __pipeline_wait_prior(0);
   __syncthreads();  // the sums below read packs that other threads copied
@@ -1223,7 +1228,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   clear(mine);
   const int64_t c_first = g * a.D;
   if (a.S == 1) {
-    for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+    for (int64_t v = threadIdx.x; v < lenv; v += threads) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const int64_t c = c_first + v * V + j;
@@ -1244,9 +1249,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
     const int64_t spv = a.S / V;  // packs per channel
     const int seg = 1 << a.log_seg;
     const int lane = threadIdx.x & (seg - 1);
-    // Rounds of kOnePassThreads / seg channels; every thread takes part in every round, so that
-    // the segments' shuffles see whole warps.
-    for (int64_t base = 0; base < a.D; base += kOnePassThreads >> a.log_seg) {
+    // Rounds of threads / seg channels; every thread takes part in every round, so that the
+    // segments' shuffles see whole warps.
+    for (int64_t base = 0; base < a.D; base += threads >> a.log_seg) {
       const int64_t cl = base + (threadIdx.x >> a.log_seg);  // channel within the group
       Sums<acc_t, 1> s;
       clear(s);
@@ -1269,9 +1274,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
     }
   }
   const acc_t M = static_cast<acc_t>(a.len);
-  const acc_t A_sum = one_pass_block_sum(mine.dy[0], red);
-  const acc_t dev = one_pass_block_sum(mine.xc[0], red);
-  const GroupGradCoefs<acc_t> coefs(A_sum, one_pass_block_sum(mine.dyxc[0], red), dev, rstd, M);
+  const acc_t A_sum = one_pass_block_sum<kBackwardThreads>(mine.dy[0], red);
+  const acc_t dev = one_pass_block_sum<kBackwardThreads>(mine.xc[0], red);
+  const GroupGradCoefs<acc_t> coefs(A_sum, one_pass_block_sum<kBackwardThreads>(mine.dyxc[0], red), dev, rstd, M);
   if (threadIdx.x == 0 && a.rec != nullptr) coefs.store(a.rec + item * kRec, element.mean, rstd);
 
   P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
@@ -1280,7 +1285,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   const bool sum_grads = grg != nullptr && grg == gmg;
   int64_t cached_c = -1;
   ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
-  for (int64_t v = threadIdx.x; v < lenv; v += kOnePassThreads) {
+  for (int64_t v = threadIdx.x; v < lenv; v += threads) {
     P o, gr, gm;
     int64_t c = div_nn(v * V, a.S);
     int64_t rem = v * V - c * a.S;
@@ -1302,11 +1307,21 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_backward_one_pass_
   }
 }
 
+// Threads a CTA of the one-pass backward for a group of lenv packs. FUSEDNORM_BACKWARD_THREADS
+// (256 or 512) replaces the choice (tuning).
+int backward_threads(int64_t lenv) {
+  if (const char* env = std::getenv("FUSEDNORM_BACKWARD_THREADS")) {
+    return std::atoi(env) == kBackwardThreads ? kBackwardThreads : kOnePassThreads;
+  }
+  return lenv >= 2 * kBackwardThreads ? kBackwardThreads : kOnePassThreads;
+}
+
 template <typename scalar_t, int V, Activation A>
 void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
   auto kernel = group_norm_backward_one_pass_kernel<scalar_t, V, A>;
   allow_dynamic_smem(kernel, smem_bytes);
-  kernel<<<static_cast<unsigned>(items), kOnePassThreads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
+  const int threads = backward_threads(a.len / V);
+  kernel<<<static_cast<unsigned>(items), threads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
