@@ -689,13 +689,6 @@ CL_ONE_PASS_CASES = [
 ]
 
 
-def _cuda_kernel_names(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return " ".join(e.key for e in prof.key_averages())
-
-
 def _channels_last_path(shape, G, dtype, registers=True):
     """The kernel forward_one_pass picks for a channels_last input with the one-pass path forced,
     one stream, no activation: "registers", "shared" (group_norm_cols_one_pass_kernel) or "split"."""
@@ -723,13 +716,13 @@ def test_channels_last_forward_in_one_pass(case, dtype, path, monkeypatch):
     w, b = make_params(shape[1], dtype)
     kernel_paths.set_path(monkeypatch, path)
     expected = _channels_last_path(shape, G, dtype, registers=path == "one_pass")
-    names = _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
     assert ("registers_kernel" in names) == (expected == "registers"), names
     assert ("cols_one_pass_kernel" in names) == (expected == "shared"), names
     y, mean, rstd = check_forward(x, G, w, b)
     assert y.movedim(1, -1).is_contiguous()
     kernel_paths.set_path(monkeypatch, "split")
-    names = _cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
     assert "registers_kernel" not in names and "cols_one_pass_kernel" not in names, names
     y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
