@@ -296,10 +296,7 @@ struct OnePassOutput {
       hi = lo + a.S;
       coefficients(c_first + c);
     }
-    P o;
-#pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
-    return o;
+    return constant_pack(xp, rp, has_r, mp, has_m);
   }
 
   __device__ __forceinline__ scalar_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
@@ -516,6 +513,18 @@ struct RegisterGroup {
     if constexpr (E >= 2) *ops1 = *reinterpret_cast<const P*>(a.epi.multiplier + e);
   }
 
+  // Pack k (batch slot u) of operand stream `stream` (0: the residual if given, else the
+  // multiplier; the last: the multiplier): from the batch `late` loaded in the output loop
+  // (kLate), else as held since load().
+  template <typename Late>
+  __device__ __forceinline__ const P& operand(const Late& late, int stream, int k, int u) const {
+    if constexpr (kLate) {
+      return late[stream][u];
+    } else {
+      return extra[stream == 0 ? 0 : kHeld - 1][k];
+    }
+  }
+
   // Issues every load of group `item` (the operands' too unless kLate).
   __device__ __forceinline__ void load(const OnePassArgs<scalar_t>& a, int64_t item) {
     const int64_t off = group_offset(a, item);
@@ -583,8 +592,8 @@ struct RegisterGroup {
       for (int u = 0; u < B; ++u) {
         const int k = k0 + u;
         if (k < R && valid(a, k)) {
-          const P& r = kLate ? late[0][kLate ? u : 0] : extra[0][kLate ? 0 : k];
-          const P& m = kLate ? late[E >= 2 ? 1 : 0][kLate ? u : 0] : extra[kHeld - 1][kLate ? 0 : k];
+          const P& r = operand(late, 0, k, u);
+          const P& m = operand(late, E >= 2 ? 1 : 0, k, u);
           P& y = *reinterpret_cast<P*>(a.y + off + pack_offset(a, k));
           if constexpr (kCols) {
             y = out.lane_pack(lane_a, lane_b, x[k], r, has_r, m, has_m);
@@ -790,11 +799,13 @@ void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
     kernel<<<static_cast<unsigned>(items), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  // (Not bfloat16: its late kernels spilled 4-14 bytes under the cap.)
-  const bool late = !kCols && !std::is_same_v<scalar_t, at::BFloat16> && a.uniform_channels() && registers_late();
+  // The late kernel is ChannelsFirst's, and not bfloat16's (its late kernels spilled 4-14 bytes
+  // under the cap).
+  constexpr bool kLateAllowed = !kCols && !std::is_same_v<scalar_t, at::BFloat16>;
+  const bool late = kLateAllowed && a.uniform_channels() && registers_late();
   const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
     constexpr Activation kA = decltype(act)::value;
-    if constexpr (!kCols && !std::is_same_v<scalar_t, at::BFloat16>) {
+    if constexpr (kLateAllowed) {
       if (late) return launch(group_norm_registers_kernel<scalar_t, V, R, E, kA, false, true>);
     }
     launch(group_norm_registers_kernel<scalar_t, V, R, E, kA, kCols, false>);
