@@ -758,6 +758,33 @@ def test_team_edges(monkeypatch):
             check_backward(dy, x, G, w, b, mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_team_forward_prefetch_changes_no_bit(dtype, monkeypatch):
+    # The team forward's L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) changes no
+    # data the kernel reads: y, mean and rstd are the same bits with it off, at 3/8, whole, and by
+    # the default rule (3/8 in teams of 16 CTAs and more: (3, 64, 128, 128) takes 6 teams of 44 on
+    # an H100), on teams of one round and of several (odd ones started late), with and without an
+    # activation, and against the float64 reference.
+    cases = (((24, 64, 128, 128), 2, None), ((100, 4, 160, 128), 2, "silu"), ((40, 12, 33, 20), 3, None),
+             ((3, 64, 128, 128), 2, "silu"))
+    for shape, G, activation in cases:
+        x = make(shape, dtype, seed=31, offset=1.0)
+        w, b = make_params(shape[1], dtype)
+        outputs = {}
+        for prefetch in ("0", "3", "8", None):  # None: the default rule
+            kernel_paths.set_path(monkeypatch, "team")
+            if prefetch is not None:
+                monkeypatch.setenv("FUSEDNORM_TEAM_PREFETCH", prefetch)
+            y = fusednorm.group_norm(x, G, w, b, EPS, activation=activation)
+            mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)[1:]
+            outputs[prefetch] = (y, mean, rstd)
+        for prefetch, got in outputs.items():
+            for have, want in zip(got, outputs["0"]):
+                assert torch.equal(have, want), (shape, dtype, prefetch)
+        if activation is None:
+            check_forward(x, G, w, b)
+
+
 @pytest.mark.parametrize("path", ["team", "one_pass"])
 def test_cuda_graph_capture_kernel_paths(path, monkeypatch):
     # The ops inside a captured CUDA graph (torch.compile's "reduce-overhead" mode captures them):

@@ -16,6 +16,8 @@
 //      every run gets the same bits: Chan's pairwise formula);
 //   3. writes y from shared memory through OnePassOutput, and, as each pack is written, issues
 //      the copy of the same pack of round i + 1 into its place, so that reads overlap writes.
+// Before step 2's wait, a CTA of a large team brings part of its round i + 1 chunk into L2
+// (kTeamPrefetchEighths), the only traffic it can issue while it waits.
 // Holding two or three rounds a CTA (round i + 1's moments taken before round i's barrier) was
 // slower on every row measured: the chunks shrink with the stages, and the rounds multiply.
 // x is read from DRAM once. An earlier version (branch experiment/team-forward) re-read each
@@ -70,6 +72,25 @@ int64_t team_cta_bytes() {
   return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) * 1024 : kTeamCtaBytes;
 }
 
+// The team forward's L2 prefetch (group_norm_team_kernel): before it waits at round i's barrier, a
+// CTA brings kTeamPrefetchEighths / 8 of its round i + 1 chunk into L2, so that the DRAM has work
+// while the team synchronises; the output loop's copies of those packs then read L2. Measured on
+// an H100 (RESULTS.md, twentieth run): with three teams of 88 CTAs (the GroupNorm problem) every
+// round ended with the DRAM drained, and the barrier's wait cost 1.3 ms of 6.9; prefetching 3/8
+// gave 6.6-6.8 -> 5.95 ms, InstanceNorm3d 0.485 -> 0.437, the VAE's float16 0.252 -> 0.237 and
+// bfloat16 (1,128,512,512) 0.079 -> 0.075 (teams of 24), while 4/8 and more lost to L2 evictions
+// (8/8: the GroupNorm problem back at 6.79 ms) and teams of 10 (the InstanceNorm problem's 26 teams,
+// whose waits the other teams' traffic already covers) lost 5%. Hence only teams of
+// kTeamPrefetchMinCtas CTAs and more. FUSEDNORM_TEAM_PREFETCH=k sets k / 8 for every team (0: off).
+constexpr int kTeamPrefetchEighths = 3;
+constexpr int kTeamPrefetchMinCtas = 16;
+
+int team_prefetch_eighths(int team_size) {
+  const char* env = std::getenv("FUSEDNORM_TEAM_PREFETCH");
+  if (env != nullptr) return std::clamp(std::atoi(env), 0, 8);
+  return team_size >= kTeamPrefetchMinCtas ? kTeamPrefetchEighths : 0;
+}
+
 // Teams of at least this many rounds and CTAs are staggered (TeamGrid::start).
 constexpr int64_t kStaggerRounds = 3;
 constexpr int kStaggerTeamSize = 8;
@@ -93,6 +114,7 @@ struct TeamGrid {
   int64_t groups;     // N * G
   int64_t chunk;      // packs of a group per CTA
   int team_size, teams;
+  int prefetch = 0;   // forward: packs of its next chunk a CTA brings into L2 before a barrier wait
 
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
   __device__ int64_t rounds(int team) const { return team < groups ? ceil_div(groups - team, teams) : 0; }
@@ -132,6 +154,23 @@ struct TeamGrid {
       }
     }
     __syncthreads();
+  }
+
+  // The first `prefetch` packs of the `count` at `chunk` (the CTA's next chunk) into L2: lane l of
+  // the first warp takes pieces l, l + 32, ... of kPrefetchPiece packs, each one bulk prefetch.
+  template <typename P>
+  __device__ void prefetch_chunk(const P* chunk, int count) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(sizeof(P) % 16 == 0, "bulk prefetches move whole 16-byte units");
+    constexpr int kPrefetchPiece = 1024;
+    const int packs = prefetch < count ? prefetch : count;
+    if (threadIdx.x >= kWarp) return;
+    for (int p0 = static_cast<int>(threadIdx.x) * kPrefetchPiece; p0 < packs; p0 += kWarp * kPrefetchPiece) {
+      const int n = packs - p0 < kPrefetchPiece ? packs - p0 : kPrefetchPiece;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(chunk + p0), "r"(static_cast<unsigned>(n * sizeof(P)))
+                   : "memory");
+    }
+#endif
   }
 
   // The whole CTA: returns once every CTA of the team has arrived at round i's barrier. The
@@ -281,6 +320,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     moments(0, K);
   }
   for (int64_t i = 0; i < rounds; ++i) {
+    if (i + 1 < rounds) t.prefetch_chunk(reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin, count);
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
     const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
@@ -608,6 +648,7 @@ bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
   auto kernel = group_norm_team_kernel<scalar_t, V, A>;
   constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
   if (!plan_team(kernel, a.op.len / V, pack_bytes, a.team)) return false;
+  a.team.prefetch = static_cast<int>(a.team.chunk * team_prefetch_eighths(a.team.team_size) / 8);
   return launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
 }
 
