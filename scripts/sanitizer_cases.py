@@ -87,7 +87,7 @@ def main():
     # of a lone large group takes the split passes).
     with kernel_paths.selected("team"):
         run_all_plain()
-    # The team forward's L2 prefetch of each next chunk (by default only in teams of 16 CTAs and
+    # The team kernels' L2 prefetch of each next chunk (by default only in teams of 16 CTAs and
     # more), here whole in teams of every size.
     with kernel_paths.selected("team_prefetch"):
         run_all_plain()

@@ -759,12 +759,12 @@ def test_team_edges(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_team_forward_prefetch_changes_no_bit(dtype, monkeypatch):
-    # The team forward's L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) changes no
-    # data the kernel reads: y, mean and rstd are the same bits with it off, at 3/8, whole, and by
-    # the default rule (3/8 in teams of 16 CTAs and more: (3, 64, 128, 128) takes 6 teams of 44 on
-    # an H100), on teams of one round and of several (odd ones started late), with and without an
-    # activation, and against the float64 reference.
+def test_team_prefetch_changes_no_bit(dtype, monkeypatch):
+    # The team kernels' L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) changes no
+    # data they read: y, mean, rstd and every gradient are the same bits with it off, at 3/8,
+    # whole, and by the default rule (teams of 16 CTAs and more: (3, 64, 128, 128) takes 6 teams
+    # of 44 forward on an H100), on teams of one round and of several (odd ones started late),
+    # with and without an activation, and against the float64 reference.
     cases = (((24, 64, 128, 128), 2, None), ((100, 4, 160, 128), 2, "silu"), ((40, 12, 33, 20), 3, None),
              ((3, 64, 128, 128), 2, "silu"))
     for shape, G, activation in cases:
@@ -775,14 +775,17 @@ def test_team_forward_prefetch_changes_no_bit(dtype, monkeypatch):
             kernel_paths.set_path(monkeypatch, "team")
             if prefetch is not None:
                 monkeypatch.setenv("FUSEDNORM_TEAM_PREFETCH", prefetch)
-            y = fusednorm.group_norm(x, G, w, b, EPS, activation=activation)
+            leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+            y = fusednorm.group_norm(*leaves[:1], G, *leaves[1:], EPS, activation=activation)
+            grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
             mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)[1:]
-            outputs[prefetch] = (y, mean, rstd)
+            outputs[prefetch] = (y.detach(), mean, rstd, *grads)
         for prefetch, got in outputs.items():
             for have, want in zip(got, outputs["0"]):
                 assert torch.equal(have, want), (shape, dtype, prefetch)
         if activation is None:
             check_forward(x, G, w, b)
+            check_backward(make(shape, dtype, seed=32), x, G, w, b)
 
 
 @pytest.mark.parametrize("path", ["team", "one_pass"])

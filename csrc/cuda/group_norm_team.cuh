@@ -82,13 +82,19 @@ int64_t team_cta_bytes() {
 // (8/8: the GroupNorm problem back at 6.79 ms) and teams of 10 (the InstanceNorm problem's 26 teams,
 // whose waits the other teams' traffic already covers) lost 5%. Hence only teams of
 // kTeamPrefetchMinCtas CTAs and more. FUSEDNORM_TEAM_PREFETCH=k sets k / 8 for every team (0: off).
+// The team backward does the same for each stream it holds (x, dz and the operands), where 4/8
+// was best: the InstanceNorm problem's backward (13 teams of 20) 8.83 -> 8.36 ms, the VAE's
+// float16 0.587 -> 0.543, the GroupNorm problem's one team of 264 CTAs 13.0 -> 11.3 (then faster
+// than its split passes' 12.5).
 constexpr int kTeamPrefetchEighths = 3;
+constexpr int kTeamBackwardPrefetchEighths = 4;
 constexpr int kTeamPrefetchMinCtas = 16;
 
-int team_prefetch_eighths(int team_size) {
+int team_prefetch_eighths(int team_size, bool backward) {
   const char* env = std::getenv("FUSEDNORM_TEAM_PREFETCH");
   if (env != nullptr) return std::clamp(std::atoi(env), 0, 8);
-  return team_size >= kTeamPrefetchMinCtas ? kTeamPrefetchEighths : 0;
+  if (team_size < kTeamPrefetchMinCtas) return 0;
+  return backward ? kTeamBackwardPrefetchEighths : kTeamPrefetchEighths;
 }
 
 // Teams of at least this many rounds and CTAs are staggered (TeamGrid::start).
@@ -477,7 +483,17 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);
 
     // 2. The team's sums (every thread gets the same bits), and from them the group's dx
-    // coefficients.
+    // coefficients; first, part of round i + 1's chunk of each stream into L2 (the forward's
+    // prefetch_chunk, for the same reason).
+    if (i + 1 < rounds && t.prefetch > 0) {
+      const int64_t next = t.item_of(team, i + 1) * lenv + v_begin;
+      t.prefetch_chunk(reinterpret_cast<const P*>(o.x) + next, count);
+      t.prefetch_chunk(reinterpret_cast<const P*>(o.dz) + next, count);
+      if (e.residual != nullptr) t.prefetch_chunk(reinterpret_cast<const P*>(e.residual) + next, count);
+      if (e.multiplier != nullptr && e.multiplier != e.residual) {
+        t.prefetch_chunk(reinterpret_cast<const P*>(e.multiplier) + next, count);
+      }
+    }
     t.wait(team, i);
     const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
     Sums<acc_t, 1> zero;
@@ -648,7 +664,7 @@ bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
   auto kernel = group_norm_team_kernel<scalar_t, V, A>;
   constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
   if (!plan_team(kernel, a.op.len / V, pack_bytes, a.team)) return false;
-  a.team.prefetch = static_cast<int>(a.team.chunk * team_prefetch_eighths(a.team.team_size) / 8);
+  a.team.prefetch = static_cast<int>(a.team.chunk * team_prefetch_eighths(a.team.team_size, false) / 8);
   return launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
 }
 
@@ -690,11 +706,12 @@ bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, int mode, const at::Ten
   OnePassBackwardArgs<scalar_t>& o = a.op;
   const int64_t pack_bytes = o.streams() * V * static_cast<int64_t>(sizeof(scalar_t));
   if (!plan_team(kernel, o.len / V, pack_bytes, a.team)) return false;
-  // One team takes the whole grid, every CTA waiting at every round's barrier: on the plain
-  // backward the split passes were faster there (H100: GroupNorm problem 13.1 against 12.6 ms,
-  // InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose split backward costs more
-  // (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
-  if (mode != 1 && a.team.teams == 1 && o.epi.act == Activation::None &&
+  a.team.prefetch = static_cast<int>(a.team.chunk * team_prefetch_eighths(a.team.team_size, true) / 8);
+  // One team takes the whole grid, every CTA waiting at every round's barrier: without the L2
+  // prefetch, the split passes were faster there on the plain backward (H100: GroupNorm problem
+  // 13.1 against 12.6 ms, InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose
+  // split backward costs more (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
+  if (mode != 1 && a.team.teams == 1 && a.team.prefetch == 0 && o.epi.act == Activation::None &&
       o.epi.multiplier == nullptr && o.epi.scale.ptr == nullptr) {
     return false;
   }
