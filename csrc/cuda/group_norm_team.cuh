@@ -120,7 +120,7 @@ struct TeamGrid {
   int64_t groups;     // N * G
   int64_t chunk;      // packs of a group per CTA
   int team_size, teams;
-  int prefetch = 0;   // forward: packs of its next chunk a CTA brings into L2 before a barrier wait
+  int prefetch = 0;   // packs of its next chunk (of each stream, backward) a CTA brings into L2 before a barrier wait
 
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
   __device__ int64_t rounds(int team) const { return team < groups ? ceil_div(groups - team, teams) : 0; }
