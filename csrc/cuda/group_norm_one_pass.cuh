@@ -1129,13 +1129,20 @@ struct BackwardOperands {
   // dispatch_bool): only where neither is present.
   __device__ __forceinline__ BackwardOperands<scalar_t, V, false> without_operands() const { return {x, dz, mean}; }
 
+  // f(held, tensor) for every stream held: its shared-memory array and its tensor's packs (a
+  // multiplier that is the residual once).
+  template <typename F>
+  __device__ __forceinline__ void for_each_stream(const OnePassBackwardArgs<scalar_t>& a, const F& f) const {
+    f(x, reinterpret_cast<const P*>(a.x));
+    f(dz, reinterpret_cast<const P*>(a.dz));
+    if (r != nullptr) f(r, reinterpret_cast<const P*>(a.epi.residual));
+    if (m != nullptr && m != r) f(m, reinterpret_cast<const P*>(a.epi.multiplier));
+  }
+
   // Issues the copies of pack v of every stream from pack `src` of the tensors.
   template <typename I>
   __device__ __forceinline__ void copy_in(I v, int64_t src, const OnePassBackwardArgs<scalar_t>& a) const {
-    __pipeline_memcpy_async(&x[v], reinterpret_cast<const P*>(a.x) + src, sizeof(P));
-    __pipeline_memcpy_async(&dz[v], reinterpret_cast<const P*>(a.dz) + src, sizeof(P));
-    if (r != nullptr) __pipeline_memcpy_async(&r[v], reinterpret_cast<const P*>(a.epi.residual) + src, sizeof(P));
-    if (m != nullptr && m != r) __pipeline_memcpy_async(&m[v], reinterpret_cast<const P*>(a.epi.multiplier) + src, sizeof(P));
+    for_each_stream(a, [&](P* held, const P* tensor) { __pipeline_memcpy_async(&held[v], tensor + src, sizeof(P)); });
   }
 
   template <typename I>

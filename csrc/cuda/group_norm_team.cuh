@@ -326,7 +326,9 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     moments(0, K);
   }
   for (int64_t i = 0; i < rounds; ++i) {
-    if (i + 1 < rounds) t.prefetch_chunk(reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin, count);
+    if (i + 1 < rounds && t.prefetch > 0) {
+      t.prefetch_chunk(reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin, count);
+    }
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
     const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
@@ -487,12 +489,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     // prefetch_chunk, for the same reason).
     if (i + 1 < rounds && t.prefetch > 0) {
       const int64_t next = t.item_of(team, i + 1) * lenv + v_begin;
-      t.prefetch_chunk(reinterpret_cast<const P*>(o.x) + next, count);
-      t.prefetch_chunk(reinterpret_cast<const P*>(o.dz) + next, count);
-      if (e.residual != nullptr) t.prefetch_chunk(reinterpret_cast<const P*>(e.residual) + next, count);
-      if (e.multiplier != nullptr && e.multiplier != e.residual) {
-        t.prefetch_chunk(reinterpret_cast<const P*>(e.multiplier) + next, count);
-      }
+      element.for_each_stream(o, [&](P*, const P* tensor) { t.prefetch_chunk(tensor + next, count); });
     }
     t.wait(team, i);
     const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
@@ -607,10 +604,11 @@ int64_t team_count(int64_t groups, int64_t max_teams) {
 // Sizes the team grid `t` of `kernel` (t.groups set) for groups of `lenv` packs, each pack taking
 // `pack_bytes` of a CTA's shared memory (the pack times the streams held): the fewest CTAs that
 // hold a group, then the teams (team_count), each spread over all the CTAs it can have (smaller
-// chunks, the grid's share of the bandwidth). False where the device has no cooperative launch
-// or the group does not fit the resident grid.
+// chunks, the grid's share of the bandwidth), and the packs a CTA prefetches (the `backward`
+// kernel's rule or the forward's: team_prefetch_eighths). False where the device has no
+// cooperative launch or the group does not fit the resident grid.
 template <typename acc_t, typename Kernel>
-bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, TeamGrid<acc_t>& t) {
+bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, TeamGrid<acc_t>& t) {
   const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
   if (!prop.cooperativeLaunch) return false;
   const int64_t max_chunk = std::min<int64_t>(team_cta_bytes(), prop.sharedMemPerBlockOptin - 2048) / pack_bytes;
@@ -629,6 +627,7 @@ bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, TeamGrid<acc_t>&
   t.teams = static_cast<int>(teams);
   t.team_size = static_cast<int>(team_size);
   t.chunk = chunk;
+  t.prefetch = static_cast<int>(chunk * team_prefetch_eighths(t.team_size, backward) / 8);
   return true;
 }
 
@@ -663,8 +662,7 @@ template <typename scalar_t, int V, Activation A>
 bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
   auto kernel = group_norm_team_kernel<scalar_t, V, A>;
   constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
-  if (!plan_team(kernel, a.op.len / V, pack_bytes, a.team)) return false;
-  a.team.prefetch = static_cast<int>(a.team.chunk * team_prefetch_eighths(a.team.team_size, false) / 8);
+  if (!plan_team(kernel, a.op.len / V, pack_bytes, /*backward=*/false, a.team)) return false;
   return launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
 }
 
@@ -705,8 +703,7 @@ bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, int mode, const at::Ten
   auto kernel = group_norm_team_backward_kernel<scalar_t, V, A>;
   OnePassBackwardArgs<scalar_t>& o = a.op;
   const int64_t pack_bytes = o.streams() * V * static_cast<int64_t>(sizeof(scalar_t));
-  if (!plan_team(kernel, o.len / V, pack_bytes, a.team)) return false;
-  a.team.prefetch = static_cast<int>(a.team.chunk * team_prefetch_eighths(a.team.team_size, true) / 8);
+  if (!plan_team(kernel, o.len / V, pack_bytes, /*backward=*/true, a.team)) return false;
   // One team takes the whole grid, every CTA waiting at every round's barrier: without the L2
   // prefetch, the split passes were faster there on the plain backward (H100: GroupNorm problem
   // 13.1 against 12.6 ms, InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose
