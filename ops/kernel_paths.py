@@ -18,6 +18,7 @@ KNOBS = (
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
     "FUSEDNORM_TEAM_PREFETCH",         # team kernels: k / 8 of the next chunk into L2 before a barrier wait (0: off)
+    "FUSEDNORM_TEAM_REPLICAS",         # team kernels: copies of each CTA's partials (1-16)
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
     "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too
@@ -45,6 +46,7 @@ PATHS = {
     "team64": {**_TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},
     "team_prefetch": {**_TEAM_ON, "FUSEDNORM_TEAM_PREFETCH": "8"},  # the team kernels, every chunk prefetched whole
     "prefetch0": {"FUSEDNORM_TEAM_PREFETCH": "0"},  # the default without the team kernels' L2 prefetch
+    "replicas1": {"FUSEDNORM_TEAM_REPLICAS": "1"},  # the default with one copy of the team partials
     "shared": {"FUSEDNORM_ONE_PASS_REGISTERS": "0"},  # the default without the register kernel
     "early": {"FUSEDNORM_REGISTERS_LATE": "0"},  # the default with the register kernel's operands loaded up front
     "cluster8": {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "8"},

@@ -759,30 +759,40 @@ def test_team_edges(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_team_prefetch_changes_no_bit(dtype, monkeypatch):
-    # The team kernels' L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) changes no
-    # data they read: y, mean, rstd and every gradient are the same bits with it off, at 3/8,
-    # whole, and by the default rule (teams of 16 CTAs and more: (3, 64, 128, 128) takes 6 teams
-    # of 44 forward on an H100), on teams of one round and of several (odd ones started late),
-    # with and without an activation, and against the float64 reference.
+def test_team_tuning_changes_no_bit(dtype, monkeypatch):
+    # Neither the team kernels' L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) nor
+    # the copies of the partials a CTA publishes (TeamGrid::replicas) changes a bit: y, mean, rstd
+    # and every gradient are the same with the prefetch off and one copy, with the prefetch at 3/8
+    # and whole, with 2 and 16 copies, and by the default rules (teams of 16 CTAs and more
+    # prefetch, and hold a copy a rank up to 16: (3, 64, 128, 128) takes 6 teams of 44 forward on
+    # an H100), on teams of one round and of several (odd ones started late), with and without an
+    # activation, and against the float64 reference.
     cases = (((24, 64, 128, 128), 2, None), ((100, 4, 160, 128), 2, "silu"), ((40, 12, 33, 20), 3, None),
              ((3, 64, 128, 128), 2, "silu"))
+    settings = {
+        "plain": {"FUSEDNORM_TEAM_PREFETCH": "0", "FUSEDNORM_TEAM_REPLICAS": "1"},
+        "prefetch 3/8": {"FUSEDNORM_TEAM_PREFETCH": "3"},
+        "prefetch 8/8": {"FUSEDNORM_TEAM_PREFETCH": "8"},
+        "2 copies": {"FUSEDNORM_TEAM_REPLICAS": "2"},
+        "16 copies": {"FUSEDNORM_TEAM_REPLICAS": "16"},
+        "default": {},
+    }
     for shape, G, activation in cases:
         x = make(shape, dtype, seed=31, offset=1.0)
         w, b = make_params(shape[1], dtype)
         outputs = {}
-        for prefetch in ("0", "3", "8", None):  # None: the default rule
-            kernel_paths.set_path(monkeypatch, "team")
-            if prefetch is not None:
-                monkeypatch.setenv("FUSEDNORM_TEAM_PREFETCH", prefetch)
+        for name, env in settings.items():
+            kernel_paths.set_path(monkeypatch, "team")  # unsets every other knob
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
             leaves = [t.detach().requires_grad_() for t in (x, w, b)]
             y = fusednorm.group_norm(*leaves[:1], G, *leaves[1:], EPS, activation=activation)
             grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
             mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)[1:]
-            outputs[prefetch] = (y.detach(), mean, rstd, *grads)
-        for prefetch, got in outputs.items():
-            for have, want in zip(got, outputs["0"]):
-                assert torch.equal(have, want), (shape, dtype, prefetch)
+            outputs[name] = (y.detach(), mean, rstd, *grads)
+        for name, got in outputs.items():
+            for have, want in zip(got, outputs["plain"]):
+                assert torch.equal(have, want), (shape, dtype, name)
         if activation is None:
             check_forward(x, G, w, b)
             check_backward(make(shape, dtype, seed=32), x, G, w, b)

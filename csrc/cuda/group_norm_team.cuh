@@ -105,6 +105,21 @@ constexpr int kStaggerTeamSize = 8;
 // backward's sums (see group_norm_team_backward_kernel).
 constexpr int kTeamPartials = 3;
 
+// Copies of a round's partials a CTA publishes (TeamGrid::replicas; CTA r reads copy
+// r % replicas). Every CTA of a team reads every rank's partials at once after the barrier, and
+// with one copy all those reads fall on the few L2 lines that hold them: the GroupNorm problem's
+// backward (one team of 264 CTAs) spent about 1 us of each round's critical path in that fold
+// (0.93 ms of 11.5, timing-only build skipping it). Measured on an H100 (RESULTS.md, twenty-first
+// run) with 1, 4, 8 and 16 copies: that backward 11.35 -> 11.08, 10.95, 10.88 ms, InstanceNorm3d's
+// 0.83 -> 0.79, the VAE's float16 0.536 -> 0.525; the forward rows and the small teams did not
+// move. A copy costs a CTA 12 bytes of stores a round. FUSEDNORM_TEAM_REPLICAS sets it (tuning).
+constexpr int kTeamMaxReplicas = 16;
+
+int team_replicas(int team_size) {
+  const char* env = std::getenv("FUSEDNORM_TEAM_REPLICAS");
+  return std::clamp(env != nullptr ? std::atoi(env) : team_size, 1, kTeamMaxReplicas);
+}
+
 __device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -115,30 +130,38 @@ __device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
 // each CTA a chunk of every group; shared by the forward and backward team kernels.
 template <typename acc_t>
 struct TeamGrid {
-  acc_t* part;        // kTeamPartials per (round parity, CTA)
+  acc_t* part;        // kTeamPartials per (round parity, team, replica, rank)
   unsigned* arrived;  // one counter per team, zero at launch
   int64_t groups;     // N * G
   int64_t chunk;      // packs of a group per CTA
   int team_size, teams;
+  int replicas = 1;   // copies of each CTA's partials (team_replicas)
   int prefetch = 0;   // packs of its next chunk (of each stream, backward) a CTA brings into L2 before a barrier wait
 
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
   __device__ int64_t rounds(int team) const { return team < groups ? ceil_div(groups - team, teams) : 0; }
   __device__ int64_t item_of(int team, int64_t round) const { return team + round * teams; }
-  // The team's partials of round i (one slot of kTeamPartials a rank).
-  __device__ acc_t* team_part(int team, int64_t i) const {
-    return part + ((i & 1) * teams + team) * team_size * kTeamPartials;
+  // The team's partials of round i in copy `copy` (one slot of kTeamPartials a rank); CTA r
+  // reads copy r % replicas.
+  __device__ acc_t* team_part(int team, int64_t i, int copy) const {
+    return part + (((i & 1) * teams + team) * replicas + copy) * team_size * kTeamPartials;
   }
 
-  // Thread 0, once its CTA's partials of round i are final: writes them to its slot and arrives
-  // at round i's barrier (the fence makes them visible to the team first).
+  // The whole CTA, every thread holding the same partials of round i: thread c writes them to its
+  // slot of copy c, then thread 0 arrives at round i's barrier (the CTA barrier and the fence make
+  // every copy, and the CTA's earlier writes, visible to the team first).
   __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
-    acc_t* p = team_part(team, i) + rank * kTeamPartials;
-    p[0] = v0;
-    p[1] = v1;
-    p[2] = v2;
-    __threadfence();
-    atomicAdd(arrived + team, 1u);
+    if (static_cast<int>(threadIdx.x) < replicas) {
+      acc_t* p = team_part(team, i, static_cast<int>(threadIdx.x)) + rank * kTeamPartials;
+      p[0] = v0;
+      p[1] = v1;
+      p[2] = v2;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(arrived + team, 1u);
+    }
   }
 
   // The whole CTA, before its first copies: an odd team of kStaggerRounds rounds or more (and
@@ -311,7 +334,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       for (int v = threadIdx.x; v < count; v += kTeamThreads) m2 += pack_squared_deviations<acc_t>(load_pack(x[v]), K, mean);
       m2 = one_pass_block_sum<kTeamThreads>(m2, red);
     }
-    if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
+    t.publish(team, rank, i, n, mean, m2);
   };
   // The group's first element, loaded well before moments() needs it.
   const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
@@ -331,7 +354,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     }
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
-    const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
+    const acc_t* team_part = t.team_part(team, i, rank % t.replicas);  // written by other SMs: read from L2
     const ChunkMoments<acc_t> m = team_fold(
         ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
         [&](int r) {
@@ -482,7 +505,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     }
     const auto add = [](const Sums<acc_t, 1>& l, const Sums<acc_t, 1>& r) { return merge(l, r); };
     const Sums<acc_t, 1> cta = team_block_fold(mine, add, fold);
-    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);
+    t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);
 
     // 2. The team's sums (every thread gets the same bits), and from them the group's dx
     // coefficients; first, part of round i + 1's chunk of each stream into L2 (the forward's
@@ -492,7 +515,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       element.for_each_stream(o, [&](P*, const P* tensor) { t.prefetch_chunk(tensor + next, count); });
     }
     t.wait(team, i);
-    const acc_t* team_part = t.team_part(team, i);  // written by other SMs: read from L2
+    const acc_t* team_part = t.team_part(team, i, rank % t.replicas);  // written by other SMs: read from L2
     Sums<acc_t, 1> zero;
     clear(zero);
     const Sums<acc_t, 1> sums = team_fold(zero, t.team_size,
@@ -627,6 +650,7 @@ bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, T
   t.teams = static_cast<int>(teams);
   t.team_size = static_cast<int>(team_size);
   t.chunk = chunk;
+  t.replicas = team_replicas(t.team_size);
   t.prefetch = static_cast<int>(chunk * team_prefetch_eighths(t.team_size, backward) / 8);
   return true;
 }
@@ -641,7 +665,7 @@ bool launch_team_grid(Kernel kernel, Args& args, TeamGrid<acc_t>& t, size_t smem
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t ctas = static_cast<int64_t>(t.teams) * t.team_size;
   const int64_t counter_bytes = ceil_div(t.teams * static_cast<int64_t>(sizeof(unsigned)), 16) * 16;
-  at::Tensor buffer = at::empty({counter_bytes + 2 * ctas * kTeamPartials * static_cast<int64_t>(sizeof(acc_t))},
+  at::Tensor buffer = at::empty({counter_bytes + 2 * ctas * t.replicas * kTeamPartials * static_cast<int64_t>(sizeof(acc_t))},
       like.options().dtype(at::kByte));
   unsigned char* base = static_cast<unsigned char*>(buffer.data_ptr());
   C10_CUDA_CHECK(cudaMemsetAsync(base, 0, static_cast<size_t>(counter_bytes), stream));
