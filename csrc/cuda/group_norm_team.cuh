@@ -105,19 +105,22 @@ constexpr int kStaggerTeamSize = 8;
 // backward's sums (see group_norm_team_backward_kernel).
 constexpr int kTeamPartials = 3;
 
-// Copies of a round's partials a CTA publishes (TeamGrid::replicas; CTA r reads copy
+// Copies of a round's partials a backward CTA publishes (TeamGrid::replicas; CTA r reads copy
 // r % replicas). Every CTA of a team reads every rank's partials at once after the barrier, and
 // with one copy all those reads fall on the few L2 lines that hold them: the GroupNorm problem's
 // backward (one team of 264 CTAs) spent about 1 us of each round's critical path in that fold
 // (0.93 ms of 11.5, timing-only build skipping it). Measured on an H100 (RESULTS.md, twenty-first
 // run) with 1, 4, 8 and 16 copies: that backward 11.35 -> 11.08, 10.95, 10.88 ms, InstanceNorm3d's
-// 0.83 -> 0.79, the VAE's float16 0.536 -> 0.525; the forward rows and the small teams did not
-// move. A copy costs a CTA 12 bytes of stores a round. FUSEDNORM_TEAM_REPLICAS sets it (tuning).
+// 0.83 -> 0.79, the VAE's float16 0.536 -> 0.525. The forward rows did not move with copies, and
+// the CTA barrier that more than one copy needs (TeamGrid::publish) cost them 4%: the forward
+// keeps one. A copy costs a CTA 12 bytes of stores a round. FUSEDNORM_TEAM_REPLICAS sets it for
+// both (tuning).
 constexpr int kTeamMaxReplicas = 16;
 
-int team_replicas(int team_size) {
+int team_replicas(int team_size, bool backward) {
   const char* env = std::getenv("FUSEDNORM_TEAM_REPLICAS");
-  return std::clamp(env != nullptr ? std::atoi(env) : team_size, 1, kTeamMaxReplicas);
+  if (env != nullptr) return std::clamp(std::atoi(env), 1, kTeamMaxReplicas);
+  return backward ? std::min(team_size, kTeamMaxReplicas) : 1;
 }
 
 __device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
@@ -148,8 +151,11 @@ struct TeamGrid {
   }
 
   // The whole CTA, every thread holding the same partials of round i: thread c writes them to its
-  // slot of copy c, then thread 0 arrives at round i's barrier (the CTA barrier and the fence make
-  // every copy, and the CTA's earlier writes, visible to the team first).
+  // slot of copy c, then thread 0 arrives at round i's barrier (the CTA barrier, where other
+  // threads wrote copies, and the fence make every copy, and the CTA's earlier writes, visible to
+  // the team first). With one copy thread 0 writes it and arrives without a CTA barrier: that
+  // barrier cost the team forward 4% (GroupNorm problem 5.98 -> 6.27 ms on an H100; twenty-first
+  // run), where thread 0 writing 16 copies itself cost the backward more than the copies gained.
   __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
     if (static_cast<int>(threadIdx.x) < replicas) {
       acc_t* p = team_part(team, i, static_cast<int>(threadIdx.x)) + rank * kTeamPartials;
@@ -157,7 +163,7 @@ struct TeamGrid {
       p[1] = v1;
       p[2] = v2;
     }
-    __syncthreads();
+    if (replicas > 1) __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();
       atomicAdd(arrived + team, 1u);
@@ -627,9 +633,10 @@ int64_t team_count(int64_t groups, int64_t max_teams) {
 // Sizes the team grid `t` of `kernel` (t.groups set) for groups of `lenv` packs, each pack taking
 // `pack_bytes` of a CTA's shared memory (the pack times the streams held): the fewest CTAs that
 // hold a group, then the teams (team_count), each spread over all the CTAs it can have (smaller
-// chunks, the grid's share of the bandwidth), and the packs a CTA prefetches (the `backward`
-// kernel's rule or the forward's: team_prefetch_eighths). False where the device has no
-// cooperative launch or the group does not fit the resident grid.
+// chunks, the grid's share of the bandwidth), the packs a CTA prefetches and the copies of its
+// partials (the `backward` kernel's rules or the forward's: team_prefetch_eighths,
+// team_replicas). False where the device has no cooperative launch or the group does not fit the
+// resident grid.
 template <typename acc_t, typename Kernel>
 bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, TeamGrid<acc_t>& t) {
   const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
@@ -650,7 +657,7 @@ bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, T
   t.teams = static_cast<int>(teams);
   t.team_size = static_cast<int>(team_size);
   t.chunk = chunk;
-  t.replicas = team_replicas(t.team_size);
+  t.replicas = team_replicas(t.team_size, backward);
   t.prefetch = static_cast<int>(chunk * team_prefetch_eighths(t.team_size, backward) / 8);
   return true;
 }
