@@ -144,10 +144,14 @@ struct TeamGrid {
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
   __device__ int64_t rounds(int team) const { return team < groups ? ceil_div(groups - team, teams) : 0; }
   __device__ int64_t item_of(int team, int64_t round) const { return team + round * teams; }
-  // The team's partials of round i in copy `copy` (one slot of kTeamPartials a rank); CTA r
-  // reads copy r % replicas.
+  // The team's partials of round i in copy `copy` (one slot of kTeamPartials a rank).
   __device__ acc_t* team_part(int team, int64_t i, int copy) const {
     return part + (((i & 1) * teams + team) * replicas + copy) * team_size * kTeamPartials;
+  }
+  // The copy CTA `rank` reads after round i's barrier: copy rank % replicas, so that a team's
+  // reads spread over its copies. Written by other SMs, so read from L2, not through L1.
+  __device__ const acc_t* read_part(int team, int64_t i, int rank) const {
+    return team_part(team, i, rank % replicas);
   }
 
   // The whole CTA, every thread holding the same partials of round i: thread c writes them to its
@@ -360,7 +364,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     }
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
-    const acc_t* team_part = t.team_part(team, i, rank % t.replicas);  // written by other SMs: read from L2
+    const acc_t* team_part = t.read_part(team, i, rank);
     const ChunkMoments<acc_t> m = team_fold(
         ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
         [&](int r) {
@@ -521,7 +525,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       element.for_each_stream(o, [&](P*, const P* tensor) { t.prefetch_chunk(tensor + next, count); });
     }
     t.wait(team, i);
-    const acc_t* team_part = t.team_part(team, i, rank % t.replicas);  // written by other SMs: read from L2
+    const acc_t* team_part = t.read_part(team, i, rank);
     Sums<acc_t, 1> zero;
     clear(zero);
     const Sums<acc_t, 1> sums = team_fold(zero, t.team_size,
