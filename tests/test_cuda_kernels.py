@@ -763,7 +763,7 @@ def test_team_tuning_changes_no_bit(dtype, monkeypatch):
     # Neither the team kernels' L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) nor
     # the copies of the partials a CTA publishes (TeamGrid::replicas) changes a bit: y, mean, rstd
     # and every gradient are the same with the prefetch off and one copy, with the prefetch at 3/8
-    # and whole, with 2 and 16 copies (the forward too, which keeps one by default), and by the
+    # and whole, with 2 and 16 copies (the backward's; the forward publishes one), and by the
     # default rules (teams of 16 CTAs and more prefetch, backward CTAs publish a copy a rank up to
     # 16: (3, 64, 128, 128) takes 6 teams of 44 forward on an H100), on teams of one round and of
     # several (odd ones started late), with and without an activation, and against the float64

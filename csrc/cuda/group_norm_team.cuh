@@ -112,15 +112,15 @@ constexpr int kTeamPartials = 3;
 // (0.93 ms of 11.5, timing-only build skipping it). Measured on an H100 (RESULTS.md, twenty-first
 // run) with 1, 4, 8 and 16 copies: that backward 11.35 -> 11.08, 10.95, 10.88 ms, InstanceNorm3d's
 // 0.83 -> 0.79, the VAE's float16 0.536 -> 0.525. The forward rows did not move with copies, and
-// the CTA barrier that more than one copy needs (TeamGrid::publish) cost them 4%: the forward
-// keeps one. A copy costs a CTA 12 bytes of stores a round. FUSEDNORM_TEAM_REPLICAS sets it for
-// both (tuning).
+// the CTA-wide publish that copies need (TeamGrid::publish_copies) cost them 4-5%: the forward
+// publishes one copy from thread 0 (TeamGrid::publish). A copy costs a CTA 12 bytes of stores a
+// round. FUSEDNORM_TEAM_REPLICAS sets it (tuning).
 constexpr int kTeamMaxReplicas = 16;
 
-int team_replicas(int team_size, bool backward) {
+int team_backward_replicas(int team_size) {
   const char* env = std::getenv("FUSEDNORM_TEAM_REPLICAS");
   if (env != nullptr) return std::clamp(std::atoi(env), 1, kTeamMaxReplicas);
-  return backward ? std::min(team_size, kTeamMaxReplicas) : 1;
+  return std::min(team_size, kTeamMaxReplicas);
 }
 
 __device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
@@ -138,7 +138,7 @@ struct TeamGrid {
   int64_t groups;     // N * G
   int64_t chunk;      // packs of a group per CTA
   int team_size, teams;
-  int replicas = 1;   // copies of each CTA's partials (team_replicas)
+  int replicas = 1;   // copies of each CTA's partials: 1 forward, team_backward_replicas backward
   int prefetch = 0;   // packs of its next chunk (of each stream, backward) a CTA brings into L2 before a barrier wait
 
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
@@ -154,13 +154,25 @@ struct TeamGrid {
     return team_part(team, i, rank % replicas);
   }
 
+  // Thread 0, once its CTA's partials of round i are final (one copy): writes them to its slot
+  // and arrives at round i's barrier (the fence makes them visible to the team first).
+  __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
+    acc_t* p = team_part(team, i, 0) + rank * kTeamPartials;
+    p[0] = v0;
+    p[1] = v1;
+    p[2] = v2;
+    __threadfence();
+    atomicAdd(arrived + team, 1u);
+  }
+
   // The whole CTA, every thread holding the same partials of round i: thread c writes them to its
   // slot of copy c, then thread 0 arrives at round i's barrier (the CTA barrier, where other
   // threads wrote copies, and the fence make every copy, and the CTA's earlier writes, visible to
-  // the team first). With one copy thread 0 writes it and arrives without a CTA barrier: that
-  // barrier cost the team forward 4% (GroupNorm problem 5.98 -> 6.27 ms on an H100; twenty-first
-  // run), where thread 0 writing 16 copies itself cost the backward more than the copies gained.
-  __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
+  // the team first). The backward's: that CTA barrier cost the forward 4-5% (GroupNorm problem
+  // 5.95 -> 6.27 ms on an H100, twenty-first and twenty-second runs), and thread 0 writing 16
+  // copies itself cost the backward more than the copies gained. (ptxas: the barrier taken only
+  // with copies leaves the 16-bit kernels 60 bytes spilled, 72 without the test.)
+  __device__ void publish_copies(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
     if (static_cast<int>(threadIdx.x) < replicas) {
       acc_t* p = team_part(team, i, static_cast<int>(threadIdx.x)) + rank * kTeamPartials;
       p[0] = v0;
@@ -344,7 +356,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       for (int v = threadIdx.x; v < count; v += kTeamThreads) m2 += pack_squared_deviations<acc_t>(load_pack(x[v]), K, mean);
       m2 = one_pass_block_sum<kTeamThreads>(m2, red);
     }
-    t.publish(team, rank, i, n, mean, m2);
+    if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
   };
   // The group's first element, loaded well before moments() needs it.
   const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
@@ -364,7 +376,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     }
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
-    const acc_t* team_part = t.read_part(team, i, rank);
+    const acc_t* team_part = t.team_part(team, i, 0);  // written by other SMs: read from L2
     const ChunkMoments<acc_t> m = team_fold(
         ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
         [&](int r) {
@@ -515,7 +527,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     }
     const auto add = [](const Sums<acc_t, 1>& l, const Sums<acc_t, 1>& r) { return merge(l, r); };
     const Sums<acc_t, 1> cta = team_block_fold(mine, add, fold);
-    t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);
+    t.publish_copies(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);
 
     // 2. The team's sums (every thread gets the same bits), and from them the group's dx
     // coefficients; first, part of round i + 1's chunk of each stream into L2 (the forward's
@@ -639,7 +651,7 @@ int64_t team_count(int64_t groups, int64_t max_teams) {
 // hold a group, then the teams (team_count), each spread over all the CTAs it can have (smaller
 // chunks, the grid's share of the bandwidth), the packs a CTA prefetches and the copies of its
 // partials (the `backward` kernel's rules or the forward's: team_prefetch_eighths,
-// team_replicas). False where the device has no cooperative launch or the group does not fit the
+// team_backward_replicas). False where the device has no cooperative launch or the group does not fit the
 // resident grid.
 template <typename acc_t, typename Kernel>
 bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, TeamGrid<acc_t>& t) {
@@ -661,7 +673,7 @@ bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, T
   t.teams = static_cast<int>(teams);
   t.team_size = static_cast<int>(team_size);
   t.chunk = chunk;
-  t.replicas = team_replicas(t.team_size, backward);
+  t.replicas = backward ? team_backward_replicas(t.team_size) : 1;
   t.prefetch = static_cast<int>(chunk * team_prefetch_eighths(t.team_size, backward) / 8);
   return true;
 }
