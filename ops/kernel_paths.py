@@ -18,7 +18,7 @@ KNOBS = (
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
     "FUSEDNORM_TEAM_PREFETCH",         # team kernels: k / 8 of the next chunk into L2 before a barrier wait (0: off)
-    "FUSEDNORM_TEAM_REPLICAS",         # team kernels: copies of each CTA's partials (1-16)
+    "FUSEDNORM_TEAM_REPLICAS",         # team backward: copies of each CTA's partials (1-16)
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
     "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too

@@ -149,7 +149,7 @@ struct TeamGrid {
     return part + (((i & 1) * teams + team) * replicas + copy) * team_size * kTeamPartials;
   }
   // The copy CTA `rank` reads after round i's barrier: copy rank % replicas, so that a team's
-  // reads spread over its copies. Written by other SMs, so read from L2, not through L1.
+  // reads spread over its copies (written by other SMs: the callers load it from L2, __ldcg).
   __device__ const acc_t* read_part(int team, int64_t i, int rank) const {
     return team_part(team, i, rank % replicas);
   }
@@ -651,8 +651,8 @@ int64_t team_count(int64_t groups, int64_t max_teams) {
 // hold a group, then the teams (team_count), each spread over all the CTAs it can have (smaller
 // chunks, the grid's share of the bandwidth), the packs a CTA prefetches and the copies of its
 // partials (the `backward` kernel's rules or the forward's: team_prefetch_eighths,
-// team_backward_replicas). False where the device has no cooperative launch or the group does not fit the
-// resident grid.
+// team_backward_replicas). False where the device has no cooperative launch or the group does
+// not fit the resident grid.
 template <typename acc_t, typename Kernel>
 bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, TeamGrid<acc_t>& t) {
   const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
