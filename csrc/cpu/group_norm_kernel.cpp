@@ -346,44 +346,87 @@ struct ElementwiseOperands {
   void backward_run(const T* dz, const T* x, int64_t off, int64_t len, const acc_t* centre,
       const acc_t* pa, const acc_t* pc, acc_t* dp, bool write, RunSums* sums = nullptr) const {
     static_assert(!(PerLane && WithSums), "the sums take one centre for the run");
+    // The loop reads only locals of backward_loop, copied from here: a vector store may alias
+    // any memory (ATen's stores go through may_alias types), so members and captured references
+    // were reloaded after each one. That kept the loop from unswitching its operand tests and
+    // from holding enough loads of dz and x in flight: with ReLU, this pass took as long as the
+    // whole plain backward.
+    RunArgs r;
+    r.dz = dz;
+    r.x = x;
+    r.residual = residual ? residual + off : nullptr;
+    r.multiplier = multiplier ? multiplier + off : nullptr;
+    r.grad_residual = write && grad_residual ? grad_residual + off : nullptr;
+    r.grad_multiplier = write && grad_multiplier ? grad_multiplier + off : nullptr;
+    r.grads_in_one = grad_multiplier != nullptr && grad_multiplier == grad_residual;
+    r.centre = centre;
+    r.pa = pa;
+    r.pc = pc;
+    r.dp = dp;
+    r.slope = slope;
+    r.needs_p = needs_p_;
     dispatch_activation(activation, [&](auto tag) {
       constexpr Activation A = decltype(tag)::value;
-      for (int64_t i = 0; i < len; i += IO::kSize) {
-        const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-        const Vec dzv = IO::load(dz + i, count);
-        Vec g = dzv;
-        Vec grad_m(acc_t(0));
-        auto coef = [&](const acc_t* c) { return PerLane ? Vec::loadu(c + i, count) : Vec(*c); };
-        Vec xc(acc_t(0));
-        if (needs_p_ || WithSums) xc = IO::load(x + i, count) - coef(centre);
-        if (needs_p_) {
-          Vec p = at::vec::fmadd(xc, coef(pa), coef(pc));
-          if (residual) p = p + IO::load(residual + off + i, count);
-          if (write && grad_multiplier) {
-            grad_m = dzv * vec_activation<A>(p, slope);
-            if (grad_multiplier != grad_residual) IO::store(grad_multiplier + off + i, grad_m, count);
-          }
-          if constexpr (A != Activation::None) g = g * vec_activation_derivative<A>(p, slope);
-        }
-        if (multiplier) g = g * IO::load(multiplier + off + i, count);
-        if (write && grad_residual) {
-          IO::store(grad_residual + off + i, grad_multiplier == grad_residual ? g + grad_m : g, count);
-        }
-        g.store(dp + i, count);
-        if constexpr (WithSums) {
-          if (count < IO::kSize) {  // padding lanes add nothing (dp as stored and reloaded: zero)
-            xc = Vec::set(Vec(0), xc, count);
-            g = Vec::set(Vec(0), g, count);
-          }
-          sums->dp += g;
-          sums->dp_xc = at::vec::fmadd(g, xc, sums->dp_xc);
-          sums->xc += xc;
-        }
+      const RunSums s = backward_loop<A, PerLane, WithSums>(r, len);
+      if constexpr (WithSums) {
+        sums->dp += s.dp;
+        sums->dp_xc += s.dp_xc;
+        sums->xc += s.xc;
       }
     });
   }
 
  private:
+  // backward_run's operands, offset to the run's first element.
+  struct RunArgs {
+    const T *dz, *x, *residual, *multiplier;
+    T *grad_residual, *grad_multiplier;  // null: not written
+    bool grads_in_one, needs_p;
+    const acc_t *centre, *pa, *pc;
+    acc_t* dp;
+    acc_t slope;
+  };
+
+  // The loop of backward_run; returns the run's sums (zero without WithSums).
+  template <Activation A, bool PerLane, bool WithSums>
+  static RunSums backward_loop(const RunArgs r, int64_t len) {
+    RunSums sums;
+    const Vec centre1(*r.centre), pa1(*r.pa), pc1(*r.pc);
+    const auto step = [&](int64_t i, int64_t count) {
+      const Vec dzv = IO::load(r.dz + i, count);
+      Vec g = dzv;
+      Vec grad_m(acc_t(0));
+      const auto coef = [&](const acc_t* c, const Vec& one) { return PerLane ? Vec::loadu(c + i, count) : one; };
+      Vec xc(acc_t(0));
+      if (r.needs_p || WithSums) xc = IO::load(r.x + i, count) - coef(r.centre, centre1);
+      if (r.needs_p) {
+        Vec p = at::vec::fmadd(xc, coef(r.pa, pa1), coef(r.pc, pc1));
+        if (r.residual) p = p + IO::load(r.residual + i, count);
+        if (r.grad_multiplier) {
+          grad_m = dzv * vec_activation<A>(p, r.slope);
+          if (!r.grads_in_one) IO::store(r.grad_multiplier + i, grad_m, count);
+        }
+        if constexpr (A != Activation::None) g = g * vec_activation_derivative<A>(p, r.slope);
+      }
+      if (r.multiplier) g = g * IO::load(r.multiplier + i, count);
+      if (r.grad_residual) IO::store(r.grad_residual + i, r.grads_in_one ? g + grad_m : g, count);
+      g.store(r.dp + i, count);
+      if constexpr (WithSums) {
+        if (count < IO::kSize) {  // padding lanes add nothing (dp as stored and reloaded: zero)
+          xc = Vec::set(Vec(0), xc, count);
+          g = Vec::set(Vec(0), g, count);
+        }
+        sums.dp += g;
+        sums.dp_xc = at::vec::fmadd(g, xc, sums.dp_xc);
+        sums.xc += xc;
+      }
+    };
+    int64_t i = 0;
+    for (; i + IO::kSize <= len; i += IO::kSize) step(i, IO::kSize);
+    if (i < len) step(i, len - i);
+    return sums;
+  }
+
   bool needs_p_ = false;
 };
 
