@@ -346,11 +346,11 @@ struct ElementwiseOperands {
   void backward_run(const T* dz, const T* x, int64_t off, int64_t len, const acc_t* centre,
       const acc_t* pa, const acc_t* pc, acc_t* dp, bool write, RunSums* sums = nullptr) const {
     static_assert(!(PerLane && WithSums), "the sums take one centre for the run");
-    // The loop reads only locals of backward_loop, copied from here: a vector store may alias
-    // any memory (ATen's stores go through may_alias types), so members and captured references
-    // were reloaded after each one. That kept the loop from unswitching its operand tests and
-    // from holding enough loads of dz and x in flight: with ReLU, this pass took as long as the
-    // whole plain backward.
+    // The loop reads only backward_loop's locals, copied from here: a vector store may alias any
+    // memory (ATen's stores go through may_alias types), so members and captured references were
+    // reloaded after each one, through pointers, and the tests of the operands stayed in the loop.
+    // The fused ReLU backward of (8, 320, 32, 32) float32 took 1.5-1.8x the plain one, 1.1-1.4x
+    // since (one thread, CPU fifteenth run).
     RunArgs r;
     r.dz = dz;
     r.x = x;
@@ -391,7 +391,10 @@ struct ElementwiseOperands {
   template <Activation A, bool PerLane, bool WithSums>
   static RunSums backward_loop(const RunArgs r, int64_t len) {
     RunSums sums;
-    const Vec centre1(*r.centre), pa1(*r.pa), pc1(*r.pc);
+    // One coefficient for the run (PerLane: one an element, loaded in the loop).
+    const Vec centre1 = PerLane ? Vec(0) : Vec(*r.centre);
+    const Vec pa1 = PerLane ? Vec(0) : Vec(*r.pa);
+    const Vec pc1 = PerLane ? Vec(0) : Vec(*r.pc);
     const auto step = [&](int64_t i, int64_t count) {
       const Vec dzv = IO::load(r.dz + i, count);
       Vec g = dzv;
