@@ -560,71 +560,89 @@ void forward_channels_first(
   using Vec = typename VecIO<T>::Vec;
   const int64_t M = sh.D * sh.S;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1));
+  // Small groups go in batches: the batch's statistics first, then its outputs. A small group's
+  // moments, square root and division are one long chain of dependent operations, which the core
+  // overlaps across the groups of a batch but not across a group's output loop in between. A
+  // batch stays within kStatsBatchBytes (in L1 for its second read); a group of that size or
+  // more is a batch of one, read a second time from L2 as before.
+  constexpr int64_t kStatsBatchBytes = 8192, kMaxStatsBatch = 64;
+  const int64_t batch = std::max<int64_t>(1,
+      std::min<int64_t>(kMaxStatsBatch, kStatsBatchBytes / std::max<int64_t>(M * int64_t(sizeof(T)), 1)));
   at::parallel_for(0, sh.N * sh.G, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t ng = begin; ng < end; ++ng) {
-      const T* xg = x + ng * M;
-      Moments stats;
-      for (int64_t start = 0; start < M; start += kBlock) {
-        stats.merge(block_moments(xg + start, std::min(kBlock, M - start)));
+    double batch_mean[kMaxStatsBatch], batch_rstd[kMaxStatsBatch];
+    for (int64_t b0 = begin; b0 < end; b0 += batch) {
+      const int64_t b1 = std::min(end, b0 + batch);
+      for (int64_t ng = b0; ng < b1; ++ng) {
+        const T* xg = x + ng * M;
+        Moments stats;
+        for (int64_t start = 0; start < M; start += kBlock) {
+          stats.merge(block_moments(xg + start, std::min(kBlock, M - start)));
+        }
+        const double rstd = rstd_of(stats, eps);
+        mean_out[ng] = static_cast<acc_t>(stats.mean);
+        rstd_out[ng] = static_cast<acc_t>(rstd);
+        batch_mean[ng - b0] = stats.mean;
+        batch_rstd[ng - b0] = rstd;
       }
-      const double rstd = rstd_of(stats, eps);
-      mean_out[ng] = static_cast<acc_t>(stats.mean);
-      rstd_out[ng] = static_cast<acc_t>(rstd);
-      const SplitMean<acc_t> m(stats.mean);
-      const int64_t g = ng % sh.G;
-      const int64_t n = ng / sh.G;
-      if (sh.S == 1) {
-        // One element per channel: the group is one run of D channels, each with its own
-        // coefficients (computed as below, in the same order).
-        const acc_t* wg = w.data() + g * sh.D;
-        const acc_t* bg = b.data() + g * sh.D;
-        const acc_t* gain = mod.gain.empty() ? nullptr : mod.gain.data() + n * sh.C + g * sh.D;
-        const acc_t* tshift = mod.shift.empty() ? nullptr : mod.shift.data() + n * sh.C + g * sh.D;
-        const Vec rs(static_cast<acc_t>(rstd)), hi(m.hi), lo(m.lo);
-        if (!per_channel_params && !gain && !tshift) {
-          // No coefficient per channel (problem 3's tail): one pair for the row, the values the
-          // general loop makes from weight 1 and bias 0, and the epilogue in the same loop.
-          const Vec shift = Vec(acc_t(0)) - lo * rs;
-          auto affine = [&](const Vec& xv) { return at::vec::fmadd(xv - hi, rs, shift); };
+      for (int64_t ng = b0; ng < b1; ++ng) {
+        const T* xg = x + ng * M;
+        const double rstd = batch_rstd[ng - b0];
+        const SplitMean<acc_t> m(batch_mean[ng - b0]);
+        const int64_t g = ng % sh.G;
+        const int64_t n = ng / sh.G;
+        if (sh.S == 1) {
+          // One element per channel: the group is one run of D channels, each with its own
+          // coefficients (computed as below, in the same order).
+          const acc_t* wg = w.data() + g * sh.D;
+          const acc_t* bg = b.data() + g * sh.D;
+          const acc_t* gain = mod.gain.empty() ? nullptr : mod.gain.data() + n * sh.C + g * sh.D;
+          const acc_t* tshift = mod.shift.empty() ? nullptr : mod.shift.data() + n * sh.C + g * sh.D;
+          const Vec rs(static_cast<acc_t>(rstd)), hi(m.hi), lo(m.lo);
+          if (!per_channel_params && !gain && !tshift) {
+            // No coefficient per channel (problem 3's tail): one pair for the row, the values the
+            // general loop makes from weight 1 and bias 0, and the epilogue in the same loop.
+            const Vec shift = Vec(acc_t(0)) - lo * rs;
+            auto affine = [&](const Vec& xv) { return at::vec::fmadd(xv - hi, rs, shift); };
+            if (!ep.active()) {
+              map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D,
+                  [&](const Vec& xv, const Vec&, int64_t) { return affine(xv); });
+            } else {
+              ep.forward_each(y + ng * M, ng * M, sh.D,
+                  [&](int64_t i, int64_t count) { return affine(VecIO<T>::load(xg + i, count)); });
+            }
+            continue;
+          }
+          auto affine = [&](const Vec& xv, const Vec&, int64_t i) {
+            const int64_t count = std::min<int64_t>(Vec::size(), sh.D - i);
+            Vec scale = rs * Vec::loadu(wg + i, count);
+            Vec shift = Vec::loadu(bg + i, count);
+            if (gain) {
+              const Vec gv = Vec::loadu(gain + i, count);
+              scale = scale * gv;
+              shift = shift * gv;
+            }
+            if (tshift) shift = shift + Vec::loadu(tshift + i, count);
+            return at::vec::fmadd(xv - hi, scale, shift - lo * scale);
+          };
           if (!ep.active()) {
-            map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D,
-                [&](const Vec& xv, const Vec&, int64_t) { return affine(xv); });
+            map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D, affine);
           } else {
-            ep.forward_each(y + ng * M, ng * M, sh.D,
-                [&](int64_t i, int64_t count) { return affine(VecIO<T>::load(xg + i, count)); });
+            map_through_buffer(xg, y + ng * M, ng * M, sh.D, affine, ep);
           }
           continue;
         }
-        auto affine = [&](const Vec& xv, const Vec&, int64_t i) {
-          const int64_t count = std::min<int64_t>(Vec::size(), sh.D - i);
-          Vec scale = rs * Vec::loadu(wg + i, count);
-          Vec shift = Vec::loadu(bg + i, count);
-          if (gain) {
-            const Vec gv = Vec::loadu(gain + i, count);
-            scale = scale * gv;
-            shift = shift * gv;
+        for (int64_t d = 0; d < sh.D; ++d) {
+          const int64_t c = g * sh.D + d;
+          const int64_t row = ng * M + d * sh.S;
+          const acc_t gain = mod.gain_at(n * sh.C + c);
+          const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
+          const Vec scale_v(scale), hi(m.hi), shift(b[c] * gain + mod.shift_at(n * sh.C + c) - m.lo * scale);
+          auto affine = [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); };
+          if (!ep.active()) {
+            map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S, affine);
+          } else {
+            map_through_buffer(xg + d * sh.S, y + row, row, sh.S, affine, ep);
           }
-          if (tshift) shift = shift + Vec::loadu(tshift + i, count);
-          return at::vec::fmadd(xv - hi, scale, shift - lo * scale);
-        };
-        if (!ep.active()) {
-          map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D, affine);
-        } else {
-          map_through_buffer(xg, y + ng * M, ng * M, sh.D, affine, ep);
-        }
-        continue;
-      }
-      for (int64_t d = 0; d < sh.D; ++d) {
-        const int64_t c = g * sh.D + d;
-        const int64_t row = ng * M + d * sh.S;
-        const acc_t gain = mod.gain_at(n * sh.C + c);
-        const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
-        const Vec scale_v(scale), hi(m.hi), shift(b[c] * gain + mod.shift_at(n * sh.C + c) - m.lo * scale);
-        auto affine = [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); };
-        if (!ep.active()) {
-          map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S, affine);
-        } else {
-          map_through_buffer(xg + d * sh.S, y + row, row, sh.S, affine, ep);
         }
       }
     }
