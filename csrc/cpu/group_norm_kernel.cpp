@@ -96,6 +96,15 @@ struct VecIO {
       for (int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(buf[i]);
     }
   }
+
+  // Calls step(i, count) over a run of len elements: whole vectors (count == kSize, a constant
+  // the loads and stores fold), then the tail.
+  template <typename Step>
+  static void for_each_vector(int64_t len, Step step) {
+    int64_t i = 0;
+    for (; i + kSize <= len; i += kSize) step(i, kSize);
+    if (i < len) step(i, len - i);
+  }
 };
 
 // The lanes' sum, by ATen's shuffle tree in opmath. Adding the lanes one by one in double was a
@@ -344,9 +353,7 @@ struct ElementwiseOperands {
       if (multiplier) z = z * (multiplier_is_residual ? r : IO::load(multiplier + i, count));
       IO::store(out + i, z, count);
     };
-    int64_t i = 0;
-    for (; i + IO::kSize <= len; i += IO::kSize) step(i, IO::kSize);
-    if (i < len) step(i, len - i);
+    IO::for_each_vector(len, step);
   }
 
   // Sums over runs, in vector lanes: dp, dp * (x - centre) and x - centre (lanes past a run's end
@@ -443,9 +450,7 @@ struct ElementwiseOperands {
         sums.xc += xc;
       }
     };
-    int64_t i = 0;
-    for (; i + IO::kSize <= len; i += IO::kSize) step(i, IO::kSize);
-    if (i < len) step(i, len - i);
+    IO::for_each_vector(len, step);
     return sums;
   }
 
