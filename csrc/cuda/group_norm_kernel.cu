@@ -65,6 +65,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -173,6 +175,35 @@ template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
+
+// The pack of z[0..V) rounded to scalar_t. 16-bit packs are built as 32-bit words, two
+// elements a conversion: built element by element (a c10::Half or BFloat16 each), a half pack
+// of the team forward took nine PRMTs to take the converted pairs apart and put them together
+// again before its 16-byte store (SASS). Both round to nearest even, as static_cast does.
+template <typename scalar_t, int V, typename acc_t>
+__device__ __forceinline__ Pack<scalar_t, V> round_pack(const acc_t (&z)[V]) {
+  Pack<scalar_t, V> p;
+  constexpr bool kHalf = std::is_same_v<scalar_t, c10::Half>;
+  constexpr bool kBFloat16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  if constexpr ((kHalf || kBFloat16) && V % 2 == 0 && std::is_same_v<acc_t, float>) {
+    uint32_t words[V / 2];
+#pragma unroll
+    for (int j = 0; j < V / 2; ++j) {
+      if constexpr (kHalf) {
+        const __half2 h = __floats2half2_rn(z[2 * j], z[2 * j + 1]);
+        memcpy(&words[j], &h, sizeof(uint32_t));
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(z[2 * j], z[2 * j + 1]);
+        memcpy(&words[j], &h, sizeof(uint32_t));
+      }
+    }
+    memcpy(&p, words, sizeof(p));
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p.v[j] = static_cast<scalar_t>(z[j]);
+  }
+  return p;
+}
 
 template <typename scalar_t>
 constexpr int pack_width() {
@@ -299,19 +330,30 @@ __device__ __forceinline__ void with_activation(Activation act, const F& f) {
   }
 }
 
-// activation_forward / activation_derivative on the device. SiLU in float takes __expf (MUFU.EX2)
-// and the approximate division (MUFU.RCP) instead of expf and an IEEE division: those cost ~25
-// instructions per element, in passes that should run at memory speed. The error is a few ulp
-// near 0, growing with |p| as __expf's (relative ~1e-5 near p = -80, where silu is ~1e-33): far
-// below half / bf16 rounding. The extremes are those of epilogue.h's formulas: for p < -88.7,
-// 1 + exp(-p) = inf and the division is p * 0, -0 for finite p and NaN for p = -inf (as torch's
-// -inf / inf); p = +inf gives inf (silu) and 1 (silu'); NaN gives NaN. (The approximate division
-// also returns 0 for divisors in (2^126, 2^128), where the exact quotient is below 1e-36.)
-// double keeps the exact formulas.
+// e^-p as __expf(-p) takes it (p times -log2(e), then MUFU.EX2), in the flush-to-zero form of
+// the ex2: __expf's handling of results below 2^-126 (a compare and two predicated multiplies an
+// element, 3 of SiLU's 8 instructions) only changes e^-p where p > 87, and there 1 + e^-p rounds
+// to 1 either way: SiLU and its derivative keep their bits (88 cases of every path compared
+// bitwise on an H200, RESULTS.md, twenty-fourth run).
+__device__ __forceinline__ float exp_neg_ftz(float p) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(p * -1.44269504088896341f));
+  return e;
+}
+
+// activation_forward / activation_derivative on the device. SiLU in float takes __expf's e^-p
+// (exp_neg_ftz: MUFU.EX2) and the approximate division (MUFU.RCP) instead of expf and an IEEE
+// division: those cost ~25 instructions per element, in passes that should run at memory speed.
+// The error is a few ulp near 0, growing with |p| as __expf's (relative ~1e-5 near p = -80,
+// where silu is ~1e-33): far below half / bf16 rounding. The extremes are those of epilogue.h's
+// formulas: for p < -88.7, 1 + exp(-p) = inf and the division is p * 0, -0 for finite p and NaN
+// for p = -inf (as torch's -inf / inf); p = +inf gives inf (silu) and 1 (silu'); NaN gives NaN.
+// (The approximate division also returns 0 for divisors in (2^126, 2^128), where the exact
+// quotient is below 1e-36.) double keeps the exact formulas.
 template <typename T>
 __device__ __forceinline__ T device_activation_forward(Activation a, T p, T slope) {
   if constexpr (std::is_same_v<T, float>) {
-    if (a == Activation::SiLU) return __fdividef(p, 1.0f + __expf(-p));
+    if (a == Activation::SiLU) return __fdividef(p, 1.0f + exp_neg_ftz(p));
   }
   return activation_forward(a, p, slope);
 }
@@ -320,7 +362,7 @@ template <typename T>
 __device__ __forceinline__ T device_activation_derivative(Activation a, T p, T slope) {
   if constexpr (std::is_same_v<T, float>) {
     if (a == Activation::SiLU) {
-      const float s = __fdividef(1.0f, 1.0f + __expf(-p));
+      const float s = __fdividef(1.0f, 1.0f + exp_neg_ftz(p));
       return s * (1.0f + p * (1.0f - s));
     }
   }

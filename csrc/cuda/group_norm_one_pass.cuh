@@ -178,6 +178,18 @@ __device__ __forceinline__ P load_pack(const P& p) {
   return out;
 }
 
+// A pack from shared memory: 16-bit packs in one 16-byte load (load_pack), others as they are
+// (float packs were loaded whole already; through load_pack, the float team backward with ReLU
+// spilled registers it did not spill before).
+template <typename P>
+__device__ __forceinline__ P read_pack(const P& p) {
+  if constexpr (sizeof(P) == sizeof(uint4) && sizeof(p.v[0]) == 2) {
+    return load_pack(p);
+  } else {
+    return p;
+  }
+}
+
 // Calls f(std::true_type()) or f(std::false_type()) as `b`: a loop compiled twice, once without
 // what it needs only where b holds. The forward output loops take it for the residual and
 // multiplier: predicated off, their handling still took about 60 of the 244 instructions a pack
@@ -264,7 +276,7 @@ struct OnePassOutput {
   __device__ __forceinline__ P straddling_pack(int64_t v, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) {
     int64_t c = div_nn(v * V, a.S);
     int64_t rem = v * V - c * a.S;
-    P o;
+    acc_t z[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       if (j > 0 && ++rem == a.S) {
@@ -272,17 +284,17 @@ struct OnePassOutput {
         ++c;
       }
       coefficients(c_first + c);
-      o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+      z[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
     }
-    return o;
+    return round_pack<scalar_t, V>(z);
   }
 
   // A pack with the cached coefficients (every channel's, where OnePassArgs::uniform_channels).
   __device__ __forceinline__ P constant_pack(const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) const {
-    P o;
+    acc_t z[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
-    return o;
+    for (int j = 0; j < V; ++j) z[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    return round_pack<scalar_t, V>(z);
   }
 
   // A pack whose elements share their coefficients: S a multiple of V (a pack lies in one channel)
@@ -299,17 +311,18 @@ struct OnePassOutput {
     return constant_pack(xp, rp, has_r, mp, has_m);
   }
 
-  __device__ __forceinline__ scalar_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
+  // One element of y, before its rounding to scalar_t (round_pack).
+  __device__ __forceinline__ acc_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
     return element_with(ca, cb, x, r, has_r, m, has_m);
   }
 
-  __device__ __forceinline__ scalar_t element_with(
+  __device__ __forceinline__ acc_t element_with(
       acc_t a_c, acc_t b_c, scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
     acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * a_c + b_c;
     if (has_r) p += static_cast<acc_t>(r);
     acc_t z = device_activation_forward(A, p, a.epi.slope);
     if (has_m) z *= static_cast<acc_t>(m);
-    return static_cast<scalar_t>(z);
+    return z;
   }
 
   __device__ __forceinline__ Affine<acc_t> channel(int64_t c) const {
@@ -340,10 +353,10 @@ struct OnePassOutput {
 
   __device__ __forceinline__ P lane_pack(const acc_t (&lane_a)[V], const acc_t (&lane_b)[V], const P& xp,
       const P& rp, bool has_r, const P& mp, bool has_m) const {
-    P o;
+    acc_t z[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = element_with(lane_a[j], lane_b[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
-    return o;
+    for (int j = 0; j < V; ++j) z[j] = element_with(lane_a[j], lane_b[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    return round_pack<scalar_t, V>(z);
   }
 };
 
@@ -1145,12 +1158,14 @@ struct BackwardOperands {
     for_each_stream(a, [&](P* held, const P* tensor) { __pipeline_memcpy_async(&held[v], tensor + src, sizeof(P)); });
   }
 
+  // Each stream's pack is read whole (read_pack), once for the V calls of its elements: read as
+  // x[v].v[j], a 16-bit pack took eight 2-byte shared-memory loads a stream (SASS: LDS.U16).
   template <typename I>
   __device__ __forceinline__ void operator()(I v, int j, acc_t& xc, acc_t& dzj, acc_t& rj, acc_t& mj) const {
-    xc = static_cast<acc_t>(x[v].v[j]) - mean;
-    dzj = static_cast<acc_t>(dz[v].v[j]);
-    rj = kOperands && r != nullptr ? static_cast<acc_t>(r[v].v[j]) : acc_t(0);
-    mj = kOperands && m != nullptr ? static_cast<acc_t>(m[v].v[j]) : acc_t(1);
+    xc = static_cast<acc_t>(read_pack(x[v]).v[j]) - mean;
+    dzj = static_cast<acc_t>(read_pack(dz[v]).v[j]);
+    rj = kOperands && r != nullptr ? static_cast<acc_t>(read_pack(r[v]).v[j]) : acc_t(0);
+    mj = kOperands && m != nullptr ? static_cast<acc_t>(read_pack(m[v]).v[j]) : acc_t(1);
   }
 };
 
@@ -1180,17 +1195,18 @@ struct GroupGradCoefs {
 // dx = ea * dp + b1 * ((x - m) - delta) + b2 at one element, and with GRADS grad_residual = dp
 // and grad_multiplier = dz * act(p) (their sum into grad_residual when `sum_grads`: the two
 // outputs are one buffer). want_q: grad_multiplier wanted.
+// The three are returned before their rounding to scalar_t (round_pack, a pack at a time).
 template <Activation A, bool GRADS, typename scalar_t, typename acc_t, typename Element, typename I>
 __device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
-    const ChannelCoefs<acc_t>& k, const GroupGradCoefs<acc_t>& g, bool want_q, bool sum_grads, scalar_t& dx,
-    scalar_t& gr, scalar_t& gm) {
+    const ChannelCoefs<acc_t>& k, const GroupGradCoefs<acc_t>& g, bool want_q, bool sum_grads, acc_t& dx,
+    acc_t& gr, acc_t& gm) {
   acc_t xc, dz, r, m, q = acc_t(0);
   element(v, j, xc, dz, r, m);
   const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, k.ea, k.pc, GRADS && want_q, q);
-  dx = static_cast<scalar_t>(k.ea * dp + (g.b1 * (xc - g.delta) + g.b2));
+  dx = k.ea * dp + (g.b1 * (xc - g.delta) + g.b2);
   if (GRADS) {
-    gr = static_cast<scalar_t>(sum_grads ? dp + dz * q : dp);
-    gm = static_cast<scalar_t>(dz * q);
+    gr = sum_grads ? dp + dz * q : dp;
+    gm = dz * q;
   }
 }
 
@@ -1304,7 +1320,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   int64_t cached_c = -1;
   ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
   for (int64_t v = threadIdx.x; v < lenv; v += threads) {
-    P o, gr, gm;
+    acc_t o[V], gr[V], gm[V];
     int64_t c = div_nn(v * V, a.S);
     int64_t rem = v * V - c * a.S;
 #pragma unroll
@@ -1317,11 +1333,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
         cached_c = c_first + c;
         k = channel_coefs(a, n, cached_c, rstd);
       }
-      backward_outputs<A, true>(e, element, v, j, k, coefs, want_q, sum_grads, o.v[j], gr.v[j], gm.v[j]);
+      backward_outputs<A, true>(e, element, v, j, k, coefs, want_q, sum_grads, o[j], gr[j], gm[j]);
     }
-    if (dxg != nullptr) dxg[v] = o;
-    if (grg != nullptr) grg[v] = gr;
-    if (gmg != nullptr && !sum_grads) gmg[v] = gm;
+    if (dxg != nullptr) dxg[v] = round_pack<scalar_t, V>(o);
+    if (grg != nullptr) grg[v] = round_pack<scalar_t, V>(gr);
+    if (gmg != nullptr && !sum_grads) gmg[v] = round_pack<scalar_t, V>(gm);
   }
 }
 

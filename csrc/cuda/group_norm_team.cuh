@@ -401,6 +401,9 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const bool more = i + 1 < rounds;
     const acc_t K_next = more ? first_of(i + 1) : acc_t(0);
     const P* xnext = reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin;
+    // Opaque to the compiler from here: at the 64-register cap it otherwise recomputed the
+    // address (a 64-bit multiply, ~20 instructions) in every pack's copy (SASS).
+    asm("" : "+l"(xnext));
     dispatch_bool(e.residual != nullptr || e.multiplier != nullptr, [&](auto operands) {
       const bool has_r = decltype(operands)::value && e.residual != nullptr;
       const bool has_m = decltype(operands)::value && e.multiplier != nullptr;
@@ -572,15 +575,15 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
           c_end = c_begin + spv;
           kc = channel_coefs(o, n, c_first + cl, rstd);
         }
-        P dxp, gr, gm;
+        acc_t dxp[V], gr[V], gm[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          backward_outputs<A, GRADS>(e, operands, v, j, kc, coefs, want_q, sum_grads, dxp.v[j], gr.v[j], gm.v[j]);
+          backward_outputs<A, GRADS>(e, operands, v, j, kc, coefs, want_q, sum_grads, dxp[j], gr[j], gm[j]);
         }
-        dxg[v] = dxp;
+        dxg[v] = round_pack<scalar_t, V>(dxp);
         if (GRADS) {
-          if (grg != nullptr) grg[v] = gr;
-          if (gmg != nullptr && !sum_grads) gmg[v] = gm;
+          if (grg != nullptr) grg[v] = round_pack<scalar_t, V>(gr);
+          if (gmg != nullptr && !sum_grads) gmg[v] = round_pack<scalar_t, V>(gm);
         }
         if (more) copy_in(i + 1, v);
       }
