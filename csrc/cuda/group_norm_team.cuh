@@ -157,12 +157,8 @@ struct TeamGrid {
   // Thread 0, once its CTA's partials of round i are final (one copy): writes them to its slot
   // and arrives at round i's barrier (the fence makes them visible to the team first).
   __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
-    acc_t* p = team_part(team, i, 0) + rank * kTeamPartials;
-    p[0] = v0;
-    p[1] = v1;
-    p[2] = v2;
-    __threadfence();
-    atomicAdd(arrived + team, 1u);
+    write_slot(team, rank, i, 0, v0, v1, v2);
+    arrive(team);
   }
 
   // The whole CTA, every thread holding the same partials of round i: thread c writes them to its
@@ -173,17 +169,9 @@ struct TeamGrid {
   // copies itself cost the backward more than the copies gained. (ptxas: the barrier taken only
   // with copies leaves the 16-bit kernels 60 bytes spilled, 72 without the test.)
   __device__ void publish_copies(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
-    if (static_cast<int>(threadIdx.x) < replicas) {
-      acc_t* p = team_part(team, i, static_cast<int>(threadIdx.x)) + rank * kTeamPartials;
-      p[0] = v0;
-      p[1] = v1;
-      p[2] = v2;
-    }
+    if (static_cast<int>(threadIdx.x) < replicas) write_slot(team, rank, i, static_cast<int>(threadIdx.x), v0, v1, v2);
     if (replicas > 1) __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(arrived + team, 1u);
-    }
+    if (threadIdx.x == 0) arrive(team);
   }
 
   // The whole CTA, before its first copies: an odd team of kStaggerRounds rounds or more (and
@@ -222,6 +210,21 @@ struct TeamGrid {
                    : "memory");
     }
 #endif
+  }
+
+  // Rank `rank`'s slot of round i's partials in copy `copy`.
+  __device__ void write_slot(int team, int rank, int64_t i, int copy, acc_t v0, acc_t v1, acc_t v2) const {
+    acc_t* p = team_part(team, i, copy) + rank * kTeamPartials;
+    p[0] = v0;
+    p[1] = v1;
+    p[2] = v2;
+  }
+
+  // One thread of the CTA, after its partials: the arrival at the team's barrier, the fence
+  // making them (and the CTA's earlier writes) visible to the team first.
+  __device__ void arrive(int team) const {
+    __threadfence();
+    atomicAdd(arrived + team, 1u);
   }
 
   // The whole CTA: returns once every CTA of the team has arrived at round i's barrier. The
