@@ -1,0 +1,74 @@
+"""Compares the machine code (SASS) of the CUDA kernels of two builds of the library, kernel by
+kernel, and lists those that differ. A CUDA change meant to leave the kernels alone (a
+refactor) is proven so without a GPU when no kernel differs:
+
+    python scripts/compare_sass.py before/_C.so gpu_build/_C.so
+
+Kernels are paired in the order cuobjdump lists them (their mangled names carry a hash of the
+source file, so they differ between builds of different sources). Needs cuobjdump: the CUDA
+toolkit's, or the copy Triton ships (found through the `triton` package).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+
+def cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        if os.path.exists(bundled):
+            return bundled
+    except ImportError:
+        pass
+    sys.exit("cuobjdump not found: install the CUDA toolkit or triton")
+
+
+def demangle(name):
+    """The kernel's C++ signature where c++filt is present, else its mangled name."""
+    filt = shutil.which("c++filt")
+    if filt is None:
+        return name
+    return subprocess.run([filt, name], capture_output=True, text=True).stdout.strip() or name
+
+
+def kernels(library):
+    """[(mangled name, [instruction, ...]), ...] in cuobjdump's order."""
+    out = subprocess.run([cuobjdump(), "-sass", library], capture_output=True, text=True, check=True).stdout
+    result = []
+    for line in out.splitlines():
+        if "Function :" in line:
+            result.append((line.split("Function :")[1].strip(), []))
+        elif result:
+            m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+            if m:
+                result[-1][1].append(m.group(1).strip())
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before")
+    parser.add_argument("after")
+    args = parser.parse_args()
+    a, b = kernels(args.before), kernels(args.after)
+    if len(a) != len(b):
+        print(f"{len(a)} kernels against {len(b)}: the instantiations changed")
+        return 1
+    differ = [(na, len(ia), len(ib)) for (na, ia), (_, ib) in zip(a, b) if ia != ib]
+    for name, na, nb in differ:
+        print(f"differs: {demangle(name)} ({na} -> {nb} instructions)")
+    print(f"{len(a)} kernels, {len(differ)} differ")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
