@@ -189,8 +189,10 @@ def test_deterministic(device):
             assert torch.equal(a, b_)
 
 
+# (64, 4096): one element per channel. (63, 52, 3, 5): short rows, whose backward sums go a block
+# of rows at a time (3276 rows: the last block partial, the blocks split over threads).
 @pytest.mark.parametrize("shape,layout", [((2, 16, 64, 64), "channels_last"), ((2, 16, 64, 64), "contiguous"),
-                                          ((64, 4096), "contiguous")])  # the last: one element per channel
+                                          ((64, 4096), "contiguous"), ((63, 52, 3, 5), "contiguous")])
 @pytest.mark.parametrize("fused", [False, True])
 def test_result_independent_of_thread_count(shape, layout, fused):
     torch.manual_seed(0)
