@@ -1207,7 +1207,7 @@ constexpr int64_t kShortRowVectors = 4;
 // The plain ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, rows
 // of at most kShortRowVectors vectors: each row's three sums in one vector each, then the lanes
 // of the block's rows summed together (transpose_sum), in place of three horizontal sums a row.
-// Those, with reduce_row's set-up, were a fixed ~90 cycles a row: (8, 1280, 16) took 3.7x
+// Those, with reduce_row's set-up, were a fixed ~90 cycles a row: (8, 1280, 16) took 4x
 // ATen's time, (2, 1280, 8, 8) 2.2x (one thread, CPU sixteenth run). A row's sums do not depend
 // on the block's other rows (absent ones are zeros), so any split over threads gives the same
 // bits.
