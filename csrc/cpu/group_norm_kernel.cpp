@@ -1204,31 +1204,40 @@ constexpr std::array<int, L> transpose_sum_rows() {
 // Rows of at most this many vectors take the backward's sums a block of rows at a time.
 constexpr int64_t kShortRowVectors = 4;
 
-// The plain ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, rows
-// of at most kShortRowVectors vectors: each row's three sums in one vector each, then the lanes
-// of the block's rows summed together (transpose_sum), in place of three horizontal sums a row.
-// Those, with reduce_row's set-up, were a fixed ~90 cycles a row: (8, 1280, 16) took 4x
-// ATen's time, (2, 1280, 8, 8) 2.2x (one thread, CPU sixteenth run). A row's sums do not depend
-// on the block's other rows (absent ones are zeros), so any split over threads gives the same
-// bits.
+// The ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, rows of at
+// most kShortRowVectors vectors: each row's three sums in one vector each, then the lanes of the
+// block's rows summed together (transpose_sum), in place of three horizontal sums a row. Those,
+// with reduce_row's set-up, were a fixed ~90 cycles a row: (8, 1280, 16) took 4x ATen's time,
+// (2, 1280, 8, 8) 2.2x (one thread, CPU sixteenth run). Every lane of transpose_sum adds its
+// row's lanes in the same tree, so a row's sums depend neither on its place in the block nor on
+// the block's other rows (absent ones are zeros): any split over threads, and blocks aligned to
+// groups or not, give the same bits. With an epilogue, dp is made row by row as
+// channel_grad_sums makes it (into `cache` as for_each_dp_run).
 template <typename T>
 void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
-    const GradInputCoeffs<at::opmath_type<T>>& k, int64_t first, int64_t rows, GradSums& out) {
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t first, int64_t rows,
+    GradSums& out, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
   using acc_t = at::opmath_type<T>;
   using IO = VecIO<T>;
   using Vec = typename IO::Vec;
   constexpr int L = Vec::size();
   std::array<Vec, L> db, dsc, dev;
+  acc_t row_dp[kShortRowVectors * L];
   for (int r = 0; r < L; ++r) {
     std::array<Vec, 3> acc{Vec(0), Vec(0), Vec(0)};
     const int64_t nc = first + r;
     if (nc < rows) {
+      const int64_t o = nc * sh.S;
       const Vec m(k.mean[nc]);
+      acc_t* dp = cache != nullptr ? cache + (o - cache_origin) : row_dp;
+      if (ep.active()) {
+        ep.template backward_run<false>(dy + o, x + o, o, sh.S, &k.mean[nc], &k.a[nc], &k.pc[nc], dp, /*write=*/true);
+      }
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
         // Padding lanes hold dp = x = 0: only x - m needs masking.
-        const Vec centred = IO::load(x + nc * sh.S + i, count) - m;
-        accumulate_grad_sums(acc, IO::load(dy + nc * sh.S + i, count),
-            count == L ? centred : Vec::set(Vec(0), centred, count));
+        const Vec centred = IO::load(x + o + i, count) - m;
+        const Vec dpv = ep.active() ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
+        accumulate_grad_sums(acc, dpv, count == L ? centred : Vec::set(Vec(0), centred, count));
       });
     }
     db[r] = acc[0];
@@ -1255,10 +1264,10 @@ void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   constexpr int64_t L = VecIO<T>::kSize;
-  if (!ep.active() && sh.S <= kShortRowVectors * L) {
+  if (sh.S <= kShortRowVectors * L) {
     const int64_t rows = sh.N * sh.C;
     at::parallel_for(0, (rows + L - 1) / L, std::max<int64_t>(1, grain / L), [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) short_rows_grad_sums(dy, x, sh, k, b * L, rows, out);
+      for (int64_t b = begin; b < end; ++b) short_rows_grad_sums(dy, x, sh, k, ep, b * L, rows, out);
     });
     return;
   }
@@ -1282,8 +1291,15 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
   at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> group_dp(M);
     for (int64_t ng = begin; ng < end; ++ng) {
-      for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
-        channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), ng * M);
+      const int64_t rows_end = (ng + 1) * sh.D;
+      if (sh.S <= kShortRowVectors * VecIO<T>::kSize) {
+        for (int64_t nc = ng * sh.D; nc < rows_end; nc += VecIO<T>::kSize) {
+          short_rows_grad_sums(dy, x, sh, k, ep, nc, rows_end, sums, group_dp.data(), ng * M);
+        }
+      } else {
+        for (int64_t nc = ng * sh.D; nc < rows_end; ++nc) {
+          channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), ng * M);
+        }
       }
       const double delta = recentre_group(sh, ng, sums);
       grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
