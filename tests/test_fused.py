@@ -390,6 +390,27 @@ def test_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shape,groups", [((3, 40, 5, 3), 4), ((2, 96, 8, 8), 2), ((2, 64, 300), 4)])
+def test_parameter_grads_same_bits_with_or_without_input_grad_cpu(shape, groups):
+    # On the CPU, asking for grad_input sends the ChannelsFirst fused backward group by group (the
+    # rows' sums in blocks aligned to each group: D = 10 and 48 rows here, S at most 4 vectors, and
+    # long rows in the last case); without it the two-pass path takes them (blocks aligned to the
+    # tensor). The other gradients must not depend on that.
+    torch.manual_seed(5)
+    x = torch.randn(shape) * 2 + 1
+    w, b, dy = torch.randn(shape[1]), torch.randn(shape[1]), torch.randn(shape)
+    scale, residual = torch.randn(shape[:2]), torch.randn(shape)
+    for activation in ("silu", "relu"):
+        _, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(
+            x, groups, w, b, 1e-5, scale, None, residual, activation, 0.01, None)
+        grads = [torch.ops.fusednorm.fused_group_norm_backward(
+            dy, x, mean, rstd, w, b, groups, scale, None, residual, activation, 0.01, None,
+            [want_input, True, True, True, False, True, False]) for want_input in (True, False)]
+        assert grads[0][0].numel() > 0 and grads[1][0].numel() == 0
+        for i in (1, 2, 3, 5):  # weight, bias, scale, residual
+            assert torch.equal(grads[0][i], grads[1][i]), (activation, i)
+
+
 # -- errors ------------------------------------------------------------------------------------------
 
 
