@@ -1211,8 +1211,9 @@ constexpr int64_t kShortRowVectors = 4;
 // (2, 1280, 8, 8) 2.2x (one thread, CPU sixteenth run). Every lane of transpose_sum adds its
 // row's lanes in the same tree, so a row's sums depend neither on its place in the block nor on
 // the block's other rows (absent ones are zeros): any split over threads, and blocks aligned to
-// groups or not, give the same bits. With an epilogue, dp is made row by row as
-// channel_grad_sums makes it (into `cache` as for_each_dp_run).
+// groups or not, give the same bits. With an epilogue, the block's dp is made first (into
+// `cache` as for_each_dp_run), in one backward_run with each row's coefficients spread over its
+// elements: the same values as channel_grad_sums makes row by row, without a call a row.
 template <typename T>
 void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t first, int64_t rows,
@@ -1222,17 +1223,26 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
   using Vec = typename IO::Vec;
   constexpr int L = Vec::size();
   std::array<Vec, L> db, dsc, dev;
-  acc_t row_dp[kShortRowVectors * L];
+  const int64_t present = std::min<int64_t>(L, rows - first), len = present * sh.S, o_first = first * sh.S;
+  acc_t block_dp[kShortRowVectors * L * L];
+  acc_t* const dp_first = cache != nullptr ? cache + (o_first - cache_origin) : block_dp;
+  if (ep.active()) {
+    acc_t centre[kShortRowVectors * L * L], pa[kShortRowVectors * L * L], pc[kShortRowVectors * L * L];
+    for (int64_t r = 0; r < present; ++r) {
+      const int64_t nc = first + r;
+      std::fill_n(centre + r * sh.S, sh.S, k.mean[nc]);
+      std::fill_n(pa + r * sh.S, sh.S, k.a[nc]);
+      std::fill_n(pc + r * sh.S, sh.S, k.pc[nc]);
+    }
+    ep.template backward_run<true>(dy + o_first, x + o_first, o_first, len, centre, pa, pc, dp_first, /*write=*/true);
+  }
   for (int r = 0; r < L; ++r) {
     std::array<Vec, 3> acc{Vec(0), Vec(0), Vec(0)};
     const int64_t nc = first + r;
     if (nc < rows) {
       const int64_t o = nc * sh.S;
       const Vec m(k.mean[nc]);
-      acc_t* dp = cache != nullptr ? cache + (o - cache_origin) : row_dp;
-      if (ep.active()) {
-        ep.template backward_run<false>(dy + o, x + o, o, sh.S, &k.mean[nc], &k.a[nc], &k.pc[nc], dp, /*write=*/true);
-      }
+      const acc_t* dp = dp_first + r * sh.S;
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
         // Padding lanes hold dp = x = 0: only x - m needs masking.
         const Vec centred = IO::load(x + o + i, count) - m;
