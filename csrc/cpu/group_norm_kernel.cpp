@@ -1204,6 +1204,11 @@ constexpr std::array<int, L> transpose_sum_rows() {
 // Rows of at most this many vectors take the backward's sums a block of rows at a time.
 constexpr int64_t kShortRowVectors = 4;
 
+template <typename T>
+bool short_rows(const GroupNormShape& sh) {
+  return sh.S <= kShortRowVectors * VecIO<T>::kSize;
+}
+
 // The ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, rows of at
 // most kShortRowVectors vectors: each row's three sums in one vector each, then the lanes of the
 // block's rows summed together (transpose_sum), in place of three horizontal sums a row. Those,
@@ -1238,9 +1243,8 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
   }
   for (int r = 0; r < L; ++r) {
     std::array<Vec, 3> acc{Vec(0), Vec(0), Vec(0)};
-    const int64_t nc = first + r;
-    if (nc < rows) {
-      const int64_t o = nc * sh.S;
+    if (r < present) {
+      const int64_t nc = first + r, o = nc * sh.S;
       const Vec m(k.mean[nc]);
       const acc_t* dp = dp_first + r * sh.S;
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
@@ -1260,8 +1264,8 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
   transpose_sum(dev).store(lanes[2]);
   static constexpr std::array<int, L> kRows = transpose_sum_rows<L>();
   for (int j = 0; j < L; ++j) {
-    const int64_t nc = first + kRows[j];
-    if (nc < rows) {
+    if (kRows[j] < present) {
+      const int64_t nc = first + kRows[j];
       out.db[nc] = lanes[0][j];
       out.dsc[nc] = lanes[1][j];
       out.dev[nc] = lanes[2][j];
@@ -1274,7 +1278,7 @@ void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   constexpr int64_t L = VecIO<T>::kSize;
-  if (sh.S <= kShortRowVectors * L) {
+  if (short_rows<T>(sh)) {
     const int64_t rows = sh.N * sh.C;
     at::parallel_for(0, (rows + L - 1) / L, std::max<int64_t>(1, grain / L), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) short_rows_grad_sums(dy, x, sh, k, ep, b * L, rows, out);
@@ -1302,7 +1306,7 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
     std::vector<acc_t> group_dp(M);
     for (int64_t ng = begin; ng < end; ++ng) {
       const int64_t rows_end = (ng + 1) * sh.D;
-      if (sh.S <= kShortRowVectors * VecIO<T>::kSize) {
+      if (short_rows<T>(sh)) {
         for (int64_t nc = ng * sh.D; nc < rows_end; nc += VecIO<T>::kSize) {
           short_rows_grad_sums(dy, x, sh, k, ep, nc, rows_end, sums, group_dp.data(), ng * M);
         }
