@@ -1188,9 +1188,10 @@ __device__ __forceinline__ Coef<acc_t> make_coef(const acc_t* rec, bool backward
   return k;
 }
 
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ scalar_t apply_one(const Coef<acc_t>& k, acc_t x, acc_t dy) {
-  return static_cast<scalar_t>(k.a * dy + (k.b * ((x - k.hi) - k.lo) + k.c));
+// One element of the apply pass, before its rounding to scalar_t (round_pack, a pack at a time).
+template <typename acc_t>
+__device__ __forceinline__ acc_t apply_one(const Coef<acc_t>& k, acc_t x, acc_t dy) {
+  return k.a * dy + (k.b * ((x - k.hi) - k.lo) + k.c);
 }
 
 // One pack of the EPI apply pass, written at pack index v of out, grad_residual, grad_multiplier
@@ -1213,7 +1214,7 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
   // OPS false: the launch guarantees no residual and no multiplier (their code compiles away).
   const bool has_r = OPS && e.residual != nullptr;
   const bool has_m = OPS && e.multiplier != nullptr;
-  Pack<scalar_t, V> o, gr, gm;
+  acc_t o[V], gr[V], gm[V];
   if constexpr (M == ApplyMode::EpiForward) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -1223,9 +1224,9 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
       if (has_r) p += static_cast<acc_t>(rp.v[j]);
       acc_t z = device_activation_forward(act, p, e.slope);
       if (has_m) z *= static_cast<acc_t>(mp.v[j]);
-      o.v[j] = static_cast<scalar_t>(z);
+      o[j] = z;
     }
-    out[v] = o;
+    out[v] = round_pack<scalar_t, V>(o);
     return;
   }
   // p is needed for act'(p), and for grad_multiplier = dz * act(p) (act(p) = p without activation).
@@ -1246,13 +1247,13 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
       g = grad_at_p<A>(act, e.slope, g, p);
       if (want_gm) q = device_activation_forward(act, p, e.slope);
     }
-    o.v[j] = static_cast<scalar_t>(k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c));
-    gr.v[j] = static_cast<scalar_t>(sum_grads ? g + dz * q : g);
-    gm.v[j] = static_cast<scalar_t>(dz * q);
+    o[j] = k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c);
+    gr[j] = sum_grads ? g + dz * q : g;
+    gm[j] = dz * q;
   }
-  if (out != nullptr) out[v] = o;
-  if (grad_residual != nullptr) grad_residual[v] = gr;
-  if (want_gm && !sum_grads) grad_multiplier[v] = gm;
+  if (out != nullptr) out[v] = round_pack<scalar_t, V>(o);
+  if (grad_residual != nullptr) grad_residual[v] = round_pack<scalar_t, V>(gr);
+  if (want_gm && !sum_grads) grad_multiplier[v] = round_pack<scalar_t, V>(gm);
 }
 
 // Packs per operand stream in flight per thread in the EPI apply kernels (LANES: the ChannelsLast
@@ -1357,13 +1358,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t v = v0 + u * tx_count;
         if (v < v_end) {
-          P o;
+          acc_t o[V];
 #pragma unroll
           for (int j = 0; j < V; ++j) {
-            o.v[j] = apply_one<scalar_t>(coef, static_cast<acc_t>(xp[u].v[j]),
+            o[j] = apply_one(coef, static_cast<acc_t>(xp[u].v[j]),
                 backward ? static_cast<acc_t>(dp[u].v[j]) : acc_t(0));
           }
-          outr[v] = o;
+          outr[v] = round_pack<scalar_t, V>(o);
         }
       }
     }
@@ -1452,13 +1453,13 @@ __device__ __forceinline__ void apply_cols_tiles(
                 reinterpret_cast<P*>(a.epi.grad_residual), reinterpret_cast<P*>(a.epi.grad_multiplier),
                 r * cvn + cv);
           } else {
-            P o;
+            acc_t o[V];
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-              o.v[j] = apply_one<scalar_t>(coef[j], static_cast<acc_t>(xv[u].v[j]),
+              o[j] = apply_one(coef[j], static_cast<acc_t>(xv[u].v[j]),
                   backward ? static_cast<acc_t>(dv[u].v[j]) : acc_t(0));
             }
-            outp[r * cvn + cv] = o;
+            outp[r * cvn + cv] = round_pack<scalar_t, V>(o);
           }
         }
       }
