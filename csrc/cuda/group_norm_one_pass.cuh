@@ -1160,12 +1160,26 @@ struct BackwardOperands {
 
   // Each stream's pack is read whole (read_pack), once for the V calls of its elements: read as
   // x[v].v[j], a 16-bit pack took eight 2-byte shared-memory loads a stream (SASS: LDS.U16).
+  // 16-bit residual and multiplier packs are read unconditionally, from x where the operand is
+  // absent, and their value chosen after: a read predicated on the operand's presence narrowed to
+  // those 2-byte loads again. Float packs keep the predicated read, which loads whole already;
+  // read unconditionally, the float team backwards spilled (SASS).
   template <typename I>
   __device__ __forceinline__ void operator()(I v, int j, acc_t& xc, acc_t& dzj, acc_t& rj, acc_t& mj) const {
     xc = static_cast<acc_t>(read_pack(x[v]).v[j]) - mean;
     dzj = static_cast<acc_t>(read_pack(dz[v]).v[j]);
-    rj = kOperands && r != nullptr ? static_cast<acc_t>(read_pack(r[v]).v[j]) : acc_t(0);
-    mj = kOperands && m != nullptr ? static_cast<acc_t>(read_pack(m[v]).v[j]) : acc_t(1);
+    if constexpr (!kOperands) {
+      rj = acc_t(0);
+      mj = acc_t(1);
+    } else if constexpr (sizeof(scalar_t) == 2) {
+      const acc_t held_r = static_cast<acc_t>(read_pack((r != nullptr ? r : x)[v]).v[j]);
+      const acc_t held_m = static_cast<acc_t>(read_pack((m != nullptr ? m : x)[v]).v[j]);
+      rj = r != nullptr ? held_r : acc_t(0);
+      mj = m != nullptr ? held_m : acc_t(1);
+    } else {
+      rj = r != nullptr ? static_cast<acc_t>(r[v].v[j]) : acc_t(0);
+      mj = m != nullptr ? static_cast<acc_t>(m[v].v[j]) : acc_t(1);
+    }
   }
 };
 
