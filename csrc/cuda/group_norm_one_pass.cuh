@@ -1224,31 +1224,127 @@ __device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, con
   }
 }
 
+// What the sums phase leaves for the dx phase (Keep): nothing, dp is made again there (None: the
+// plain backward, dp = dz, or the residual alone); dp, written over dz in shared memory (Dp); or dp
+// and grad_residual / grad_multiplier, written to global memory at once (DpAndGrads: both are
+// known before the group's sums, and grad_multiplier = dz * act(p) needs the dz that dp replaces).
+// The dx phase then reads x and dp only, as the plain backward does: the activation's derivative
+// (and the residual's and multiplier's reads) taken once an element instead of twice.
+// dp is kept rounded to scalar_t (exact in float), as eager PyTorch rounds the gradient that its
+// activation or multiplication backward hands the normalization's.
+enum class Keep { None, Dp, DpAndGrads };
+
+// Where a pack's grad_residual and grad_multiplier go (Keep::DpAndGrads): indexed as the packs
+// held in shared memory; null where not wanted.
+template <typename scalar_t, int V>
+struct KeptGrads {
+  Pack<scalar_t, V>* residual;
+  Pack<scalar_t, V>* multiplier;
+  bool sum_grads;  // the two are one buffer: their sum into `residual`
+};
+
+// Stores pack v's dp over its dz, and with DpAndGrads its grad_residual and grad_multiplier.
+template <Keep K, typename scalar_t, int V, typename acc_t, typename Element, typename I>
+__device__ __forceinline__ void keep_pack(const Element& element, I v, const acc_t (&dp)[V], const acc_t (&gr)[V],
+    const acc_t (&gm)[V], const KeptGrads<scalar_t, V>& grads) {
+  if constexpr (K != Keep::None) element.dz[v] = round_pack<scalar_t, V>(dp);
+  if constexpr (K == Keep::DpAndGrads) {
+    if (grads.residual != nullptr) grads.residual[v] = round_pack<scalar_t, V>(gr);
+    if (grads.multiplier != nullptr && !grads.sum_grads) grads.multiplier[v] = round_pack<scalar_t, V>(gm);
+  }
+}
+
+// dp at element j of pack v, and with DpAndGrads grad_residual and grad_multiplier (their sum
+// when grads.sum_grads), for keep_pack.
+template <Activation A, Keep K, typename scalar_t, typename acc_t, typename Element, typename I>
+__device__ __forceinline__ acc_t sums_phase_dp(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
+    acc_t ea, acc_t pc, bool sum_grads, acc_t& xc, acc_t& gr, acc_t& gm) {
+  acc_t dz, r, m, q = acc_t(0);
+  element(v, j, xc, dz, r, m);
+  constexpr bool kGrads = K == Keep::DpAndGrads;
+  const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, kGrads && e.grad_multiplier != nullptr, q);
+  if (kGrads) {
+    gr = sum_grads ? dp + dz * q : dp;
+    gm = dz * q;
+  }
+  return dp;
+}
+
 // Adds dp, dp * (x - m) and x - m over the packs base + k of one channel, k = first, first + step,
 // ... below end (element(v, j, xc, dz, r, m) reads element j of pack v): the per-channel sums of
-// the one-CTA and team backwards. I: the pack index type of the caller.
-template <Activation A, int V, typename scalar_t, typename acc_t, typename I, typename Element>
+// the one-CTA and team backwards, keeping what K says for the dx phase. I: the pack index type of
+// the caller.
+template <Activation A, int V, Keep K = Keep::None, typename scalar_t, typename acc_t, typename I, typename Element>
 __device__ __forceinline__ void add_channel_sums(Sums<acc_t, 1>& s, const EpiArgs<scalar_t>& e,
-    const Element& element, I base, I first, I end, int step, acc_t ea, acc_t pc) {
+    const Element& element, I base, I first, I end, int step, acc_t ea, acc_t pc,
+    const KeptGrads<scalar_t, V>& grads = {}) {
   for (I k = first; k < end; k += step) {
     const I v = base + k;
+    acc_t dpv[V], gr[V], gm[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      acc_t xc, dz, r, m, q;
-      element(v, j, xc, dz, r, m);
-      const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, false, q);
+      acc_t xc;
+      const acc_t dp = sums_phase_dp<A, K>(e, element, v, j, ea, pc, grads.sum_grads, xc, gr[j], gm[j]);
       s.dy[0] += dp;
       s.dyxc[0] += dp * xc;
       s.xc[0] += xc;
+      dpv[j] = dp;
+    }
+    keep_pack<K>(element, v, dpv, gr, gm, grads);
+  }
+}
+
+// What the sums phase of a backward keeps (a kernel template parameter, so that each kernel holds
+// one sums loop and one dx loop: with every choice in one kernel, the plain team backward spilled
+// and took 12% longer): dp where the activation's derivative or a multiplier make it differ from
+// dz, with the operands' gradients where either is wanted.
+inline Keep keep_for(Activation act, bool multiplier, bool operand_grads) {
+  if (act == Activation::None && !multiplier) return Keep::None;  // dp = dz
+  return operand_grads ? Keep::DpAndGrads : Keep::Dp;
+}
+
+template <typename scalar_t>
+Keep keep_for(const OnePassBackwardArgs<scalar_t>& a) {
+  const EpiArgs<scalar_t>& e = a.epi;
+  return keep_for(e.act, e.multiplier != nullptr, e.grad_residual != nullptr || e.grad_multiplier != nullptr);
+}
+
+// Calls f(std::integral_constant<Keep, k>()); with an activation k is never Keep::None, which is
+// not instantiated there.
+template <Activation A, typename F>
+void dispatch_keep(Keep k, const F& f) {
+  if constexpr (A == Activation::None) {
+    if (k == Keep::None) {
+      f(std::integral_constant<Keep, Keep::None>());
+      return;
     }
   }
+  if (k == Keep::DpAndGrads) {
+    f(std::integral_constant<Keep, Keep::DpAndGrads>());
+  } else {
+    f(std::integral_constant<Keep, Keep::Dp>());
+  }
+}
+
+// Calls f(operands) for the sums phase of a kernel keeping K: element, or where K keeps dp alone
+// and neither residual nor multiplier is held, element.without_operands().
+template <Keep K, typename scalar_t, int V, typename F>
+__device__ __forceinline__ void with_sums_operands(const EpiArgs<scalar_t>& e, const BackwardOperands<scalar_t, V>& element,
+    const F& f) {
+  if constexpr (K == Keep::Dp) {
+    if (e.residual == nullptr && e.multiplier == nullptr) {
+      f(element.without_operands());
+      return;
+    }
+  }
+  f(element);
 }
 
 // CTAs of up to kBackwardThreads threads, two an SM (at most 64 registers a thread): the groups
 // of 1024 packs and more take 512 threads (backward_threads), the others kOnePassThreads.
 constexpr int kBackwardThreads = 512;
 
-template <typename scalar_t, int V, Activation A>
+template <typename scalar_t, int V, Activation A, Keep K>
 __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_pass_kernel(
     const OnePassBackwardArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
@@ -1271,87 +1367,118 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   const acc_t rstd = a.rstd[item];
   const bool want_q = e.grad_multiplier != nullptr;
 
-  // Sums: this thread's share of sum w_eff * dp, sum w_eff * dp * (x - m) and sum (x - m).
+  // The operands' gradients, as the held packs are indexed.
+  const auto operand_grads = [&]() {
+    P* grg = reinterpret_cast<P*>(offset_or_null(e.grad_residual, off));
+    P* gmg = reinterpret_cast<P*>(offset_or_null(e.grad_multiplier, off));
+    return KeptGrads<scalar_t, V>{grg, gmg, grg != nullptr && grg == gmg};
+  };
+
+  // Sums: this thread's share of sum w_eff * dp, sum w_eff * dp * (x - m) and sum (x - m), keeping
+  // what K says for the dx phase.
   Sums<acc_t, 1> mine;
   clear(mine);
   const int64_t c_first = g * a.D;
-  if (a.S == 1) {
-    for (int64_t v = threadIdx.x; v < lenv; v += threads) {
+  with_sums_operands<K>(e, element, [&](const auto& operands) {
+    const KeptGrads<scalar_t, V> grads = K == Keep::DpAndGrads ? operand_grads() : KeptGrads<scalar_t, V>{};
+    const bool sum_grads = grads.sum_grads;
+    if (a.S == 1) {
+      for (int64_t v = threadIdx.x; v < lenv; v += threads) {
+        acc_t dpv[V], gr[V], gm[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const int64_t c = c_first + v * V + j;
-        const ChannelCoefs<acc_t> k = channel_coefs(a, n, c, rstd);
-        acc_t xc, dz, r, m, q;
-        element(v, j, xc, dz, r, m);
-        const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, k.ea, k.pc, false, q);
-        if (a.part_c != nullptr) {
-          a.part_c[(n * a.C + c) * 2] = dp;
-          a.part_c[(n * a.C + c) * 2 + 1] = dp * xc;
+        for (int j = 0; j < V; ++j) {
+          const int64_t c = c_first + v * V + j;
+          const ChannelCoefs<acc_t> k = channel_coefs(a, n, c, rstd);
+          acc_t xc;
+          const acc_t dp = sums_phase_dp<A, K>(e, operands, v, j, k.ea, k.pc, sum_grads, xc, gr[j], gm[j]);
+          if (a.part_c != nullptr) {
+            a.part_c[(n * a.C + c) * 2] = dp;
+            a.part_c[(n * a.C + c) * 2 + 1] = dp * xc;
+          }
+          mine.dy[0] += k.w_eff * dp;
+          mine.dyxc[0] += k.w_eff * dp * xc;
+          mine.xc[0] += xc;
+          dpv[j] = dp;
         }
-        mine.dy[0] += k.w_eff * dp;
-        mine.dyxc[0] += k.w_eff * dp * xc;
-        mine.xc[0] += xc;
+        keep_pack<K>(operands, v, dpv, gr, gm, grads);
+      }
+    } else {
+      const int64_t spv = a.S / V;  // packs per channel
+      const int seg = 1 << a.log_seg;
+      const int lane = threadIdx.x & (seg - 1);
+      // Rounds of threads / seg channels; every thread takes part in every round, so that the
+      // segments' shuffles see whole warps.
+      for (int64_t base = 0; base < a.D; base += threads >> a.log_seg) {
+        const int64_t cl = base + (threadIdx.x >> a.log_seg);  // channel within the group
+        Sums<acc_t, 1> s;
+        clear(s);
+        acc_t w_eff = acc_t(0);
+        if (cl < a.D) {
+          const ChannelCoefs<acc_t> k = channel_coefs(a, n, c_first + cl, rstd);
+          w_eff = k.w_eff;
+          add_channel_sums<A, V, K>(s, e, operands, cl * spv, static_cast<int64_t>(lane), spv, seg, k.ea, k.pc, grads);
+        }
+        s = segment_reduce(s, a.log_seg, seg_smem);
+        if (lane == 0 && cl < a.D) {
+          if (a.part_c != nullptr) {
+            a.part_c[(n * a.C + c_first + cl) * 2] = s.dy[0];
+            a.part_c[(n * a.C + c_first + cl) * 2 + 1] = s.dyxc[0];
+          }
+          mine.dy[0] += w_eff * s.dy[0];
+          mine.dyxc[0] += w_eff * s.dyxc[0];
+          mine.xc[0] += s.xc[0];
+        }
       }
     }
-  } else {
-    const int64_t spv = a.S / V;  // packs per channel
-    const int seg = 1 << a.log_seg;
-    const int lane = threadIdx.x & (seg - 1);
-    // Rounds of threads / seg channels; every thread takes part in every round, so that the
-    // segments' shuffles see whole warps.
-    for (int64_t base = 0; base < a.D; base += threads >> a.log_seg) {
-      const int64_t cl = base + (threadIdx.x >> a.log_seg);  // channel within the group
-      Sums<acc_t, 1> s;
-      clear(s);
-      acc_t w_eff = acc_t(0);
-      if (cl < a.D) {
-        const ChannelCoefs<acc_t> k = channel_coefs(a, n, c_first + cl, rstd);
-        w_eff = k.w_eff;
-        add_channel_sums<A, V>(s, e, element, cl * spv, static_cast<int64_t>(lane), spv, seg, k.ea, k.pc);
-      }
-      s = segment_reduce(s, a.log_seg, seg_smem);
-      if (lane == 0 && cl < a.D) {
-        if (a.part_c != nullptr) {
-          a.part_c[(n * a.C + c_first + cl) * 2] = s.dy[0];
-          a.part_c[(n * a.C + c_first + cl) * 2 + 1] = s.dyxc[0];
-        }
-        mine.dy[0] += w_eff * s.dy[0];
-        mine.dyxc[0] += w_eff * s.dyxc[0];
-        mine.xc[0] += s.xc[0];
-      }
-    }
-  }
+  });
+  // The block sums' barriers also order the kept dp before the dx phase reads it.
   const acc_t M = static_cast<acc_t>(a.len);
   const acc_t A_sum = one_pass_block_sum<kBackwardThreads>(mine.dy[0], red);
   const acc_t dev = one_pass_block_sum<kBackwardThreads>(mine.xc[0], red);
   const GroupGradCoefs<acc_t> coefs(A_sum, one_pass_block_sum<kBackwardThreads>(mine.dyxc[0], red), dev, rstd, M);
   if (threadIdx.x == 0 && a.rec != nullptr) coefs.store(a.rec + item * kRec, element.mean, rstd);
 
+  // The dx phase: from x and the kept dp as the plain backward (its grads written already), else
+  // with dp made again.
   P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
-  P* grg = reinterpret_cast<P*>(offset_or_null(e.grad_residual, off));
-  P* gmg = reinterpret_cast<P*>(offset_or_null(e.grad_multiplier, off));
-  const bool sum_grads = grg != nullptr && grg == gmg;
-  int64_t cached_c = -1;
-  ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
-  for (int64_t v = threadIdx.x; v < lenv; v += threads) {
-    acc_t o[V], gr[V], gm[V];
-    int64_t c = div_nn(v * V, a.S);
-    int64_t rem = v * V - c * a.S;
+  const KeptGrads<scalar_t, V> grads = operand_grads();
+  P* grg = grads.residual;
+  P* gmg = grads.multiplier;
+  const bool sum_grads = grads.sum_grads;
+  const auto write = [&](auto act, auto with_grads, const auto& operands) {
+    constexpr Activation kA = decltype(act)::value;
+    constexpr bool GRADS = decltype(with_grads)::value;
+    int64_t cached_c = -1;
+    ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
+    for (int64_t v = threadIdx.x; v < lenv; v += threads) {
+      acc_t o[V], gr[V], gm[V];
+      int64_t c = div_nn(v * V, a.S);
+      int64_t rem = v * V - c * a.S;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      if (j > 0 && ++rem == a.S) {
-        rem = 0;
-        ++c;
+      for (int j = 0; j < V; ++j) {
+        if (j > 0 && ++rem == a.S) {
+          rem = 0;
+          ++c;
+        }
+        if (c_first + c != cached_c) {
+          cached_c = c_first + c;
+          k = channel_coefs(a, n, cached_c, rstd);
+        }
+        backward_outputs<kA, GRADS>(e, operands, v, j, k, coefs, want_q, sum_grads, o[j], gr[j], gm[j]);
       }
-      if (c_first + c != cached_c) {
-        cached_c = c_first + c;
-        k = channel_coefs(a, n, cached_c, rstd);
+      if (dxg != nullptr) dxg[v] = round_pack<scalar_t, V>(o);
+      if (GRADS) {
+        if (grg != nullptr) grg[v] = round_pack<scalar_t, V>(gr);
+        if (gmg != nullptr && !sum_grads) gmg[v] = round_pack<scalar_t, V>(gm);
       }
-      backward_outputs<A, true>(e, element, v, j, k, coefs, want_q, sum_grads, o[j], gr[j], gm[j]);
     }
-    if (dxg != nullptr) dxg[v] = round_pack<scalar_t, V>(o);
-    if (grg != nullptr) grg[v] = round_pack<scalar_t, V>(gr);
-    if (gmg != nullptr && !sum_grads) gmg[v] = round_pack<scalar_t, V>(gm);
+  };
+  if constexpr (K != Keep::None) {
+    if (dxg != nullptr) {
+      write(std::integral_constant<Activation, Activation::None>(), std::false_type(), element.without_operands());
+    }
+  } else {
+    write(std::integral_constant<Activation, A>(), std::true_type(), element);
   }
 }
 
@@ -1364,9 +1491,9 @@ int backward_threads(int64_t lenv) {
   return lenv >= 2 * kBackwardThreads ? kBackwardThreads : kOnePassThreads;
 }
 
-template <typename scalar_t, int V, Activation A>
+template <typename scalar_t, int V, Activation A, Keep K>
 void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
-  auto kernel = group_norm_backward_one_pass_kernel<scalar_t, V, A>;
+  auto kernel = group_norm_backward_one_pass_kernel<scalar_t, V, A, K>;
   allow_dynamic_smem(kernel, smem_bytes);
   const int threads = backward_threads(a.len / V);
   kernel<<<static_cast<unsigned>(items), threads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
@@ -1440,7 +1567,10 @@ bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     a.log_seg = sh.S == 1 ? 0 : static_cast<int>(std::min<int64_t>(kLogThreads, ceil_log2(sh.S / V)));
     const size_t bytes = static_cast<size_t>(smem);
     dispatch_activation(ep.activation, [&](auto act) {
-      launch_backward_one_pass<scalar_t, V, decltype(act)::value>(a, items, bytes);
+      constexpr Activation kA = decltype(act)::value;
+      dispatch_keep<kA>(keep_for(a), [&](auto keep) {
+        launch_backward_one_pass<scalar_t, V, kA, decltype(keep)::value>(a, items, bytes);
+      });
     });
     return true;
   }

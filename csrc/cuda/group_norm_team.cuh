@@ -451,7 +451,7 @@ struct TeamBackwardArgs {
   int64_t split;                     // the most CTAs that hold parts of one channel
 };
 
-template <typename scalar_t, int V, Activation A>
+template <typename scalar_t, int V, Activation A, Keep K>
 __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_team_backward_kernel(
     const TeamBackwardArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
@@ -500,6 +500,14 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);
     __pipeline_wait_prior(0);
     __syncthreads();  // the sums read packs that other threads copied
+    // The sums keep what K says for step 3. operand_grads: the operands' gradients, as the held
+    // packs are indexed.
+    const auto operand_grads = [&]() {
+      const int64_t off = item * lenv + v_begin;  // in packs
+      P* grg = e.grad_residual != nullptr ? reinterpret_cast<P*>(e.grad_residual) + off : nullptr;
+      P* gmg = e.grad_multiplier != nullptr ? reinterpret_cast<P*>(e.grad_multiplier) + off : nullptr;
+      return KeptGrads<scalar_t, V>{grg, gmg, grg != nullptr && grg == gmg};
+    };
     Sums<acc_t, 1> mine;
     clear(mine);
     for (int64_t base = c_lo; base <= c_hi; base += per_sweep) {
@@ -510,13 +518,20 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         if (base != c_lo) k = channel_coefs(o, n, c_first + cl, rstd);
         const int lo = static_cast<int>(imax(cl * spv, v_begin) - v_begin);
         const int hi = static_cast<int>(imin((cl + 1) * spv, v_begin + count) - v_begin);
-        dispatch_bool(plain, [&](auto without) {
-          if constexpr (decltype(without)::value) {
-            add_channel_sums<A, V>(s, e, element.without_operands(), 0, lo + lane, hi, seg, k.ea, k.pc);
-          } else {
-            add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, k.ea, k.pc);
-          }
-        });
+        if constexpr (K == Keep::None) {
+          dispatch_bool(plain, [&](auto without) {
+            if constexpr (decltype(without)::value) {
+              add_channel_sums<A, V>(s, e, element.without_operands(), 0, lo + lane, hi, seg, k.ea, k.pc);
+            } else {
+              add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, k.ea, k.pc);
+            }
+          });
+        } else {
+          with_sums_operands<K>(e, element, [&](const auto& operands) {
+            add_channel_sums<A, V, K>(s, e, operands, 0, lo + lane, hi, seg, k.ea, k.pc,
+                K == Keep::DpAndGrads ? operand_grads() : KeptGrads<scalar_t, V>{});
+          });
+        }
       }
       s = segment_reduce(s, o.log_seg, seg_smem);
       if (lane == 0 && cl <= c_hi) {
@@ -555,18 +570,20 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const GroupGradCoefs<acc_t> coefs(sums.dy[0], sums.dyxc[0], sums.xc[0], rstd, static_cast<acc_t>(o.len));
     if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);
 
-    // 3. dx, grad_residual and grad_multiplier (backward_outputs). A thread takes the packs
-    // threadIdx.x + k * kTeamThreads, and copies round i + 1's into them.
-    const int64_t off = item * lenv + v_begin;  // in packs
-    P* dxg = reinterpret_cast<P*>(o.dx) + off;  // dx is always wanted here
-    P* grg = e.grad_residual != nullptr ? reinterpret_cast<P*>(e.grad_residual) + off : nullptr;
-    P* gmg = e.grad_multiplier != nullptr ? reinterpret_cast<P*>(e.grad_multiplier) + off : nullptr;
-    const bool sum_grads = grg != nullptr && grg == gmg;
+    // 3. dx, grad_residual and grad_multiplier (backward_outputs), or from a kept dp dx alone, as
+    // the plain backward. A thread takes the packs threadIdx.x + k * kTeamThreads, and copies
+    // round i + 1's into them.
+    P* dxg = reinterpret_cast<P*>(o.dx) + item * lenv + v_begin;  // dx is always wanted here
+    const KeptGrads<scalar_t, V> grads = operand_grads();
+    P* grg = grads.residual;
+    P* gmg = grads.multiplier;
+    const bool sum_grads = grads.sum_grads;
     const bool more = i + 1 < rounds;
     // GRADS: grad_residual or grad_multiplier wanted; the loop without them (the plain backward's)
     // holds fewer registers.
-    const auto write = [&](auto grads, const auto& operands) {
-      constexpr bool GRADS = decltype(grads)::value;
+    const auto write = [&](auto act, auto with_grads, const auto& operands) {
+      constexpr Activation kA = decltype(act)::value;
+      constexpr bool GRADS = decltype(with_grads)::value;
       // The packs [c_begin, c_end) of the chunk lie in the channel whose coefficients kc holds: a
       // range test a pack rather than a division.
       int64_t c_begin = 0, c_end = 0;
@@ -581,7 +598,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         acc_t dxp[V], gr[V], gm[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          backward_outputs<A, GRADS>(e, operands, v, j, kc, coefs, want_q, sum_grads, dxp[j], gr[j], gm[j]);
+          backward_outputs<kA, GRADS>(e, operands, v, j, kc, coefs, want_q, sum_grads, dxp[j], gr[j], gm[j]);
         }
         dxg[v] = round_pack<scalar_t, V>(dxp);
         if (GRADS) {
@@ -591,12 +608,17 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         if (more) copy_in(i + 1, v);
       }
     };
-    if (grg != nullptr || gmg != nullptr) {
-      write(std::true_type(), element);
-    } else if (plain) {
-      write(std::false_type(), element.without_operands());
+    using Act = std::integral_constant<Activation, A>;
+    if constexpr (K != Keep::None) {
+      write(std::integral_constant<Activation, Activation::None>(), std::false_type(), element.without_operands());
     } else {
-      write(std::false_type(), element);
+      if (grg != nullptr || gmg != nullptr) {
+        write(Act(), std::true_type(), element);
+      } else if (plain) {
+        write(Act(), std::false_type(), element.without_operands());
+      } else {
+        write(Act(), std::false_type(), element);
+      }
     }
     if (more) __pipeline_commit();
 
@@ -749,11 +771,11 @@ bool forward_team(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 }
 
-template <typename scalar_t, int V, Activation A>
+template <typename scalar_t, int V, Activation A, Keep K>
 bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, int mode, const at::Tensor& x, bool want_params,
     at::Tensor& part_c, at::Tensor& rec) {
   using acc_t = acc_type<scalar_t>;
-  auto kernel = group_norm_team_backward_kernel<scalar_t, V, A>;
+  auto kernel = group_norm_team_backward_kernel<scalar_t, V, A, K>;
   OnePassBackwardArgs<scalar_t>& o = a.op;
   const int64_t pack_bytes = o.streams() * V * static_cast<int64_t>(sizeof(scalar_t));
   if (!plan_team(kernel, o.len / V, pack_bytes, /*backward=*/true, a.team)) return false;
@@ -812,7 +834,10 @@ bool backward_team(int mode, const at::Tensor& dy, const at::Tensor& x, const at
     a.team.groups = sh.N * sh.G;
     bool launched = false;
     dispatch_activation(ep.activation, [&](auto act) {
-      launched = launch_team_backward<scalar_t, V, decltype(act)::value>(a, mode, x, want_params, part_c, rec);
+      constexpr Activation kA = decltype(act)::value;
+      dispatch_keep<kA>(keep_for(a.op), [&](auto keep) {
+        launched = launch_team_backward<scalar_t, V, kA, decltype(keep)::value>(a, mode, x, want_params, part_c, rec);
+      });
     });
     return launched;
   }
