@@ -237,15 +237,13 @@ def test_summed_residual_multiplier_grads(activation, layout, path, device, monk
                 assert summed[5].stride() == separate[5].stride(), "the kernel layout"
 
 
-@pytest.mark.parametrize("residual_is_multiplier", [False, True])
-def test_gradients_whichever_arguments_require_grad(residual_is_multiplier, device):
+def check_gradients_whichever_arguments_require_grad(x, groups, residual_is_multiplier, device):
     # Each argument's gradient is the same whichever of the others require grad: the autograd
     # kernel (csrc/autograd.cpp) turns the arguments that require grad into the backward op's
     # output mask and maps the op's outputs back to the arguments, (N, C, 1) scale and shift
     # included.
-    torch.manual_seed(21)
-    x = torch.randn(2, 4, 5, device=device)
-    values = {"input": x, "weight": torch.randn(4, device=device), "bias": torch.randn(4, device=device),
+    C = x.shape[1]
+    values = {"input": x, "weight": torch.randn(C, device=device), "bias": torch.randn(C, device=device),
               **make_operands(x, OPERANDS, device, torch.float32, per_sample_shape="broadcast")}
     names = [k for k in values if not (residual_is_multiplier and k == "multiplier")]
     dz = torch.randn_like(x)
@@ -254,7 +252,7 @@ def test_gradients_whichever_arguments_require_grad(residual_is_multiplier, devi
         leaves = {k: v.detach().clone().requires_grad_(k in wanted) for k, v in values.items()}
         if residual_is_multiplier:
             leaves["multiplier"] = leaves["residual"]
-        z = fusednorm.group_norm(leaves["input"], 2, leaves["weight"], leaves["bias"], activation="silu",
+        z = fusednorm.group_norm(leaves["input"], groups, leaves["weight"], leaves["bias"], activation="silu",
                                  scale=leaves["scale"], shift=leaves["shift"], residual=leaves["residual"],
                                  multiplier=leaves["multiplier"])
         return dict(zip(wanted, torch.autograd.grad(z, [leaves[k] for k in wanted], dz)))
@@ -265,6 +263,27 @@ def test_gradients_whichever_arguments_require_grad(residual_is_multiplier, devi
             for k, g in grads(wanted).items():
                 assert g.shape == values[k].shape, k
                 torch.testing.assert_close(g, every[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k} of {wanted}: {m}")
+
+
+@pytest.mark.parametrize("residual_is_multiplier", [False, True])
+def test_gradients_whichever_arguments_require_grad(residual_is_multiplier, device):
+    torch.manual_seed(21)
+    check_gradients_whichever_arguments_require_grad(torch.randn(2, 4, 5, device=device), 2, residual_is_multiplier,
+                                                     device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", list(kernel_paths.TEST_PATHS))
+@pytest.mark.parametrize("residual_is_multiplier", [False, True])
+def test_gradients_whichever_arguments_require_grad_kernel_paths_cuda(residual_is_multiplier, path, monkeypatch):
+    # The same on every CUDA kernel path, with S a multiple of the pack width so that the one-CTA
+    # and team backwards take the groups: with an activation they keep dp alone where no operand
+    # gradient is wanted, and dp with the operands' gradients where one is (Keep in
+    # group_norm_one_pass.cuh: kernels of their own).
+    kernel_paths.set_path(monkeypatch, path)
+    torch.manual_seed(23)
+    check_gradients_whichever_arguments_require_grad(torch.randn(2, 16, 8, 8, device="cuda"), 4,
+                                                     residual_is_multiplier, "cuda")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
