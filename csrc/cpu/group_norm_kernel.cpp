@@ -107,6 +107,13 @@ struct VecIO {
   }
 };
 
+// v in its first `count` lanes and zeros past them: a row's last, partial vector loads zeros into
+// its padding lanes, but values derived from them (x - m) are not zero there and must not be summed.
+template <typename Vec>
+Vec first_lanes(const Vec& v, int64_t count) {
+  return count < Vec::size() ? Vec::set(Vec(0), v, count) : v;
+}
+
 // The lanes' sum, by ATen's shuffle tree in opmath. Adding the lanes one by one in double was a
 // chain of 16 dependent additions, which dominated groups and rows of a few vectors: (4096, 512)
 // with G = 32 forward 6.4 -> 4.4 ms, the (64, 512, 16) backward 1.41 -> 1.05-1.20 ms (CPU fifteenth
@@ -441,10 +448,9 @@ struct ElementwiseOperands {
       if (r.grad_residual) IO::store(r.grad_residual + i, r.grads_in_one ? g + grad_m : g, count);
       g.store(r.dp + i, count);
       if constexpr (WithSums) {
-        if (count < IO::kSize) {  // padding lanes add nothing (dp as stored and reloaded: zero)
-          xc = Vec::set(Vec(0), xc, count);
-          g = Vec::set(Vec(0), g, count);
-        }
+        // Padding lanes add nothing (dp as stored and reloaded: zero).
+        xc = first_lanes(xc, count);
+        g = first_lanes(g, count);
         sums.dp += g;
         sums.dp_xc = at::vec::fmadd(g, xc, sums.dp_xc);
         sums.xc += xc;
@@ -517,7 +523,7 @@ Moments block_moments(const T* x, int64_t len) {
   const double shifted = reduce_row<1>(x, static_cast<const T*>(nullptr), len,
       [first](auto& acc, const Vec& xv, const Vec&, int64_t count) {
         const Vec d = xv - Vec(first);
-        acc[0] += count == Vec::size() ? d : Vec::set(Vec(0), d, count);
+        acc[0] += first_lanes(d, count);
       })[0];
   const double mean = first + shifted / len;
   const SplitMean<acc_t> m(mean);
@@ -525,7 +531,7 @@ Moments block_moments(const T* x, int64_t len) {
   const double m2 = reduce_row<1>(x, static_cast<const T*>(nullptr), len,
       [m](auto& acc, const Vec& xv, const Vec&, int64_t count) {
         const Vec d = xv - Vec(m.hi);
-        acc[0] += count == Vec::size() ? d * d : Vec::set(Vec(0), d * d, count);
+        acc[0] += first_lanes(d * d, count);
       })[0];
   return {static_cast<double>(len), mean, std::max(m2 - len * double(m.lo) * m.lo, 0.0)};
 }
@@ -1145,8 +1151,7 @@ void channel_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
         const auto part = reduce_row<3>(xr, dp, len,
             [&m](auto& acc, const Vec& xv, const Vec& dpv, int64_t count) {
               // Padding lanes hold dp = x = 0: only x - m needs masking.
-              const Vec centred = xv - m;
-              accumulate_grad_sums(acc, dpv, count == Vec::size() ? centred : Vec::set(Vec(0), centred, count));
+              accumulate_grad_sums(acc, dpv, first_lanes(xv - m, count));
             });
         for (int i = 0; i < 3; ++i) sums[i] += part[i];
       },
@@ -1249,9 +1254,8 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
       const acc_t* dp = dp_first + r * sh.S;
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
         // Padding lanes hold dp = x = 0: only x - m needs masking.
-        const Vec centred = IO::load(x + o + i, count) - m;
         const Vec dpv = ep.active() ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
-        accumulate_grad_sums(acc, dpv, count == L ? centred : Vec::set(Vec(0), centred, count));
+        accumulate_grad_sums(acc, dpv, first_lanes(IO::load(x + o + i, count) - m, count));
       });
     }
     db[r] = acc[0];
@@ -1550,8 +1554,7 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
         const Vec cv(centre);
         for (int64_t i = 0; i < len; i += IO::kSize) {
           const int64_t count = std::min<int64_t>(IO::kSize, len - i);
-          Vec xc = IO::load(x + o + i, count) - cv;
-          if (count < IO::kSize) xc = Vec::set(Vec(0), xc, count);  // padding lanes add nothing
+          const Vec xc = first_lanes(IO::load(x + o + i, count) - cv, count);  // padding lanes add nothing
           const Vec dp = dp_lanes(dp_group, start + i, o + i, count);
           const Vec wdp = uniform ? dp : lanes(run.w_eff, i, count) * dp;
           va += wdp;
