@@ -1206,22 +1206,59 @@ struct GroupGradCoefs {
   }
 };
 
-// dx = ea * dp + b1 * ((x - m) - delta) + b2 at one element, and with GRADS grad_residual = dp
-// and grad_multiplier = dz * act(p) (their sum into grad_residual when `sum_grads`: the two
-// outputs are one buffer). want_q: grad_multiplier wanted.
-// The three are returned before their rounding to scalar_t (round_pack, a pack at a time).
-template <Activation A, bool GRADS, typename scalar_t, typename acc_t, typename Element, typename I>
-__device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
-    const ChannelCoefs<acc_t>& k, const GroupGradCoefs<acc_t>& g, bool want_q, bool sum_grads, acc_t& dx,
-    acc_t& gr, acc_t& gm) {
-  acc_t xc, dz, r, m, q = acc_t(0);
+// The residual's and multiplier's gradients of a group's packs (or a team chunk's), indexed as
+// the packs held in shared memory: null where not wanted; `sum`: the two outputs are one buffer
+// (one tensor was both operands), which takes their sum.
+template <typename scalar_t, int V>
+struct OperandGrads {
+  using P = Pack<scalar_t, V>;
+  P* residual = nullptr;
+  P* multiplier = nullptr;
+  bool sum = false;
+
+  OperandGrads() = default;
+  // `first`: the pack of the tensors that held pack 0 is.
+  __device__ OperandGrads(const EpiArgs<scalar_t>& e, int64_t first)
+      : residual(e.grad_residual != nullptr ? reinterpret_cast<P*>(e.grad_residual) + first : nullptr),
+        multiplier(e.grad_multiplier != nullptr ? reinterpret_cast<P*>(e.grad_multiplier) + first : nullptr),
+        sum(residual != nullptr && residual == multiplier) {}
+
+  __device__ __forceinline__ bool wanted() const { return residual != nullptr || multiplier != nullptr; }
+
+  // Stores pack v's gradients, given before their rounding to scalar_t (element_dp's gr, gm).
+  template <typename acc_t, typename I>
+  __device__ __forceinline__ void store(I v, const acc_t (&gr)[V], const acc_t (&gm)[V]) const {
+    if (residual != nullptr) residual[v] = round_pack<scalar_t, V>(gr);
+    if (multiplier != nullptr && !sum) multiplier[v] = round_pack<scalar_t, V>(gm);
+  }
+};
+
+// dp at element j of pack v (element(v, j, xc, dz, r, m) reads it), x - m into xc, and with GRADS
+// grad_residual = dp and grad_multiplier = dz * act(p) into gr and gm (their sum into gr when
+// grads.sum). want_q: grad_multiplier wanted.
+template <Activation A, bool GRADS, typename scalar_t, int V, typename acc_t, typename Element, typename I>
+__device__ __forceinline__ acc_t element_dp(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
+    acc_t ea, acc_t pc, bool want_q, const OperandGrads<scalar_t, V>& grads, acc_t& xc, acc_t& gr, acc_t& gm) {
+  acc_t dz, r, m, q = acc_t(0);
   element(v, j, xc, dz, r, m);
-  const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, k.ea, k.pc, GRADS && want_q, q);
-  dx = k.ea * dp + (g.b1 * (xc - g.delta) + g.b2);
+  const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, GRADS && want_q, q);
   if (GRADS) {
-    gr = sum_grads ? dp + dz * q : dp;
+    gr = grads.sum ? dp + dz * q : dp;
     gm = dz * q;
   }
+  return dp;
+}
+
+// dx = ea * dp + b1 * ((x - m) - delta) + b2 at one element, and with GRADS grad_residual and
+// grad_multiplier (element_dp), all before their rounding to scalar_t (round_pack, a pack at a
+// time).
+template <Activation A, bool GRADS, typename scalar_t, int V, typename acc_t, typename Element, typename I>
+__device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
+    const ChannelCoefs<acc_t>& k, const GroupGradCoefs<acc_t>& g, bool want_q, const OperandGrads<scalar_t, V>& grads,
+    acc_t& dx, acc_t& gr, acc_t& gm) {
+  acc_t xc;
+  const acc_t dp = element_dp<A, GRADS>(e, element, v, j, k.ea, k.pc, want_q, grads, xc, gr, gm);
+  dx = k.ea * dp + (g.b1 * (xc - g.delta) + g.b2);
 }
 
 // What the sums phase leaves for the dx phase (Keep): nothing, dp is made again there (None: the
@@ -1234,40 +1271,12 @@ __device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, con
 // activation or multiplication backward hands the normalization's.
 enum class Keep { None, Dp, DpAndGrads };
 
-// Where a pack's grad_residual and grad_multiplier go (Keep::DpAndGrads): indexed as the packs
-// held in shared memory; null where not wanted.
-template <typename scalar_t, int V>
-struct KeptGrads {
-  Pack<scalar_t, V>* residual;
-  Pack<scalar_t, V>* multiplier;
-  bool sum_grads;  // the two are one buffer: their sum into `residual`
-};
-
 // Stores pack v's dp over its dz, and with DpAndGrads its grad_residual and grad_multiplier.
 template <Keep K, typename scalar_t, int V, typename acc_t, typename Element, typename I>
 __device__ __forceinline__ void keep_pack(const Element& element, I v, const acc_t (&dp)[V], const acc_t (&gr)[V],
-    const acc_t (&gm)[V], const KeptGrads<scalar_t, V>& grads) {
+    const acc_t (&gm)[V], const OperandGrads<scalar_t, V>& grads) {
   if constexpr (K != Keep::None) element.dz[v] = round_pack<scalar_t, V>(dp);
-  if constexpr (K == Keep::DpAndGrads) {
-    if (grads.residual != nullptr) grads.residual[v] = round_pack<scalar_t, V>(gr);
-    if (grads.multiplier != nullptr && !grads.sum_grads) grads.multiplier[v] = round_pack<scalar_t, V>(gm);
-  }
-}
-
-// dp at element j of pack v, and with DpAndGrads grad_residual and grad_multiplier (their sum
-// when grads.sum_grads), for keep_pack.
-template <Activation A, Keep K, typename scalar_t, typename acc_t, typename Element, typename I>
-__device__ __forceinline__ acc_t sums_phase_dp(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
-    acc_t ea, acc_t pc, bool sum_grads, acc_t& xc, acc_t& gr, acc_t& gm) {
-  acc_t dz, r, m, q = acc_t(0);
-  element(v, j, xc, dz, r, m);
-  constexpr bool kGrads = K == Keep::DpAndGrads;
-  const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, kGrads && e.grad_multiplier != nullptr, q);
-  if (kGrads) {
-    gr = sum_grads ? dp + dz * q : dp;
-    gm = dz * q;
-  }
-  return dp;
+  if constexpr (K == Keep::DpAndGrads) grads.store(v, gr, gm);
 }
 
 // Adds dp, dp * (x - m) and x - m over the packs base + k of one channel, k = first, first + step,
@@ -1277,14 +1286,15 @@ __device__ __forceinline__ acc_t sums_phase_dp(const EpiArgs<scalar_t>& e, const
 template <Activation A, int V, Keep K = Keep::None, typename scalar_t, typename acc_t, typename I, typename Element>
 __device__ __forceinline__ void add_channel_sums(Sums<acc_t, 1>& s, const EpiArgs<scalar_t>& e,
     const Element& element, I base, I first, I end, int step, acc_t ea, acc_t pc,
-    const KeptGrads<scalar_t, V>& grads = {}) {
+    const OperandGrads<scalar_t, V>& grads = {}) {
   for (I k = first; k < end; k += step) {
     const I v = base + k;
     acc_t dpv[V], gr[V], gm[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       acc_t xc;
-      const acc_t dp = sums_phase_dp<A, K>(e, element, v, j, ea, pc, grads.sum_grads, xc, gr[j], gm[j]);
+      const acc_t dp = element_dp<A, K == Keep::DpAndGrads>(e, element, v, j, ea, pc, e.grad_multiplier != nullptr,
+          grads, xc, gr[j], gm[j]);
       s.dy[0] += dp;
       s.dyxc[0] += dp * xc;
       s.xc[0] += xc;
@@ -1326,12 +1336,13 @@ void dispatch_keep(Keep k, const F& f) {
   }
 }
 
-// Calls f(operands) for the sums phase of a kernel keeping K: element, or where K keeps dp alone
-// and neither residual nor multiplier is held, element.without_operands().
+// Calls f(operands) for the sums phase of a kernel keeping K: element, or where the sums write no
+// operand gradients and neither residual nor multiplier is held, element.without_operands() (a
+// loop without their reads, see dispatch_bool).
 template <Keep K, typename scalar_t, int V, typename F>
 __device__ __forceinline__ void with_sums_operands(const EpiArgs<scalar_t>& e, const BackwardOperands<scalar_t, V>& element,
     const F& f) {
-  if constexpr (K == Keep::Dp) {
+  if constexpr (K != Keep::DpAndGrads) {
     if (e.residual == nullptr && e.multiplier == nullptr) {
       f(element.without_operands());
       return;
@@ -1367,12 +1378,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   const acc_t rstd = a.rstd[item];
   const bool want_q = e.grad_multiplier != nullptr;
 
-  // The operands' gradients, as the held packs are indexed.
-  const auto operand_grads = [&]() {
-    P* grg = reinterpret_cast<P*>(offset_or_null(e.grad_residual, off));
-    P* gmg = reinterpret_cast<P*>(offset_or_null(e.grad_multiplier, off));
-    return KeptGrads<scalar_t, V>{grg, gmg, grg != nullptr && grg == gmg};
-  };
 
   // Sums: this thread's share of sum w_eff * dp, sum w_eff * dp * (x - m) and sum (x - m), keeping
   // what K says for the dx phase.
@@ -1380,8 +1385,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   clear(mine);
   const int64_t c_first = g * a.D;
   with_sums_operands<K>(e, element, [&](const auto& operands) {
-    const KeptGrads<scalar_t, V> grads = K == Keep::DpAndGrads ? operand_grads() : KeptGrads<scalar_t, V>{};
-    const bool sum_grads = grads.sum_grads;
+    const OperandGrads<scalar_t, V> grads =
+        K == Keep::DpAndGrads ? OperandGrads<scalar_t, V>(e, item * lenv) : OperandGrads<scalar_t, V>();
     if (a.S == 1) {
       for (int64_t v = threadIdx.x; v < lenv; v += threads) {
         acc_t dpv[V], gr[V], gm[V];
@@ -1390,7 +1395,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
           const int64_t c = c_first + v * V + j;
           const ChannelCoefs<acc_t> k = channel_coefs(a, n, c, rstd);
           acc_t xc;
-          const acc_t dp = sums_phase_dp<A, K>(e, operands, v, j, k.ea, k.pc, sum_grads, xc, gr[j], gm[j]);
+          const acc_t dp = element_dp<A, K == Keep::DpAndGrads>(e, operands, v, j, k.ea, k.pc, want_q, grads, xc, gr[j],
+              gm[j]);
           if (a.part_c != nullptr) {
             a.part_c[(n * a.C + c) * 2] = dp;
             a.part_c[(n * a.C + c) * 2 + 1] = dp * xc;
@@ -1441,10 +1447,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   // The dx phase: from x and the kept dp as the plain backward (its grads written already), else
   // with dp made again.
   P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
-  const KeptGrads<scalar_t, V> grads = operand_grads();
-  P* grg = grads.residual;
-  P* gmg = grads.multiplier;
-  const bool sum_grads = grads.sum_grads;
+  const OperandGrads<scalar_t, V> grads(e, item * lenv);
   const auto write = [&](auto act, auto with_grads, const auto& operands) {
     constexpr Activation kA = decltype(act)::value;
     constexpr bool GRADS = decltype(with_grads)::value;
@@ -1464,13 +1467,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
           cached_c = c_first + c;
           k = channel_coefs(a, n, cached_c, rstd);
         }
-        backward_outputs<kA, GRADS>(e, operands, v, j, k, coefs, want_q, sum_grads, o[j], gr[j], gm[j]);
+        backward_outputs<kA, GRADS>(e, operands, v, j, k, coefs, want_q, grads, o[j], gr[j], gm[j]);
       }
       if (dxg != nullptr) dxg[v] = round_pack<scalar_t, V>(o);
-      if (GRADS) {
-        if (grg != nullptr) grg[v] = round_pack<scalar_t, V>(gr);
-        if (gmg != nullptr && !sum_grads) gmg[v] = round_pack<scalar_t, V>(gm);
-      }
+      if (GRADS) grads.store(v, gr, gm);
     }
   };
   if constexpr (K != Keep::None) {

@@ -476,7 +476,6 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   // Issues the copy of pack v of round i's chunk into every stream.
   const auto copy_in = [&](int64_t i, int v) { element.copy_in(v, t.item_of(team, i) * lenv + v_begin + v, o); };
   const bool want_q = e.grad_multiplier != nullptr;
-  const bool plain = e.residual == nullptr && e.multiplier == nullptr;  // p = the normalization's output
 
   if (rounds > 0) {
     for (int v = threadIdx.x; v < count; v += kTeamThreads) copy_in(0, v);
@@ -500,14 +499,9 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);
     __pipeline_wait_prior(0);
     __syncthreads();  // the sums read packs that other threads copied
-    // The sums keep what K says for step 3. operand_grads: the operands' gradients, as the held
-    // packs are indexed.
-    const auto operand_grads = [&]() {
-      const int64_t off = item * lenv + v_begin;  // in packs
-      P* grg = e.grad_residual != nullptr ? reinterpret_cast<P*>(e.grad_residual) + off : nullptr;
-      P* gmg = e.grad_multiplier != nullptr ? reinterpret_cast<P*>(e.grad_multiplier) + off : nullptr;
-      return KeptGrads<scalar_t, V>{grg, gmg, grg != nullptr && grg == gmg};
-    };
+    // The sums keep what K says for step 3, and with DpAndGrads write the operands' gradients
+    // (made where used, in steps 1 and 3: held across the round, they spilled).
+    const int64_t first = item * lenv + v_begin;  // the tensors' pack held first
     Sums<acc_t, 1> mine;
     clear(mine);
     for (int64_t base = c_lo; base <= c_hi; base += per_sweep) {
@@ -518,20 +512,10 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         if (base != c_lo) k = channel_coefs(o, n, c_first + cl, rstd);
         const int lo = static_cast<int>(imax(cl * spv, v_begin) - v_begin);
         const int hi = static_cast<int>(imin((cl + 1) * spv, v_begin + count) - v_begin);
-        if constexpr (K == Keep::None) {
-          dispatch_bool(plain, [&](auto without) {
-            if constexpr (decltype(without)::value) {
-              add_channel_sums<A, V>(s, e, element.without_operands(), 0, lo + lane, hi, seg, k.ea, k.pc);
-            } else {
-              add_channel_sums<A, V>(s, e, element, 0, lo + lane, hi, seg, k.ea, k.pc);
-            }
-          });
-        } else {
-          with_sums_operands<K>(e, element, [&](const auto& operands) {
-            add_channel_sums<A, V, K>(s, e, operands, 0, lo + lane, hi, seg, k.ea, k.pc,
-                K == Keep::DpAndGrads ? operand_grads() : KeptGrads<scalar_t, V>{});
-          });
-        }
+        with_sums_operands<K>(e, element, [&](const auto& operands) {
+          add_channel_sums<A, V, K>(s, e, operands, 0, lo + lane, hi, seg, k.ea, k.pc,
+              K == Keep::DpAndGrads ? OperandGrads<scalar_t, V>(e, first) : OperandGrads<scalar_t, V>());
+        });
       }
       s = segment_reduce(s, o.log_seg, seg_smem);
       if (lane == 0 && cl <= c_hi) {
@@ -573,11 +557,8 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     // 3. dx, grad_residual and grad_multiplier (backward_outputs), or from a kept dp dx alone, as
     // the plain backward. A thread takes the packs threadIdx.x + k * kTeamThreads, and copies
     // round i + 1's into them.
-    P* dxg = reinterpret_cast<P*>(o.dx) + item * lenv + v_begin;  // dx is always wanted here
-    const KeptGrads<scalar_t, V> grads = operand_grads();
-    P* grg = grads.residual;
-    P* gmg = grads.multiplier;
-    const bool sum_grads = grads.sum_grads;
+    P* dxg = reinterpret_cast<P*>(o.dx) + first;  // dx is always wanted here
+    const OperandGrads<scalar_t, V> grads(e, first);
     const bool more = i + 1 < rounds;
     // GRADS: grad_residual or grad_multiplier wanted; the loop without them (the plain backward's)
     // holds fewer registers.
@@ -598,13 +579,10 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         acc_t dxp[V], gr[V], gm[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          backward_outputs<kA, GRADS>(e, operands, v, j, kc, coefs, want_q, sum_grads, dxp[j], gr[j], gm[j]);
+          backward_outputs<kA, GRADS>(e, operands, v, j, kc, coefs, want_q, grads, dxp[j], gr[j], gm[j]);
         }
         dxg[v] = round_pack<scalar_t, V>(dxp);
-        if (GRADS) {
-          if (grg != nullptr) grg[v] = round_pack<scalar_t, V>(gr);
-          if (gmg != nullptr && !sum_grads) gmg[v] = round_pack<scalar_t, V>(gm);
-        }
+        if (GRADS) grads.store(v, gr, gm);
         if (more) copy_in(i + 1, v);
       }
     };
@@ -612,9 +590,9 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if constexpr (K != Keep::None) {
       write(std::integral_constant<Activation, Activation::None>(), std::false_type(), element.without_operands());
     } else {
-      if (grg != nullptr || gmg != nullptr) {
+      if (grads.wanted()) {
         write(Act(), std::true_type(), element);
-      } else if (plain) {
+      } else if (e.residual == nullptr && e.multiplier == nullptr) {
         write(Act(), std::false_type(), element.without_operands());
       } else {
         write(Act(), std::false_type(), element);
