@@ -103,7 +103,7 @@ FUSEDNORM_HOST_DEVICE T activation_derivative(Activation a, T p, T negative_slop
       return T(0.5) * (T(1) + t) + T(0.5) * p * (T(1) - t * t) * inner_derivative;
     }
     case Activation::ReLU:
-      return p > T(0) ? T(1) : T(0);
+      return p <= T(0) ? T(0) : T(1);  // 1 at NaN, as eager's threshold_backward
     case Activation::LeakyReLU:
       return p > T(0) ? T(1) : negative_slope;
     case Activation::Mish: {

@@ -143,6 +143,41 @@ def test_activation_alone_keeps_its_slope(train, device):
     torch.testing.assert_close(z, F.leaky_relu(F.group_norm(x, 3, w, b), 0.3), atol=1e-10, rtol=1e-8)
 
 
+EAGER_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda p: F.gelu(p, approximate="tanh"),
+    "relu": F.relu,
+    "leaky_relu": lambda p: F.leaky_relu(p, 0.2),
+    "mish": F.mish,
+}
+# Where the kernels' approximations (the device SiLU's ex2 and approximate division, GELU's
+# polynomial) meet their ends: infinities, NaN, the ranges past which exponentials flush or 1 + erf
+# rounds to 0, signed zeros.
+SPECIAL_VALUES = [-math.inf, math.inf, math.nan, -100.0, -88.8, -13.5, -10.0, -5.6, -5.5, -4.0, -1.0, -1e-3,
+                  0.0, -0.0, 1e-3, 1.0, 4.0, 5.5, 10.0, 88.8, 100.0]
+
+
+@pytest.mark.parametrize("activation", list(EAGER_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activation_special_values_match_eager(activation, dtype, device):
+    # One channel a group, zero weight: the normalized value is the bias exactly, so p takes each
+    # special value; the output and the bias's gradient (act'(p) summed) against eager's
+    # activation, NaN and infinities in the same places.
+    values = torch.tensor(SPECIAL_VALUES, dtype=dtype, device=device)
+    C = values.numel()
+    x = torch.randn(2, C, 3, dtype=dtype, device=device)
+    w = torch.zeros(C, dtype=dtype, device=device)
+    b = values.clone().requires_grad_()
+    z = fusednorm.group_norm(x, C, w, b, activation=activation, negative_slope=0.2)
+    (grad_b,) = torch.autograd.grad(z, b, torch.ones_like(z))
+    eager_b = values.clone().requires_grad_()
+    want = EAGER_ACTIVATIONS[activation](eager_b.view(1, C, 1).expand_as(x))
+    (want_grad_b,) = torch.autograd.grad(want, eager_b, torch.ones_like(want))
+    torch.testing.assert_close(z, want, equal_nan=True, msg=lambda m: f"{activation} output: {m}")
+    torch.testing.assert_close(grad_b, want_grad_b, equal_nan=True, msg=lambda m: f"{activation} grad: {m}")
+
+
 def test_operands_of_another_dtype_are_cast_to_the_input_dtype(device):
     x = torch.randn(2, 4, 8, device=device)
     r = torch.randn(2, 4, 8, dtype=torch.float64, device=device, requires_grad=True)

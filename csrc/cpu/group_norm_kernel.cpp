@@ -287,7 +287,7 @@ Vec vec_activation_derivative(const Vec& p, typename Vec::value_type slope) {
     const Vec inner_derivative = beta * (Vec(1) + Vec(3) * kappa * p * p);
     return Vec(0.5) * (Vec(1) + t) + Vec(0.5) * p * (Vec(1) - t * t) * inner_derivative;
   } else if constexpr (A == Activation::ReLU) {
-    return Vec::blendv(Vec(0), Vec(1), p > Vec(0));
+    return Vec::blendv(Vec(1), Vec(0), p <= Vec(0));  // 1 at NaN, as eager's threshold_backward
   } else if constexpr (A == Activation::LeakyReLU) {
     return Vec::blendv(Vec(slope), Vec(1), p > Vec(0));
   } else if constexpr (A == Activation::Mish) {
