@@ -335,10 +335,41 @@ __device__ __forceinline__ void with_activation(Activation act, const F& f) {
 // element, 3 of SiLU's 8 instructions) only changes e^-p where p > 87, and there 1 + e^-p rounds
 // to 1 either way: SiLU and its derivative keep their bits (88 cases of every path compared
 // bitwise on an H200, RESULTS.md, twenty-fourth run).
-__device__ __forceinline__ float exp_neg_ftz(float p) {
+__device__ __forceinline__ float exp2_ftz(float x) {
   float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(p * -1.44269504088896341f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
   return e;
+}
+
+__device__ __forceinline__ float exp_neg_ftz(float p) { return exp2_ftz(p * -1.44269504088896341f); }
+
+// Phi(p) = (1 + erf(p / sqrt2)) / 2, GELU's factor, without erff: Phi(-|p|) = erfc(t) / 2 = 2^s(t),
+// t = |p| / sqrt2, s a degree-10 polynomial (one MUFU.EX2), and Phi(|p|) = 1 - Phi(-|p|). erff
+// evaluates two polynomials and an exponential and selects: GELU added 26 instructions an
+// element to the forward (RESULTS.md, twenty-fourth run), this about 18.
+// The coefficients and the tail are scripts/fit_gelu_cdf.py's, which reports the error: at most
+// ~1e-7 absolute (eager's float (1 + erf) / 2 has ~7e-8 with erf rounded once, erff is documented
+// to 2 ulp), plus MUFU.EX2's 2^-22 relative; relative 6e-6 in the tail for p < 0, where eager's
+// 1 + erf keeps a few bits or none. Past kGeluTail, where float's 1 + erf(-t) is 0 (erfc(t) <
+// 2^-25), Phi(-|p|) is 0 as eager's: GELU(-inf) = -inf * 0 = NaN as eager's; NaN stays NaN.
+constexpr float kGeluTail = 3.9192059f;
+
+__device__ __forceinline__ float gelu_cdf(float p) {
+  const float t = fabsf(p) * 0.70710678118654752440f;
+  const float tc = fminf(t, kGeluTail);  // NaN -> kGeluTail, then discarded below
+  float s = -7.736570069e-07f;
+  s = fmaf(s, tc, 1.668550613e-05f);
+  s = fmaf(s, tc, -1.544922416e-04f);
+  s = fmaf(s, tc, 7.790157106e-04f);
+  s = fmaf(s, tc, -2.032450400e-03f);
+  s = fmaf(s, tc, -2.876257349e-04f);
+  s = fmaf(s, tc, 2.801883034e-02f);
+  s = fmaf(s, tc, -1.484254450e-01f);
+  s = fmaf(s, tc, -9.184220433e-01f);
+  s = fmaf(s, tc, -1.627908349e+00f);
+  s = fmaf(s, tc, -1.0f);
+  const float lower = t < kGeluTail ? exp2_ftz(s) : 0.0f;  // Phi(-|p|)
+  return p >= 0.0f ? 1.0f - lower : lower;
 }
 
 // activation_forward / activation_derivative on the device. SiLU in float takes __expf's e^-p
@@ -349,11 +380,14 @@ __device__ __forceinline__ float exp_neg_ftz(float p) {
 // formulas: for p < -88.7, 1 + exp(-p) = inf and the division is p * 0, -0 for finite p and NaN
 // for p = -inf (as torch's -inf / inf); p = +inf gives inf (silu) and 1 (silu'); NaN gives NaN.
 // (The approximate division also returns 0 for divisors in (2^126, 2^128), where the exact
-// quotient is below 1e-36.) double keeps the exact formulas.
+// quotient is below 1e-36.) GELU in float takes gelu_cdf instead of erff, and its derivative's
+// density e^(-p^2 / 2) the ex2 (0 for |p| > 13, where p times it is below 1e-36; p = +-inf gives
+// inf * 0 = NaN, as epilogue.h's formula). double keeps the exact formulas.
 template <typename T>
 __device__ __forceinline__ T device_activation_forward(Activation a, T p, T slope) {
   if constexpr (std::is_same_v<T, float>) {
     if (a == Activation::SiLU) return __fdividef(p, 1.0f + exp_neg_ftz(p));
+    if (a == Activation::GELU) return p * gelu_cdf(p);
   }
   return activation_forward(a, p, slope);
 }
@@ -364,6 +398,11 @@ __device__ __forceinline__ T device_activation_derivative(Activation a, T p, T s
     if (a == Activation::SiLU) {
       const float s = __fdividef(1.0f, 1.0f + exp_neg_ftz(p));
       return s * (1.0f + p * (1.0f - s));
+    }
+    if (a == Activation::GELU) {
+      // e^(-p^2 / 2) / sqrt(2 pi), the exponent in base 2.
+      const float pdf = exp2_ftz(p * p * -0.72134752044448170368f) * 0.39894228040143267794f;
+      return gelu_cdf(p) + p * pdf;
     }
   }
   return activation_derivative(a, p, slope);
