@@ -50,7 +50,10 @@ def run_fused(x, groups, weight, bias, activation, operands):
     y, mean, rstd = torch.ops.fusednorm.fused_group_norm_forward(
         x, groups, weight, bias, 1e-5, scale, shift, residual, activation, 0.1, multiplier)
     dy = torch.randn_like(y)
-    for mask in ([True] * 7, [True, False, False, False, False, True, False], [False] * 6 + [True]):
+    # Every gradient; dx with the residual's gradient; the multiplier's alone; and every gradient but
+    # the operands' (the one-CTA and team backwards' Keep::Dp: operands read, no gradients written).
+    masks = ([True] * 7, [True, False, False, False, False, True, False], [False] * 6 + [True], [True] * 5 + [False] * 2)
+    for mask in masks:
         torch.ops.fusednorm.fused_group_norm_backward(
             dy, x, mean, rstd, weight, bias, groups, scale, shift, residual, activation, 0.1, multiplier, mask)
 
@@ -71,10 +74,18 @@ def main():
     global SHARD
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shard", default="0/1", help="I/N: every N-th case from the I-th (0-based)")
-    i, n = (int(v) for v in parser.parse_args().shard.split("/"))
+    parser.add_argument("--fused-only", action="store_true", help="only the fused ops' cases")
+    parser.add_argument("--shared-memory-backwards", action="store_true",
+                        help="only the fused backwards of the one-CTA and team kernels, on a few shapes: dp kept "
+                             "in shared memory over dz, every Keep variant (racecheck ~50 s on an H200)")
+    args = parser.parse_args()
+    i, n = (int(v) for v in args.shard.split("/"))
     if not 0 <= i < n:
         parser.error("--shard I/N needs 0 <= I < N")
     SHARD = (i, n)
+    if args.shared_memory_backwards:
+        run_shared_memory_backwards()
+        return
     # The fused forward and backward on each test path: groups in one pass wherever they fit (up
     # to 1 MB, capped by the device's shared memory; in registers where they fit there), the same
     # without the register kernel, the split passes everywhere, and the team kernels for every
@@ -82,6 +93,30 @@ def main():
     for path in kernel_paths.TEST_PATHS:
         with kernel_paths.selected(path):
             run_all_fused()
+    if not args.fused_only:
+        run_all_plain_paths()
+    torch.cuda.synchronize()
+    print(f"sanitizer cases done (shard {SHARD[0]}/{SHARD[1]}: {_units} units, every {SHARD[1]}-th run)")
+
+
+def run_shared_memory_backwards():
+    for path in ("one_pass_shared", "team"):
+        with kernel_paths.selected(path):
+            for shape, groups in (((2, 16, 8, 8), 4), ((3, 32, 33, 17), 8), ((6, 3000), 1), ((4, 13), 1),
+                                  ((2, 10, 3, 4, 5), 5), ((1, 2, 64, 64), 1)):
+                for dtype in (torch.float32, torch.bfloat16):
+                    if not in_shard():
+                        continue
+                    x = torch.randn(shape, device="cuda", dtype=dtype)
+                    w = torch.randn(shape[1], device="cuda", dtype=dtype)
+                    run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
+                    run_fused(x, groups, None, None, "gelu", ("multiplier",))
+                    run_fused(x, groups, w, None, "none", ("residual",))
+    torch.cuda.synchronize()
+    print(f"sanitizer cases done (shard {SHARD[0]}/{SHARD[1]}: {_units} units, every {SHARD[1]}-th run)")
+
+
+def run_all_plain_paths():
     run_all_plain()
     # The plain ops' team kernels, forward and backward, on every group (by default the backward
     # of a lone large group takes the split passes).
@@ -91,8 +126,6 @@ def main():
     # more), here whole in teams of every size.
     with kernel_paths.selected("team_prefetch"):
         run_all_plain()
-    torch.cuda.synchronize()
-    print(f"sanitizer cases done (shard {SHARD[0]}/{SHARD[1]}: {_units} units, every {SHARD[1]}-th run)")
 
 
 def run_all_fused():
