@@ -1,0 +1,96 @@
+"""GPU kernel time of fused GroupNorm calls, forward and backward: the sum of the durations of the
+kernels an iteration launches (torch.profiler, CUPTI), over 20 iterations with an L2 flush before
+each (its kernel excluded). Host overhead is not counted, so A/B runs of two builds compare the
+kernels themselves: bench.py's backward rows (autograd wall time) were host-bound on rows under
+~0.3 ms, varying up to 2x between processes (RESULTS.md, twenty-fifth run), where these sums agreed
+within 0.5%. One line a case: label, forward ms, backward ms. On the GPU machine, a build each:
+
+    GPU_BUILD=DIR scripts/gpu_prebuilt.sh py benchmarks/kernel_time.py [--filter REGEX] [--iters N]
+
+The cases: the fused rows whose backward the one-CTA and team kernels take (ResNet, VAE, UNet
+shapes), the channels-last split path, problem 3's tail and the GroupNorm problem, with two plain
+rows as controls.
+"""
+import argparse
+import re
+
+import torch
+import fusednorm
+from torch.profiler import profile, ProfilerActivity
+
+CASES = [  # label, shape, groups, dtype, activation, operands, channels_last
+    ("resnet bf16 res+relu", (16, 256, 56, 56), 32, torch.bfloat16, "relu", ("residual",), False),
+    ("resnet fp16 res+mult+silu", (16, 256, 56, 56), 32, torch.float16, "silu", ("residual", "multiplier"), False),
+    ("resnet fp16 silu", (16, 256, 56, 56), 32, torch.float16, "silu", (), False),
+    ("vae bf16 res+silu", (1, 128, 512, 512), 32, torch.bfloat16, "silu", ("residual",), False),
+    ("vae bf16 silu", (1, 128, 512, 512), 32, torch.bfloat16, "silu", (), False),
+    ("vae fp16 mult+gelu 1024", (1, 128, 1024, 1024), 32, torch.float16, "gelu", ("multiplier",), False),
+    ("vae fp16 gelu 1024", (1, 128, 1024, 1024), 32, torch.float16, "gelu", (), False),
+    ("vae bf16 gelu", (1, 128, 512, 512), 32, torch.bfloat16, "gelu", (), False),
+    ("fp32 gelu", (8, 512, 64, 64), 32, torch.float32, "gelu", (), False),
+    ("fp32 plain", (8, 512, 64, 64), 32, torch.float32, None, (), False),
+    ("vae bf16 plain", (1, 128, 512, 512), 32, torch.bfloat16, None, (), False),
+    ("unet fp16 res+silu", (2, 320, 64, 64), 32, torch.float16, "silu", ("residual",), False),
+    ("fp32 res+silu", (8, 512, 64, 64), 32, torch.float32, "silu", ("residual",), False),
+    ("fp16 CL res+silu", (8, 320, 64, 64), 32, torch.float16, "silu", ("residual",), True),
+    ("bf16 CL silu", (8, 320, 64, 64), 32, torch.bfloat16, "silu", (), True),
+    ("vae fp16 plain 1024", (1, 128, 1024, 1024), 32, torch.float16, None, (), False),
+    ("resnet bf16 plain", (16, 256, 56, 56), 32, torch.bfloat16, None, (), False),
+    ("p3 tail fp32 (h+y)*y", (1024, 8192), 1, torch.float32, None, ("same",), False),
+    ("GN problem fp32 silu", (112, 64, 512, 512), 8, torch.float32, "silu", (), False),
+]
+
+
+def kernel_ms(fn, flush, iters=20):
+    """Milliseconds of GPU kernel time an iteration of fn(), flush.bitwise_not_() (an L2 flush)
+    before each iteration and excluded."""
+    from torch.autograd import DeviceType
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name)
+    return total_us / iters / 1000.0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--filter", default="", help="only the cases whose label matches this regex")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; GPU kernel ms an iteration")
+    print(f"{'case':<28} {'forward':>8} {'backward':>8}")
+    flush = torch.zeros(512 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for label, shape, G, dt, act, opnames, cl in CASES:
+        if not re.search(args.filter, label):
+            continue
+        torch.manual_seed(0)
+        mf = torch.channels_last if cl else torch.contiguous_format
+        x = torch.randn(shape, device="cuda", dtype=dt).contiguous(memory_format=mf)
+        C = shape[1]
+        w = torch.randn(C, device="cuda", dtype=dt)
+        b = torch.randn(C, device="cuda", dtype=dt)
+        # ("same",): problem 3's tail, one tensor as residual and multiplier.
+        same = opnames == ("same",)
+        ops = {"residual": torch.randn_like(x)} if same else {k: torch.randn_like(x) for k in opnames}
+        with torch.no_grad():
+            fops = dict(ops, multiplier=ops["residual"]) if same else ops
+            forward = kernel_ms(lambda: fusednorm.group_norm(x, G, w, b, activation=act, **fops), flush, args.iters)
+        leaves = [t.detach().requires_grad_() for t in [x, w, b] + list(ops.values())]
+        kw = dict(zip(ops, leaves[3:]))
+        if same:
+            kw["multiplier"] = kw["residual"]
+        y = fusednorm.group_norm(leaves[0], G, leaves[1], leaves[2], activation=act, **kw)
+        dy = torch.randn_like(y)
+        backward = kernel_ms(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), flush, args.iters)
+        print(f"{label:<28} {forward:8.4f} {backward:8.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
