@@ -99,19 +99,24 @@ def main():
     print(f"sanitizer cases done (shard {SHARD[0]}/{SHARD[1]}: {_units} units, every {SHARD[1]}-th run)")
 
 
+def fused_units(cases):
+    """(x, groups, weight) of each (case, float32 / bfloat16) unit of this shard."""
+    for shape, groups in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            if in_shard():
+                x = torch.randn(shape, device="cuda", dtype=dtype)
+                yield x, groups, torch.randn(shape[1], device="cuda", dtype=dtype)
+
+
 def run_shared_memory_backwards():
+    cases = [((2, 16, 8, 8), 4), ((3, 32, 33, 17), 8), ((6, 3000), 1), ((4, 13), 1), ((2, 10, 3, 4, 5), 5),
+             ((1, 2, 64, 64), 1)]
     for path in ("one_pass_shared", "team"):
         with kernel_paths.selected(path):
-            for shape, groups in (((2, 16, 8, 8), 4), ((3, 32, 33, 17), 8), ((6, 3000), 1), ((4, 13), 1),
-                                  ((2, 10, 3, 4, 5), 5), ((1, 2, 64, 64), 1)):
-                for dtype in (torch.float32, torch.bfloat16):
-                    if not in_shard():
-                        continue
-                    x = torch.randn(shape, device="cuda", dtype=dtype)
-                    w = torch.randn(shape[1], device="cuda", dtype=dtype)
-                    run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
-                    run_fused(x, groups, None, None, "gelu", ("multiplier",))
-                    run_fused(x, groups, w, None, "none", ("residual",))
+            for x, groups, w in fused_units(cases):
+                run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
+                run_fused(x, groups, None, None, "gelu", ("multiplier",))
+                run_fused(x, groups, w, None, "none", ("residual",))
     torch.cuda.synchronize()
     print(f"sanitizer cases done (shard {SHARD[0]}/{SHARD[1]}: {_units} units, every {SHARD[1]}-th run)")
 
@@ -129,26 +134,21 @@ def run_all_plain_paths():
 
 
 def run_all_fused():
-    for shape, groups in CASES:
-        for dtype in (torch.float32, torch.bfloat16):
-            if not in_shard():
-                continue
-            x = torch.randn(shape, device="cuda", dtype=dtype)
-            w = torch.randn(shape[1], device="cuda", dtype=dtype)
-            run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
-            run_fused(x, groups, None, None, "mish", ("residual",))
-            run_fused(x, groups, None, None, "silu", ("residual",))
-            torch.ops.fusednorm.group_norm_forward(x, groups, w, w, 1e-5)  # the plain instantiations
-            if x.dim() == 2:  # problem 3's (h + y) * y: one tensor as the residual and the multiplier
-                y = torch.randn_like(x)
-                torch.ops.fusednorm.fused_group_norm_forward(x, groups, None, None, 1e-5, None, None, y, "none", 0.0, y)
-            if x.dim() >= 3:
-                cl = x.movedim(1, -1).contiguous().movedim(-1, 1)
-                run_fused(cl, groups, w, None, "gelu", ("scale", "multiplier"))
-                # SiLU with one tensor operand: the channels-last register forward where it fits.
-                run_fused(cl, groups, w, w, "silu", ("scale", "shift", "residual"))
-            flat = torch.randn(x.numel() + 1, device="cuda", dtype=dtype)
-            run_fused(flat[1:].view(shape), groups, None, w, "leaky_relu", ("shift", "residual", "multiplier"))
+    for x, groups, w in fused_units(CASES):
+        run_fused(x, groups, w, w, "silu", ("scale", "shift", "residual", "multiplier"))
+        run_fused(x, groups, None, None, "mish", ("residual",))
+        run_fused(x, groups, None, None, "silu", ("residual",))
+        torch.ops.fusednorm.group_norm_forward(x, groups, w, w, 1e-5)  # the plain instantiations
+        if x.dim() == 2:  # problem 3's (h + y) * y: one tensor as the residual and the multiplier
+            y = torch.randn_like(x)
+            torch.ops.fusednorm.fused_group_norm_forward(x, groups, None, None, 1e-5, None, None, y, "none", 0.0, y)
+        if x.dim() >= 3:
+            cl = x.movedim(1, -1).contiguous().movedim(-1, 1)
+            run_fused(cl, groups, w, None, "gelu", ("scale", "multiplier"))
+            # SiLU with one tensor operand: the channels-last register forward where it fits.
+            run_fused(cl, groups, w, w, "silu", ("scale", "shift", "residual"))
+        flat = torch.randn(x.numel() + 1, device="cuda", dtype=x.dtype)
+        run_fused(flat[1:].view(x.shape), groups, None, w, "leaky_relu", ("shift", "residual", "multiplier"))
 
 
 def run_all_plain():
