@@ -330,23 +330,26 @@ __device__ __forceinline__ void with_activation(Activation act, const F& f) {
   }
 }
 
-// e^-p as __expf(-p) takes it (p times -log2(e), then MUFU.EX2), in the flush-to-zero form of
-// the ex2: __expf's handling of results below 2^-126 (a compare and two predicated multiplies an
-// element, 3 of SiLU's 8 instructions) only changes e^-p where p > 87, and there 1 + e^-p rounds
-// to 1 either way: SiLU and its derivative keep their bits (88 cases of every path compared
-// bitwise on an H200, RESULTS.md, twenty-fourth run).
+// 2^x by one MUFU.EX2 (2^-22 relative error), results below 2^-126 flushed to 0.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
   return e;
 }
 
+// e^-p as __expf(-p) takes it (p times -log2(e), then MUFU.EX2), in the flush-to-zero form of
+// the ex2: __expf's handling of results below 2^-126 (a compare and two predicated multiplies an
+// element, 3 of SiLU's 8 instructions) only changes e^-p where p > 87, and there 1 + e^-p rounds
+// to 1 either way: SiLU and its derivative keep their bits (88 cases of every path compared
+// bitwise on an H200, RESULTS.md, twenty-fourth run).
 __device__ __forceinline__ float exp_neg_ftz(float p) { return exp2_ftz(p * -1.44269504088896341f); }
 
 // Phi(p) = (1 + erf(p / sqrt2)) / 2, GELU's factor, without erff: Phi(-|p|) = erfc(t) / 2 = 2^s(t),
 // t = |p| / sqrt2, s a degree-10 polynomial (one MUFU.EX2), and Phi(|p|) = 1 - Phi(-|p|). erff
 // evaluates two polynomials and an exponential and selects: GELU added 26 instructions an
-// element to the forward (RESULTS.md, twenty-fourth run), this about 18.
+// element to the forward (RESULTS.md, twenty-fourth run), this about 18: the VAE fp16 GELU
+// forward went from 1.53x to 1.35x the plain one, the backward from 1.60x to 1.38x (twenty-sixth
+// run).
 // The coefficients and the tail are scripts/fit_gelu_cdf.py's, which reports the error: at most
 // ~1e-7 absolute (eager's float (1 + erf) / 2 has ~7e-8 with erf rounded once, erff is documented
 // to 2 ulp), plus MUFU.EX2's 2^-22 relative; relative 6e-6 in the tail for p < 0, where eager's
