@@ -158,21 +158,27 @@ SPECIAL_VALUES = [-math.inf, math.inf, math.nan, -100.0, -88.8, -13.5, -10.0, -5
                   0.0, -0.0, 1e-3, 1.0, 4.0, 5.5, 10.0, 88.8, 100.0]
 
 
+def activation_at(values, activation):
+    """fusednorm.group_norm's output and the bias's gradient (act'(p) summed over a channel) where
+    p takes each of `values`: one channel a group, zero weight, so the normalized value is the
+    bias exactly. Output (1, C, 2), gradient (C,), on values' device and dtype."""
+    C = values.numel()
+    x = torch.randn(1, C, 2, dtype=values.dtype, device=values.device)
+    b = values.clone().requires_grad_()
+    z = fusednorm.group_norm(x, C, torch.zeros_like(values), b, activation=activation, negative_slope=0.2)
+    (grad_b,) = torch.autograd.grad(z, b, torch.ones_like(z))
+    return z, grad_b
+
+
 @pytest.mark.parametrize("activation", list(EAGER_ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_activation_special_values_match_eager(activation, dtype, device):
-    # One channel a group, zero weight: the normalized value is the bias exactly, so p takes each
-    # special value; the output and the bias's gradient (act'(p) summed) against eager's
-    # activation, NaN and infinities in the same places.
+    # The output and the bias's gradient against eager's activation, NaN and infinities in the
+    # same places.
     values = torch.tensor(SPECIAL_VALUES, dtype=dtype, device=device)
-    C = values.numel()
-    x = torch.randn(2, C, 3, dtype=dtype, device=device)
-    w = torch.zeros(C, dtype=dtype, device=device)
-    b = values.clone().requires_grad_()
-    z = fusednorm.group_norm(x, C, w, b, activation=activation, negative_slope=0.2)
-    (grad_b,) = torch.autograd.grad(z, b, torch.ones_like(z))
+    z, grad_b = activation_at(values, activation)
     eager_b = values.clone().requires_grad_()
-    want = EAGER_ACTIVATIONS[activation](eager_b.view(1, C, 1).expand_as(x))
+    want = EAGER_ACTIVATIONS[activation](eager_b.view(1, -1, 1).expand_as(z))
     (want_grad_b,) = torch.autograd.grad(want, eager_b, torch.ones_like(want))
     torch.testing.assert_close(z, want, equal_nan=True, msg=lambda m: f"{activation} output: {m}")
     torch.testing.assert_close(grad_b, want_grad_b, equal_nan=True, msg=lambda m: f"{activation} grad: {m}")
@@ -182,18 +188,15 @@ def test_activation_special_values_match_eager(activation, dtype, device):
 # derivative is 1e-6 off there.
 @pytest.mark.parametrize("activation", [a for a in EAGER_ACTIVATIONS if a != "gelu_tanh"])
 def test_activation_dense_range_float32(activation, device):
-    # The activations and their derivatives in float32 at 20001 points of [-10, 10] (p = the bias,
-    # as above), against float64: a few float32 ulp wherever the value is not tiny. The CUDA
-    # kernels' own SiLU and GELU (an ex2 and a fitted polynomial, scripts/fit_gelu_cdf.py) are held
-    # to this, not only to the dtype tolerances of the shape tests.
+    # The activations and their derivatives in float32 at 20001 points of [-10, 10], against
+    # float64: a few float32 ulp wherever the value is not tiny. The CUDA kernels' own SiLU and
+    # GELU (an ex2 and a fitted polynomial, scripts/fit_gelu_cdf.py) are held to this, not only to
+    # the dtype tolerances of the shape tests.
     from reference import activation_reference
 
     values = torch.linspace(-10, 10, 20001, dtype=torch.float64)
     C = values.numel()
-    x = torch.randn(1, C, 2, device=device)
-    b = values.float().to(device).requires_grad_()
-    z = fusednorm.group_norm(x, C, torch.zeros(C, device=device), b, activation=activation, negative_slope=0.2)
-    (grad_b,) = torch.autograd.grad(z, b, torch.ones_like(z))  # act'(p) at two elements a channel
+    z, grad_b = activation_at(values.float().to(device), activation)  # act'(p) at two elements a channel
     p = values.float().double().requires_grad_()
     want = activation_reference(p, activation, 0.2)
     (want_grad,) = torch.autograd.grad(want, p, torch.ones_like(want))

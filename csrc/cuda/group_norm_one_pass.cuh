@@ -1378,7 +1378,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   const acc_t rstd = a.rstd[item];
   const bool want_q = e.grad_multiplier != nullptr;
 
-
   // Sums: this thread's share of sum w_eff * dp, sum w_eff * dp * (x - m) and sum (x - m), keeping
   // what K says for the dx phase.
   Sums<acc_t, 1> mine;
