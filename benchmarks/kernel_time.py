@@ -8,8 +8,8 @@ within 0.5%. One line a case: label, forward ms, backward ms. On the GPU machine
     GPU_BUILD=DIR scripts/gpu_prebuilt.sh py benchmarks/kernel_time.py [--filter REGEX] [--iters N]
 
 The cases: the fused rows whose backward the one-CTA and team kernels take (ResNet, VAE, UNet
-shapes), the channels-last split path, problem 3's tail and the GroupNorm problem, with two plain
-rows as controls.
+shapes), the channels-last split path, problem 3's tail and the GroupNorm problem, with plain rows
+and a residual alone (dp = dz, its gradient written by the dx loop) as controls.
 """
 import argparse
 import re
@@ -36,6 +36,8 @@ CASES = [  # label, shape, groups, dtype, activation, operands, channels_last
     ("bf16 CL silu", (8, 320, 64, 64), 32, torch.bfloat16, "silu", (), True),
     ("vae fp16 plain 1024", (1, 128, 1024, 1024), 32, torch.float16, None, (), False),
     ("resnet bf16 plain", (16, 256, 56, 56), 32, torch.bfloat16, None, (), False),
+    ("resnet bf16 residual", (16, 256, 56, 56), 32, torch.bfloat16, None, ("residual",), False),
+    ("vae bf16 residual", (1, 128, 512, 512), 32, torch.bfloat16, None, ("residual",), False),
     ("p3 tail fp32 (h+y)*y", (1024, 8192), 1, torch.float32, None, ("same",), False),
     ("GN problem fp32 silu", (112, 64, 512, 512), 8, torch.float32, "silu", (), False),
 ]

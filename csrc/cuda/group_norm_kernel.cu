@@ -419,6 +419,31 @@ __device__ __forceinline__ acc_t grad_at_p(Activation runtime_act, acc_t slope, 
   return act == Activation::None ? dzm : dzm * device_activation_derivative(act, p, slope);
 }
 
+// dp = dz * multiplier * act'(p) at one element, p = ea * (x - m) + pc + residual made only where
+// an activation or q needs it (xc = x - m); q = act(p) when want_q, for grad_multiplier = dz * q.
+// Every backward takes dp from here (the split passes' dz_to_dp and apply_epi_pack, the one-CTA
+// and team backwards' element_dp), so each pass's sums are sums of the dp its dx is made of.
+template <int A, typename acc_t>
+__device__ __forceinline__ acc_t epi_dp(Activation runtime_act, acc_t slope, acc_t xc, acc_t dz, acc_t r, acc_t m,
+    acc_t ea, acc_t pc, bool want_q, acc_t& q) {
+  const Activation act = act_of<A>(runtime_act);
+  acc_t g = dz * m;
+  if (act != Activation::None || want_q) {
+    const acc_t p = (ea * xc + pc) + r;
+    g = grad_at_p<A>(act, slope, g, p);
+    if (want_q) q = device_activation_forward(act, p, slope);
+  }
+  return g;
+}
+
+// grad_residual = dp and grad_multiplier = dz * q at one element, before their rounding; their
+// sum into gr when the two are one buffer (one tensor was both operands).
+template <typename acc_t>
+__device__ __forceinline__ void operand_grads_at(bool sum, acc_t dp, acc_t dz, acc_t q, acc_t& gr, acc_t& gm) {
+  gr = sum ? dp + dz * q : dp;
+  gm = dz * q;
+}
+
 template <typename T>
 __device__ __forceinline__ T* offset_or_null(T* p, int64_t off) {
   return p == nullptr ? p : p + off;
@@ -458,8 +483,8 @@ __device__ __forceinline__ void dz_to_dp(const EpiArgs<scalar_t>& e, const scala
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int l = L == 1 ? 0 : j;
-      const acc_t p = (ea[l] * (x[u][j] - center[l]) + pc[l]) + r[u][j];
-      d[u][j] = grad_at_p<kAnyAct>(e.act, e.slope, d[u][j] * m[u][j], p);
+      acc_t q;  // unused: no grad_multiplier here
+      d[u][j] = epi_dp<kAnyAct>(e.act, e.slope, x[u][j] - center[l], d[u][j], r[u][j], m[u][j], ea[l], pc[l], false, q);
     }
   }
 }
@@ -1271,27 +1296,19 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
     out[v] = round_pack<scalar_t, V>(o);
     return;
   }
-  // p is needed for act'(p), and for grad_multiplier = dz * act(p) (act(p) = p without activation).
   const bool want_gm = grad_multiplier != nullptr;
   const bool sum_grads = want_gm && grad_multiplier == grad_residual;
-  const bool need_p = act != Activation::None || want_gm;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int l = L == 1 ? 0 : j;
     const acc_t xc = static_cast<acc_t>(xp.v[j]) - k[l].hi;
     const acc_t dz = static_cast<acc_t>(dp.v[j]);
     const acc_t m = has_m ? static_cast<acc_t>(mp.v[j]) : acc_t(1);
-    acc_t g = dz * m;
+    const acc_t r = has_r ? static_cast<acc_t>(rp.v[j]) : acc_t(0);
     acc_t q = acc_t(0);
-    if (need_p) {
-      const acc_t r = has_r ? static_cast<acc_t>(rp.v[j]) : acc_t(0);
-      const acc_t p = (k[l].a * xc + pc[l]) + r;
-      g = grad_at_p<A>(act, e.slope, g, p);
-      if (want_gm) q = device_activation_forward(act, p, e.slope);
-    }
+    const acc_t g = epi_dp<A>(act, e.slope, xc, dz, r, m, k[l].a, pc[l], want_gm, q);
     o[j] = k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c);
-    gr[j] = sum_grads ? g + dz * q : g;
-    gm[j] = dz * q;
+    operand_grads_at(sum_grads, g, dz, q, gr[j], gm[j]);
   }
   if (out != nullptr) out[v] = round_pack<scalar_t, V>(o);
   if (grad_residual != nullptr) grad_residual[v] = round_pack<scalar_t, V>(gr);

@@ -1088,20 +1088,6 @@ struct OnePassBackwardArgs {
   }
 };
 
-// dp, and q = act(p) when grad_multiplier is wanted, at one element: the arithmetic of the split
-// path's dz_to_dp and apply_epi_pack.
-template <Activation A, typename scalar_t, typename acc_t>
-__device__ __forceinline__ acc_t one_pass_dp(const EpiArgs<scalar_t>& e, acc_t xc, acc_t dz, acc_t r,
-    acc_t m, acc_t ea, acc_t pc, bool want_q, acc_t& q) {
-  acc_t g = dz * m;
-  if (A != Activation::None || want_q) {
-    const acc_t p = (ea * xc + pc) + r;
-    g = grad_at_p<static_cast<int>(A)>(A, e.slope, g, p);
-    if (want_q) q = device_activation_forward(A, p, e.slope);
-  }
-  return g;
-}
-
 // A channel's backward coefficients: w_eff and the folded bias pc (the affine and the epilogue's
 // scale / shift at (n, c)), and ea = rstd * w_eff, dp's factor in dx.
 template <typename acc_t>
@@ -1241,11 +1227,8 @@ __device__ __forceinline__ acc_t element_dp(const EpiArgs<scalar_t>& e, const El
     acc_t ea, acc_t pc, bool want_q, const OperandGrads<scalar_t, V>& grads, acc_t& xc, acc_t& gr, acc_t& gm) {
   acc_t dz, r, m, q = acc_t(0);
   element(v, j, xc, dz, r, m);
-  const acc_t dp = one_pass_dp<A>(e, xc, dz, r, m, ea, pc, GRADS && want_q, q);
-  if (GRADS) {
-    gr = grads.sum ? dp + dz * q : dp;
-    gm = dz * q;
-  }
+  const acc_t dp = epi_dp<static_cast<int>(A)>(A, e.slope, xc, dz, r, m, ea, pc, GRADS && want_q, q);
+  if (GRADS) operand_grads_at(grads.sum, dp, dz, q, gr, gm);
   return dp;
 }
 
@@ -1261,12 +1244,13 @@ __device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, con
   dx = k.ea * dp + (g.b1 * (xc - g.delta) + g.b2);
 }
 
-// What the sums phase leaves for the dx phase (Keep): nothing, dp is made again there (None: the
-// plain backward, dp = dz, or the residual alone); dp, written over dz in shared memory (Dp); or dp
-// and grad_residual / grad_multiplier, written to global memory at once (DpAndGrads: both are
-// known before the group's sums, and grad_multiplier = dz * act(p) needs the dz that dp replaces).
-// The dx phase then reads x and dp only, as the plain backward does: the activation's derivative
-// (and the residual's and multiplier's reads) taken once an element instead of twice.
+// What the sums phase leaves for the dx phase (Keep): nothing (None: no activation and no
+// multiplier, so dp = dz, as in the plain backward or with a residual alone); dp, written over dz
+// in shared memory (Dp); or dp and grad_residual / grad_multiplier, written to global memory at
+// once (DpAndGrads: both are known before the group's sums, and grad_multiplier = dz * act(p)
+// needs the dz that dp replaces). The dx phase then reads x and dp only, as the plain backward
+// does: the activation's derivative (and the residual's and multiplier's reads) taken once an
+// element instead of twice.
 // dp is kept rounded to scalar_t (exact in float), as eager PyTorch rounds the gradient that its
 // activation or multiplication backward hands the normalization's.
 enum class Keep { None, Dp, DpAndGrads };
@@ -1338,7 +1322,9 @@ void dispatch_keep(Keep k, const F& f) {
 
 // Calls f(operands) for the sums phase of a kernel keeping K: element, or where the sums write no
 // operand gradients and neither residual nor multiplier is held, element.without_operands() (a
-// loop without their reads, see dispatch_bool).
+// loop without their reads, see dispatch_bool). With K == None neither is ever held (dp = dz), yet
+// the test stays: without it (one sums loop fewer) the plain backwards' registers fell out
+// differently and they took 1-2% longer (RESULTS.md, twenty-seventh run).
 template <Keep K, typename scalar_t, int V, typename F>
 __device__ __forceinline__ void with_sums_operands(const EpiArgs<scalar_t>& e, const BackwardOperands<scalar_t, V>& element,
     const F& f) {
@@ -1349,6 +1335,22 @@ __device__ __forceinline__ void with_sums_operands(const EpiArgs<scalar_t>& e, c
     }
   }
   f(element);
+}
+
+// Calls write(std::bool_constant<GRADS>()) for the dx phase of a kernel keeping K, whose loop makes
+// dx from x and dp alone as the plain backward (element.without_operands(), no activation): dp is
+// the kept one, or dz with K == None (no activation, no multiplier). GRADS: grad_residual (= dp) is
+// left to this loop, with K == None where it is wanted (grad_multiplier needs a multiplier, so is
+// written by the sums phase). The loop without it holds fewer registers.
+template <Keep K, typename scalar_t, int V, typename Write>
+__device__ __forceinline__ void dispatch_dx_grads(const OperandGrads<scalar_t, V>& grads, const Write& write) {
+  if constexpr (K == Keep::None) {
+    if (grads.wanted()) {
+      write(std::true_type());
+      return;
+    }
+  }
+  write(std::false_type());
 }
 
 // CTAs of up to kBackwardThreads threads, two an SM (at most 64 registers a thread): the groups
@@ -1443,13 +1445,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   const GroupGradCoefs<acc_t> coefs(A_sum, one_pass_block_sum<kBackwardThreads>(mine.dyxc[0], red), dev, rstd, M);
   if (threadIdx.x == 0 && a.rec != nullptr) coefs.store(a.rec + item * kRec, element.mean, rstd);
 
-  // The dx phase: from x and the kept dp as the plain backward (its grads written already), else
-  // with dp made again.
+  // The dx phase (see dispatch_dx_grads), where anything is left to write.
   P* dxg = reinterpret_cast<P*>(offset_or_null(a.dx, off));
   const OperandGrads<scalar_t, V> grads(e, item * lenv);
-  const auto write = [&](auto act, auto with_grads, const auto& operands) {
-    constexpr Activation kA = decltype(act)::value;
+  dispatch_dx_grads<K>(grads, [&](auto with_grads) {
     constexpr bool GRADS = decltype(with_grads)::value;
+    if (!GRADS && dxg == nullptr) return;
+    const auto operands = element.without_operands();
     int64_t cached_c = -1;
     ChannelCoefs<acc_t> k{acc_t(0), acc_t(0), acc_t(0)};
     for (int64_t v = threadIdx.x; v < lenv; v += threads) {
@@ -1466,19 +1468,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
           cached_c = c_first + c;
           k = channel_coefs(a, n, cached_c, rstd);
         }
-        backward_outputs<kA, GRADS>(e, operands, v, j, k, coefs, want_q, grads, o[j], gr[j], gm[j]);
+        backward_outputs<Activation::None, GRADS>(e, operands, v, j, k, coefs, want_q, grads, o[j], gr[j], gm[j]);
       }
       if (dxg != nullptr) dxg[v] = round_pack<scalar_t, V>(o);
       if (GRADS) grads.store(v, gr, gm);
     }
-  };
-  if constexpr (K != Keep::None) {
-    if (dxg != nullptr) {
-      write(std::integral_constant<Activation, Activation::None>(), std::false_type(), element.without_operands());
-    }
-  } else {
-    write(std::integral_constant<Activation, A>(), std::true_type(), element);
-  }
+  });
 }
 
 // Threads a CTA of the one-pass backward for a group of lenv packs. FUSEDNORM_BACKWARD_THREADS

@@ -554,17 +554,14 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const GroupGradCoefs<acc_t> coefs(sums.dy[0], sums.dyxc[0], sums.xc[0], rstd, static_cast<acc_t>(o.len));
     if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);
 
-    // 3. dx, grad_residual and grad_multiplier (backward_outputs), or from a kept dp dx alone, as
-    // the plain backward. A thread takes the packs threadIdx.x + k * kTeamThreads, and copies
-    // round i + 1's into them.
+    // 3. dx from x and dp, with grad_residual where left to this loop (dispatch_dx_grads). A
+    // thread takes the packs threadIdx.x + k * kTeamThreads, and copies round i + 1's into them.
     P* dxg = reinterpret_cast<P*>(o.dx) + first;  // dx is always wanted here
     const OperandGrads<scalar_t, V> grads(e, first);
     const bool more = i + 1 < rounds;
-    // GRADS: grad_residual or grad_multiplier wanted; the loop without them (the plain backward's)
-    // holds fewer registers.
-    const auto write = [&](auto act, auto with_grads, const auto& operands) {
-      constexpr Activation kA = decltype(act)::value;
+    dispatch_dx_grads<K>(grads, [&](auto with_grads) {
       constexpr bool GRADS = decltype(with_grads)::value;
+      const auto operands = element.without_operands();
       // The packs [c_begin, c_end) of the chunk lie in the channel whose coefficients kc holds: a
       // range test a pack rather than a division.
       int64_t c_begin = 0, c_end = 0;
@@ -579,25 +576,13 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         acc_t dxp[V], gr[V], gm[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          backward_outputs<kA, GRADS>(e, operands, v, j, kc, coefs, want_q, grads, dxp[j], gr[j], gm[j]);
+          backward_outputs<Activation::None, GRADS>(e, operands, v, j, kc, coefs, want_q, grads, dxp[j], gr[j], gm[j]);
         }
         dxg[v] = round_pack<scalar_t, V>(dxp);
         if (GRADS) grads.store(v, gr, gm);
         if (more) copy_in(i + 1, v);
       }
-    };
-    using Act = std::integral_constant<Activation, A>;
-    if constexpr (K != Keep::None) {
-      write(std::integral_constant<Activation, Activation::None>(), std::false_type(), element.without_operands());
-    } else {
-      if (grads.wanted()) {
-        write(Act(), std::true_type(), element);
-      } else if (e.residual == nullptr && e.multiplier == nullptr) {
-        write(Act(), std::false_type(), element.without_operands());
-      } else {
-        write(Act(), std::false_type(), element);
-      }
-    }
+    });
     if (more) __pipeline_commit();
 
     // 4. Each channel that begins in this chunk: its parts, all written before round i's barrier,
