@@ -1232,15 +1232,16 @@ __device__ __forceinline__ acc_t element_dp(const EpiArgs<scalar_t>& e, const El
   return dp;
 }
 
-// dx = ea * dp + b1 * ((x - m) - delta) + b2 at one element, and with GRADS grad_residual and
-// grad_multiplier (element_dp), all before their rounding to scalar_t (round_pack, a pack at a
-// time).
-template <Activation A, bool GRADS, typename scalar_t, int V, typename acc_t, typename Element, typename I>
+// The dx phase at one element: dx = ea * dp + b1 * ((x - m) - delta) + b2, dp read as the element's
+// dz (the kept dp, or dz itself where dp = dz: no activation is applied here, see
+// dispatch_dx_grads), and with GRADS grad_residual and grad_multiplier (element_dp), all before
+// their rounding to scalar_t (round_pack, a pack at a time).
+template <bool GRADS, typename scalar_t, int V, typename acc_t, typename Element, typename I>
 __device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, const Element& element, I v, int j,
     const ChannelCoefs<acc_t>& k, const GroupGradCoefs<acc_t>& g, bool want_q, const OperandGrads<scalar_t, V>& grads,
     acc_t& dx, acc_t& gr, acc_t& gm) {
   acc_t xc;
-  const acc_t dp = element_dp<A, GRADS>(e, element, v, j, k.ea, k.pc, want_q, grads, xc, gr, gm);
+  const acc_t dp = element_dp<Activation::None, GRADS>(e, element, v, j, k.ea, k.pc, want_q, grads, xc, gr, gm);
   dx = k.ea * dp + (g.b1 * (xc - g.delta) + g.b2);
 }
 
@@ -1468,7 +1469,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
           cached_c = c_first + c;
           k = channel_coefs(a, n, cached_c, rstd);
         }
-        backward_outputs<Activation::None, GRADS>(e, operands, v, j, k, coefs, want_q, grads, o[j], gr[j], gm[j]);
+        backward_outputs<GRADS>(e, operands, v, j, k, coefs, want_q, grads, o[j], gr[j], gm[j]);
       }
       if (dxg != nullptr) dxg[v] = round_pack<scalar_t, V>(o);
       if (GRADS) grads.store(v, gr, gm);

@@ -576,7 +576,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         acc_t dxp[V], gr[V], gm[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          backward_outputs<Activation::None, GRADS>(e, operands, v, j, kc, coefs, want_q, grads, dxp[j], gr[j], gm[j]);
+          backward_outputs<GRADS>(e, operands, v, j, kc, coefs, want_q, grads, dxp[j], gr[j], gm[j]);
         }
         dxg[v] = round_pack<scalar_t, V>(dxp);
         if (GRADS) grads.store(v, gr, gm);
