@@ -25,8 +25,9 @@ the shapes above, read from the fake tensors Dynamo records (``node.meta["exampl
 a node without one is not fused). Steps out of this order end the chain: reordering would change
 the rounding. A norm with no step after it is left as it is.
 
-The fused op runs where the chain ends, so a step is also refused when a node between it and the
-previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
+The fused op runs where the chain ends, so a step is also refused when a node between the norm and
+it reads the running statistics the norm updates (it would see them before the update), or when
+a node between it and the previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
 ``inplace=True``, setitem, running-statistics updates, context-manager calls), and an operand
 that is itself modified in place anywhere in the graph is not taken. Not fused: ``sigmoid(z) * z``
 written out, per-channel operands that only broadcast over N (shape (1, C, 1, 1)), scalars, and
@@ -238,6 +239,26 @@ def _untouched_between(gm: fx.GraphModule, start: fx.Node, end: fx.Node) -> bool
     return node is end
 
 
+def _running_stats_readers(gm: fx.GraphModule, norm: fx.Node, args: Dict[str, Any]) -> List[fx.Node]:
+    """The nodes other than `norm` that read (or view) the running statistics `norm` updates in
+    place; none when it updates none."""
+    if args.get("use_input_stats", True) is False:
+        return []
+    stats = [args.get(name) for name in ("running_mean", "running_var")]
+    sources = [s for s in stats if isinstance(s, fx.Node)]
+    # Another get_attr of the same buffer is the same tensor.
+    targets = {s.target for s in sources if s.op == "get_attr"}
+    sources += [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in targets and n not in sources]
+    readers: List[fx.Node] = []
+    pending = list(sources)
+    while pending:  # users, and users of users: views of a buffer read it too
+        for user in pending.pop().users:
+            if user is not norm and user not in readers:
+                readers.append(user)
+                pending.append(user)
+    return readers
+
+
 def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
     norm = _norm(gm, node)
     ref = _value(node)
@@ -247,6 +268,10 @@ def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
     source = _value(args["input"])
     if source is None or source.dtype != ref.dtype:
         return False
+    # The running-statistics update moves with the norm to where the chain ends: a read of the
+    # statistics in between would see them before the update (the module docstring).
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    stat_reads = [position[r] for r in _running_stats_readers(gm, node, args)]
     stage, epilogue, chain, dying = -1, {}, [], []
     cur = node
     while len(cur.users) == 1:
@@ -256,6 +281,8 @@ def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
             break
         # The fused op runs where the chain ends: nothing in between may change what it reads.
         if not all(_untouched_between(gm, start, user) for start in [cur] + step[2]):
+            break
+        if any(position[node] < p <= position[user] for p in stat_reads):
             break
         stage, cur = step[0], user
         epilogue.update(step[1])
