@@ -66,8 +66,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward(
 
 using OptString = c10::optional<c10::string_view>;
 
+// The activation the kernel ops get: "none" for None, and "silu" for its alias "swish" (apex's
+// name), so that graphs and saved contexts hold one name per activation.
 c10::string_view activation_or_none(const OptString& activation) {
-  return activation.has_value() ? *activation : c10::string_view("none");
+  if (!activation.has_value()) return "none";
+  if (*activation == "swish") return "silu";
+  return *activation;
+}
+
+// C = 0: eager's group_norm raises (its instance_norm, a batch norm over N * C channels, does not:
+// nor does instance_norm here).
+void check_has_channels(const at::Tensor& input) {
+  TORCH_CHECK(input.sym_size(1) != 0, "Expected number of channels to be greater than 0, got 0");
 }
 
 at::Tensor group_norm(
@@ -78,6 +88,7 @@ at::Tensor group_norm(
   TORCH_CHECK(input.dim() >= 2,
       "Expected at least 2 dimensions for input tensor but received ", input.dim());
   TORCH_CHECK(num_groups > 0, "Expected num_groups to be positive, but got num_groups=", num_groups);
+  check_has_channels(input);
   TORCH_CHECK_VALUE(input.sym_size(0) * input.sym_size(1) / num_groups * spatial_numel(input) != 1,
       "Expected more than 1 value per channel when training, got input size ", input.sym_sizes());
   const EpilogueArgs ep{activation_or_none(activation), negative_slope, scale, shift, residual, multiplier};
@@ -127,6 +138,11 @@ at::Tensor instance_norm(
     TORCH_CHECK((*stat)->device() == input.device(),
         "Expected all tensors to be on the same device, but found input on ", input.device(),
         " and ", name, " on ", (*stat)->device());
+    // As eager (batch_norm's derivative formula) in both modes; under no_grad it takes them.
+    // The update below runs under a NoGradGuard, which would otherwise accept them.
+    TORCH_CHECK(!(at::GradMode::is_enabled() && (*stat)->requires_grad()),
+        "The function 'instance_norm' is not differentiable with respect to argument '", name,
+        "'. This input cannot have requires_grad True.");
   }
   if (!use_input_stats) {
     return instance_norm_with_running_stats(input, *running_mean, *running_var, weight, bias, eps, ep);
@@ -134,12 +150,19 @@ at::Tensor instance_norm(
   const c10::SymInt spatial = spatial_numel(input);
   TORCH_CHECK_VALUE(spatial != 1,
       "Expected more than 1 spatial element when training, got input size ", input.sym_sizes());
+  if (C == 0) {
+    // No channels: nothing to normalize and no statistics to update, as in eager (a group norm
+    // of 0 groups would be refused).
+    return at::empty_like(input, input.suggest_memory_format());
+  }
 
   // Instance norm is group norm with one channel per group.
   auto [output, mean, rstd] =
       call_forward(input, C.guard_int(__FILE__, __LINE__), weight, bias, eps, ep);
 
-  if ((defined(running_mean) || defined(running_var)) && input.sym_size(0) != 0) {
+  // No update from an empty batch or from no spatial elements: eager's batch_norm leaves the
+  // statistics as they are when it has no values to take them from.
+  if ((defined(running_mean) || defined(running_var)) && input.sym_size(0) != 0 && spatial != 0) {
     // As PyTorch: running = (1 - momentum) * running + momentum * mean over the batch of the
     // per-instance statistic, with the per-instance variance unbiased.
     at::NoGradGuard no_grad;
@@ -148,9 +171,13 @@ at::Tensor instance_norm(
       running_mean->mul_(1 - momentum).add_(batch_mean.to(running_mean->scalar_type()), momentum);
     }
     if (defined(running_var)) {
-      // rstd = 1 / sqrt(var + eps), so var = rstd^-2 - eps.
-      const at::Tensor var = rstd.pow(-2).sub_(eps);
-      const at::Tensor unbiased = var.mul_(c10::Scalar(spatial)).div_(c10::Scalar(spatial - 1));
+      // The variance itself, as eager computes it: from rstd it would be rstd^-2 - eps, which
+      // cancels to noise (even below zero) when the variance is small against eps. It costs a
+      // pass over the input, only in calls that update running statistics (docs/deviations.md).
+      std::vector<int64_t> spatial_dims(input.dim() - 2);
+      for (size_t d = 0; d < spatial_dims.size(); ++d) spatial_dims[d] = static_cast<int64_t>(d) + 2;
+      const auto opmath = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+      const at::Tensor unbiased = at::var(input.to(opmath), spatial_dims, /*unbiased=*/true, /*keepdim=*/false);
       running_var->mul_(1 - momentum).add_(unbiased.mean(0).to(running_var->scalar_type()), momentum);
     }
   }
@@ -162,7 +189,8 @@ at::Tensor instance_norm(
 at::Tensor apply_epilogue(at::Tensor z, const at::Tensor& input, const EpilogueArgs& ep) {
   const int64_t rank = input.dim();
   auto per_sample_channel = [&](const char* name, const at::Tensor& t) {
-    bool ok = t.dim() >= 2 && t.sym_size(0) == input.sym_size(0) && t.sym_size(1) == input.sym_size(1);
+    bool ok = t.dim() >= 2 && t.dim() <= rank && t.sym_size(0) == input.sym_size(0) &&
+              t.sym_size(1) == input.sym_size(1);
     for (int64_t d = 2; ok && d < t.dim(); ++d) ok = t.sym_size(d) == 1;
     TORCH_CHECK(ok, "Expected ", name, " of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = (",
         input.sym_size(0), ", ", input.sym_size(1), "), but got ", name, " of shape ", t.sym_sizes());
@@ -226,6 +254,13 @@ TORCH_LIBRARY(fusednorm, m) {
 
 TORCH_LIBRARY_IMPL(fusednorm, CompositeImplicitAutograd, m) {
   m.impl("group_norm", &group_norm);
+  m.impl("instance_norm", &instance_norm);
+}
+
+// torch.func.vmap: functorch's fallback refuses ops with mutable arguments (instance_norm's
+// running statistics), so instance_norm decomposes under vmap as everywhere else, into the kernel
+// ops, which the fallback batches. (group_norm needs nothing: the fallback takes it.)
+TORCH_LIBRARY_IMPL(fusednorm, FuncTorchBatched, m) {
   m.impl("instance_norm", &instance_norm);
 }
 
