@@ -103,7 +103,12 @@ struct ComposedForward {
                       multiplier = as_optional(v[6]);
       z = apply_epilogue(z, v[0], EpilogueArgs{activation, negative_slope, scale, shift, residual, multiplier});
     }
-    return z.contiguous(v[0].suggest_memory_format());
+    // channels-last through movedim rather than contiguous(memory_format): functorch's vmap (in
+    // jacfwd, hessian, vmap(jvp)) implements only contiguous_format and preserve_format clones.
+    // The strides are the same.
+    const auto format = v[0].suggest_memory_format();
+    if (format == at::MemoryFormat::Contiguous) return z.contiguous();
+    return z.movedim(1, -1).contiguous().movedim(-1, 1);
   }
 };
 

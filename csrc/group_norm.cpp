@@ -23,8 +23,9 @@ void check_param(const char* name, const at::Tensor& param, const at::Tensor& in
   const auto in = input.scalar_type();
   const auto p = param.scalar_type();
   const bool reduced_input = in == at::kBFloat16 || in == at::kHalf;
-  // Mixed precision as on PyTorch's CPU kernels: bf16/fp16 input with fp32 parameters.
-  TORCH_CHECK_TYPE(p == in || (reduced_input && p == at::kFloat),
+  // Mixed precision as on PyTorch's CPU kernels: bf16/fp16 input with fp32 parameters. Any other
+  // mix is a RuntimeError, as eager's "mixed dtype" check raises.
+  TORCH_CHECK(p == in || (reduced_input && p == at::kFloat),
       "Expected ", name, " to have the input's dtype (", in, ")",
       reduced_input ? " or float32" : "", ", but got ", p);
 }
@@ -89,10 +90,39 @@ GroupNormShape check_group_norm_backward_args(
   return shape;
 }
 
+namespace {
+
+// Whether t's strides are those of a dense tensor in `layout` (size-1 dimensions ignored), read
+// from the strides themselves: is_contiguous() calls every empty tensor contiguous.
+bool has_strides_of(const at::Tensor& t, Layout layout) {
+  const at::Tensor v = layout == Layout::ChannelsLast ? t.movedim(1, -1) : t;
+  int64_t expected = 1;
+  for (int64_t d = v.dim() - 1; d >= 0; --d) {
+    if (v.size(d) != 1 && v.stride(d) != expected) return false;
+    expected *= std::max<int64_t>(v.size(d), 1);
+  }
+  return true;
+}
+
+}  // namespace
+
 Layout layout_for(const at::Tensor& t) {
+  // The output keeps the input's layout, as eager's norms keep its suggested memory format
+  // (docs/deviations.md, 'Memory format'); the kernels keep dense channels-last at any rank >= 3.
+  if (t.numel() == 0) {
+    // Nothing to compute: the layout its strides say, so that an empty batch comes back as a
+    // full one does.
+    return t.dim() >= 3 && !has_strides_of(t, Layout::ChannelsFirst) && has_strides_of(t, Layout::ChannelsLast)
+        ? Layout::ChannelsLast
+        : Layout::ChannelsFirst;
+  }
   if (t.is_contiguous()) return Layout::ChannelsFirst;
   if (t.dim() >= 3 && t.movedim(1, -1).is_contiguous()) return Layout::ChannelsLast;
-  return Layout::ChannelsFirst;
+  // Not dense in either layout (a slice): copied to the layout eager would return.
+  const auto suggested = t.suggest_memory_format();
+  return suggested == at::MemoryFormat::ChannelsLast || suggested == at::MemoryFormat::ChannelsLast3d
+      ? Layout::ChannelsLast
+      : Layout::ChannelsFirst;
 }
 
 at::Tensor to_layout(const at::Tensor& t, Layout layout) {
@@ -129,7 +159,8 @@ namespace {
 at::Tensor per_sample_channel(const char* name, const at::Tensor& t, const at::Tensor& input,
     const GroupNormShape& sh) {
   check_same_device(name, t, input);
-  bool ok = t.dim() >= 2 && t.size(0) == sh.N && t.size(1) == sh.C;
+  // No more dims than the input: eager's z * (1 + scale) would broadcast to a higher rank.
+  bool ok = t.dim() >= 2 && t.dim() <= input.dim() && t.size(0) == sh.N && t.size(1) == sh.C;
   for (int64_t d = 2; ok && d < t.dim(); ++d) ok = t.size(d) == 1;
   TORCH_CHECK(ok, "Expected ", name, " of shape (N, C) or (N, C, 1, ..., 1) with (N, C) = (",
       sh.N, ", ", sh.C, "), but got ", name, " of shape ", t.sizes());

@@ -45,7 +45,7 @@ def _check_group_norm_args(input: Tensor, num_groups: int, weight: Optional[Tens
             f"but got {name} of shape {tuple(p.shape)} and input of shape {tuple(input.shape)}",
         )
         reduced = input.dtype in (torch.bfloat16, torch.float16)
-        torch._check_type(
+        torch._check(
             p.dtype == input.dtype or (reduced and p.dtype == torch.float32),
             lambda: f"Expected {name} to have the input's dtype ({input.dtype}), but got {p.dtype}",
         )
@@ -56,9 +56,35 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _suggests_channels_last(t: Tensor) -> bool:
+    # Tensor::suggest_memory_format() of C++, which Python does not expose as a method.
+    try:
+        from torch._prims_common import suggest_memory_format
+    except ImportError:  # pragma: no cover (every supported torch has it)
+        return False
+    return suggest_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
+
+
+def _has_strides_of(t: Tensor, channels_last: bool) -> bool:
+    # has_strides_of() in csrc/group_norm.cpp.
+    v = t.movedim(1, -1) if channels_last else t
+    expected = 1
+    for size, stride in reversed(list(zip(v.shape, v.stride()))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= max(size, 1)
+    return True
+
+
 def _is_channels_last(t: Tensor) -> bool:
     # Mirrors layout_for() in csrc/group_norm.cpp: the output strides must match the kernels'.
-    return not t.is_contiguous() and t.dim() >= 3 and t.movedim(1, -1).is_contiguous()
+    if t.numel() == 0:
+        return t.dim() >= 3 and not _has_strides_of(t, False) and _has_strides_of(t, True)
+    if t.is_contiguous():
+        return False
+    if t.dim() >= 3 and t.movedim(1, -1).is_contiguous():
+        return True
+    return _suggests_channels_last(t)
 
 
 def _empty_like_kernel_output(t: Tensor, dtype: torch.dtype) -> Tensor:
