@@ -12,8 +12,49 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-# Accepted values of `activation` (None: no activation). Mirrors csrc/epilogue.h.
+# The activations (None: no activation). Mirrors csrc/epilogue.h.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
+# Every accepted value of `activation`, by the functions and the modules alike: the activations,
+# "none" (no activation, as None) and "swish" (apex's name for SiLU; csrc/ops.cpp maps it).
+ACTIVATION_NAMES = ("none",) + ACTIVATIONS + ("swish",)
+
+
+# Argument types, checked as torch.nn.functional's argument parser checks them, with its
+# TypeError and message (the op's own schema parser would raise RuntimeError). Symbolic ints and
+# floats (torch.compile) are ints and floats.
+
+
+def _type_error(fn: str, name: str, position: Optional[int], expected: str, value: object) -> TypeError:
+    where = f" (position {position})" if position is not None else ""
+    return TypeError(f"{fn}(): argument '{name}'{where} must be {expected}, not {type(value).__name__}")
+
+
+def _check_int(fn: str, name: str, position: int, value: object) -> None:
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, (int, torch.SymInt))):
+        raise _type_error(fn, name, position, "int", value)
+
+
+def _check_float(fn: str, name: str, position: Optional[int], value: object) -> None:
+    if type(value) is not float and not isinstance(value, (int, float, torch.SymInt, torch.SymFloat)):
+        raise _type_error(fn, name, position, "float", value)
+
+
+def _check_tensor(fn: str, name: str, position: Optional[int], value: object) -> None:
+    if value is not None and not isinstance(value, Tensor):
+        raise _type_error(fn, name, position, "Tensor", value)
+
+
+def _check_activation_types(fn: str, activation: object, negative_slope: object) -> None:
+    if activation is not None and not isinstance(activation, str):
+        raise _type_error(fn, "activation", None, "str", activation)
+    _check_float(fn, "negative_slope", None, negative_slope)
+
+
+def _check_epilogue_types(fn: str, activation: object, negative_slope: object, scale: object, shift: object,
+                          residual: object, multiplier: object) -> None:
+    _check_activation_types(fn, activation, negative_slope)
+    for name, t in (("scale", scale), ("shift", shift), ("residual", residual), ("multiplier", multiplier)):
+        _check_tensor(fn, name, None, t)
 
 
 def _verify_batch_size(size: List[int]) -> None:
@@ -40,8 +81,9 @@ _EPILOGUE_DOC = """
         z = normalize(input) * weight + bias
         z = z * (1 + scale) + shift      # scale, shift: (N, C) or (N, C, 1, ..., 1)
         z = z + residual                 # input's shape
-        z = act(z)                       # activation: None, "silu", "gelu", "gelu_tanh",
-                                         #   "relu", "leaky_relu" (negative_slope), "mish"
+        z = act(z)                       # activation: None (or "none"), "silu" (or "swish"),
+                                         #   "gelu", "gelu_tanh", "relu",
+                                         #   "leaky_relu" (negative_slope), "mish"
         z = z * multiplier               # input's shape
 
     Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
@@ -78,6 +120,11 @@ def group_norm(
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
 ) -> Tensor:
+    _check_tensor("group_norm", "input", 1, input)
+    _check_int("group_norm", "num_groups", 2, num_groups)
+    _check_tensor("group_norm", "weight", 3, weight)
+    _check_tensor("group_norm", "bias", 4, bias)
+    _check_float("group_norm", "eps", 5, eps)
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     if num_groups <= 0:
@@ -90,8 +137,10 @@ def group_norm(
     if _no_operands(scale, shift, residual, multiplier):
         if activation is None:
             return torch.ops.fusednorm.group_norm(input, num_groups, weight, bias, eps)
+        _check_activation_types("group_norm", activation, negative_slope)
         return torch.ops.fusednorm.group_norm(
             input, num_groups, weight, bias, eps, activation=activation, negative_slope=negative_slope)
+    _check_epilogue_types("group_norm", activation, negative_slope, scale, shift, residual, multiplier)
     return torch.ops.fusednorm.group_norm(
         input, num_groups, weight, bias, eps,
         activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
@@ -124,15 +173,26 @@ def instance_norm(
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
 ) -> Tensor:
+    _check_tensor("instance_norm", "input", 1, input)
+    _check_tensor("instance_norm", "running_mean", 2, running_mean)
+    _check_tensor("instance_norm", "running_var", 3, running_var)
+    _check_tensor("instance_norm", "weight", 4, weight)
+    _check_tensor("instance_norm", "bias", 5, bias)
+    if type(use_input_stats) is not bool:
+        raise _type_error("instance_norm", "use_input_stats", 6, "bool", use_input_stats)
+    _check_float("instance_norm", "momentum", 7, momentum)
+    _check_float("instance_norm", "eps", 8, eps)
     if use_input_stats:
         _verify_spatial_size(input.size())
     if _no_operands(scale, shift, residual, multiplier):
         if activation is None:
             return torch.ops.fusednorm.instance_norm(
                 input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+        _check_activation_types("instance_norm", activation, negative_slope)
         return torch.ops.fusednorm.instance_norm(
             input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
             activation=activation, negative_slope=negative_slope)
+    _check_epilogue_types("instance_norm", activation, negative_slope, scale, shift, residual, multiplier)
     return torch.ops.fusednorm.instance_norm(
         input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
         activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,

@@ -21,12 +21,16 @@ from . import functional as F
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
 
-def _check_activation(activation: Optional[str]) -> None:
-    if activation is not None and activation not in F.ACTIVATIONS:
+def _check_activation(activation: Optional[str]) -> Optional[str]:
+    """The activation the module keeps: what the functions accept, "none" kept as None."""
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"activation must be None or a str, not {type(activation).__name__}")
+    if activation is not None and activation not in F.ACTIVATION_NAMES:
         raise ValueError(
             f"Unknown activation '{activation}': expected None or one of "
-            + ", ".join(f"'{a}'" for a in F.ACTIVATIONS)
+            + ", ".join(f"'{a}'" for a in F.ACTIVATION_NAMES)
         )
+    return None if activation == "none" else activation
 
 
 def _activation_repr(activation: Optional[str], negative_slope: float) -> str:
@@ -43,8 +47,7 @@ def _init_with_activation(torch_cls):
 
     def __init__(self, *args, activation: Optional[str] = None, negative_slope: float = 0.01, **kwargs) -> None:
         torch_cls.__init__(self, *args, **kwargs)
-        _check_activation(activation)
-        self.activation = activation
+        self.activation = _check_activation(activation)
         self.negative_slope = negative_slope
 
     sig = inspect.signature(torch_cls.__init__)
