@@ -137,13 +137,14 @@ MISMATCHED_PARAM_DTYPES = [
 @pytest.mark.parametrize("fn", list(GROUP_NORM_FNS))
 @pytest.mark.parametrize("which", ["weight", "bias"])
 @pytest.mark.parametrize("x_dtype,p_dtype", MISMATCHED_PARAM_DTYPES, ids=str)
-def test_param_dtype_mismatch_is_type_error(fn, which, x_dtype, p_dtype):
-    # PyTorch's CPU kernel raises RuntimeError("mixed dtype ..."); fusednorm raises TypeError, as
-    # documented in csrc/group_norm.cpp.
+def test_param_dtype_mismatch_is_runtime_error(fn, which, x_dtype, p_dtype):
+    # As PyTorch's CPU kernel, which raises RuntimeError("mixed dtype ...").
     x = x_(dtype=x_dtype)
     p = torch.ones(6, dtype=p_dtype)
     kw = {"w": p} if which == "weight" else {"b": p}
-    raises_like_torch(lambda: GROUP_NORM_FNS[fn](x, 3, **kw), None, TypeError, re.escape(f"Expected {which} to have the input's dtype"))
+    tkw = {"weight": p} if which == "weight" else {"bias": p}
+    raises_like_torch(lambda: GROUP_NORM_FNS[fn](x, 3, **kw), lambda: F.group_norm(x, 3, **tkw), RuntimeError,
+                      re.escape(f"Expected {which} to have the input's dtype"))
 
 
 @pytest.mark.parametrize("fn", list(GROUP_NORM_FNS))
@@ -242,8 +243,9 @@ def test_backward_grad_out_of_wrong_dtype(dtype):
 
 def test_backward_weight_checks():
     grad, x, mean, rstd, w = backward_args()
-    raises_like_torch(lambda: OPS.group_norm_backward(grad, x, mean, rstd, w.double(), 3, [True] * 3), None,
-                      TypeError, "Expected weight to have the input's dtype")
+    raises_like_torch(lambda: OPS.group_norm_backward(grad, x, mean, rstd, w.double(), 3, [True] * 3),
+                      lambda: aten_backward(grad, x, mean, rstd, w.double()), RuntimeError,
+                      "Expected weight to have the input's dtype")
     raises_like_torch(lambda: OPS.group_norm_backward(grad, x, mean, rstd, w[:5], 3, [True] * 3), None,
                       RuntimeError, f"Expected weight {PARAM_SIZE}")
 
@@ -291,8 +293,10 @@ def test_instance_norm_unsupported_input_dtype_training(fn, dtype):
 def test_instance_norm_param_dtype_mismatch_training(fn, which, p_dtype):
     x = x_()
     rm, rv = instance_args()
-    raises_like_torch(lambda: INSTANCE_NORM_FNS[fn](x, rm, rv, **{which: torch.ones(6, dtype=p_dtype)}), None,
-                      TypeError, f"Expected {which} to have the input's dtype")
+    p = torch.ones(6, dtype=p_dtype)
+    raises_like_torch(lambda: INSTANCE_NORM_FNS[fn](x, rm, rv, **{which: p}),
+                      lambda: F.instance_norm(x, rm.clone(), rv.clone(), **{which: p}), RuntimeError,
+                      f"Expected {which} to have the input's dtype")
     assert torch.equal(rm, torch.zeros(6)) and torch.equal(rv, torch.ones(6))
 
 
@@ -344,9 +348,10 @@ def test_instance_norm_param_of_wrong_size_eval(fn, which, shape):
 def test_instance_norm_param_dtype_mismatch_eval(fn, which):
     x = x_()
     rm, rv = instance_args()
-    raises_like_torch(lambda: INSTANCE_NORM_FNS[fn](x, rm, rv, use_input_stats=False,
-                                                    **{which: torch.ones(6, dtype=torch.float64)}),
-                      None, TypeError, f"Expected {which} to have the input's dtype")
+    p = torch.ones(6, dtype=torch.float64)
+    raises_like_torch(lambda: INSTANCE_NORM_FNS[fn](x, rm, rv, use_input_stats=False, **{which: p}),
+                      lambda: F.instance_norm(x, rm, rv, use_input_stats=False, **{which: p}), RuntimeError,
+                      f"Expected {which} to have the input's dtype")
 
 
 @pytest.mark.parametrize("fn", list(INSTANCE_NORM_FNS))
@@ -424,7 +429,8 @@ def test_group_norm_module_affine_bad_input_dtype(dtype):
 
 def test_group_norm_module_fp64_params_fp32_input():
     m = fnn.GroupNorm(3, 6).double()
-    raises_like_torch(lambda: m(x_()), None, TypeError, "Expected weight to have the input's dtype")
+    raises_like_torch(lambda: m(x_()), lambda: torch.nn.GroupNorm(3, 6).double()(x_()), RuntimeError,
+                      "Expected weight to have the input's dtype")
 
 
 INSTANCE_MODULES = {1: (fnn.InstanceNorm1d, torch.nn.InstanceNorm1d), 2: (fnn.InstanceNorm2d, torch.nn.InstanceNorm2d),
@@ -451,10 +457,11 @@ def test_instance_norm_module_bad_dtype_eval(dim, dtype):
 
 @pytest.mark.parametrize("dim", [1, 2, 3])
 def test_instance_norm_module_param_dtype_mismatch_training(dim):
-    ours_cls, _ = INSTANCE_MODULES[dim]
+    ours_cls, torch_cls = INSTANCE_MODULES[dim]
     m = ours_cls(4, affine=True).double()
     x = x_((2, 4) + (3,) * dim)
-    raises_like_torch(lambda: m(x), None, TypeError, "Expected weight to have the input's dtype")
+    raises_like_torch(lambda: m(x), lambda: torch_cls(4, affine=True).double()(x), RuntimeError,
+                      "Expected weight to have the input's dtype")
 
 
 @pytest.mark.parametrize("dim", [1, 2, 3])
@@ -503,7 +510,7 @@ FAKE_FORWARD_CASES = {
     "groups_zero": (lambda: (x_(), 0, None, None), RuntimeError, POSITIVE),
     "weight_size": (lambda: (x_(), 3, torch.ones(5), None), RuntimeError, PARAM_SIZE),
     "bias_rank2": (lambda: (x_(), 3, None, torch.ones(1, 6)), RuntimeError, PARAM_SIZE),
-    "weight_dtype": (lambda: (x_(), 3, torch.ones(6, dtype=torch.float64), None), TypeError, "dtype"),
+    "weight_dtype": (lambda: (x_(), 3, torch.ones(6, dtype=torch.float64), None), RuntimeError, "dtype"),
     "rank1": (lambda: (torch.randn(6), 1, None, None), RuntimeError, AT_LEAST_2D),
     "int_input": (lambda: (torch.ones(2, 6, 5, dtype=torch.int64), 3, None, None), NotImplementedError, NOT_IMPL),
 }
