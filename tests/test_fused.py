@@ -496,8 +496,8 @@ def test_parameter_grads_same_bits_with_or_without_input_grad_cpu(shape, groups)
 
 def test_unknown_activation_is_a_value_error(device):
     x = torch.randn(2, 4, 3, device=device)
-    with pytest.raises(ValueError, match="Unknown activation 'swish'"):
-        fusednorm.group_norm(x, 2, activation="swish")
+    with pytest.raises(ValueError, match="Unknown activation 'swiglu'"):
+        fusednorm.group_norm(x, 2, activation="swiglu")
     with pytest.raises(ValueError, match="Unknown activation"):
         fusednorm.instance_norm(x, activation="tanh")
     with pytest.raises(ValueError, match="Unknown activation"):

@@ -121,9 +121,10 @@ def test_constant_groups(device, layout, dtype):
     assert torch.isfinite(dx).all()
 
 
-@pytest.mark.parametrize("shape", [(0, 6, 4, 4), (0, 6), (3, 6, 0, 4), (2, 0, 5)])
+@pytest.mark.parametrize("shape", [(0, 6, 4, 4), (0, 6), (3, 6, 0, 4)])
 def test_empty(device, shape):
-    G = 3 if shape[1] else 1
+    # (C = 0 is refused, as eager refuses it: tests/test_reliability.py::test_zero_channels.)
+    G = 3
     x = torch.randn(shape, device=device, requires_grad=True)
     w = torch.randn(shape[1], device=device, requires_grad=True)
     b = torch.randn(shape[1], device=device, requires_grad=True)
