@@ -12,6 +12,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from . import _dtensor
+
 # Accepted values of `activation` (None: no activation). Mirrors csrc/epilogue.h.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
 
@@ -78,6 +80,8 @@ def group_norm(
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
 ) -> Tensor:
+    if type(input) is not Tensor and _dtensor.is_dtensor(input):  # docs/distributed.md, 'DTensor'
+        _dtensor.check_supported()
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     if num_groups <= 0:
@@ -124,6 +128,10 @@ def instance_norm(
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
 ) -> Tensor:
+    if type(input) is not Tensor and _dtensor.is_dtensor(input):  # docs/distributed.md, 'DTensor'
+        return _dtensor.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                                      activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+                                      residual=residual, multiplier=multiplier)
     if use_input_stats:
         _verify_spatial_size(input.size())
     if _no_operands(scale, shift, residual, multiplier):
