@@ -315,6 +315,13 @@ def _backward(op, grad_out, input, mean, rstd, weight, bias, num_groups, scale, 
         out += [plan.wrap(grads[3], plan.per_sample_channel_grad(), (N, C), present[3]),
                 plan.wrap(grads[4], plan.per_sample_channel_grad(), (N, C), present[4]),
                 like_input(5), like_input(6)]
+    # A plain tensor beside DTensors is a replicated whole tensor (as under DTensor's
+    # implicit_replication): its gradient is the whole gradient, a plain tensor on every rank. The
+    # op is not given the bias when unfused; it goes as the weight does.
+    operands = [input, weight, bias if fused else weight, scale, shift, residual, multiplier]
+    for i in range(1, len(out)):
+        if present[i] and operands[i] is not None and not is_dtensor(operands[i]):
+            out[i] = out[i].full_tensor()
     return tuple(out)
 
 

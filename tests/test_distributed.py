@@ -443,6 +443,43 @@ def test_dtensor_instance_norm_op_spatial(pool):
         assert_close(got_grads["input"], grads["input"], torch.float64, msg="grad of input")
 
 
+def _task_dtensor_module(rank, world, spec, x, grad_out):
+    # fusednorm.nn modules keep plain parameters: taken as replicated, their gradients whole.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    norm = fusednorm.nn.GroupNorm(2 * world, x.shape[1], activation="silu").double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, x.shape[1]))
+        norm.bias.copy_(torch.linspace(-1, 1, x.shape[1]))
+    xd = distribute_tensor(x, mesh, [_placement(spec)]).requires_grad_()
+    out = norm(xd)
+    out.backward(distribute_tensor(grad_out, mesh, [_placement(spec)]))
+    return (tuple(out.placements), out.full_tensor(), xd.grad.full_tensor(), type(norm.weight.grad).__name__,
+            norm.weight.grad, norm.bias.grad)
+
+
+@needs_dtensor
+@pytest.mark.parametrize("spec", ["replicate", 0, 1, 2])
+def test_dtensor_through_module_with_plain_parameters(pool, spec):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4 * pool.world, 5, 3, generator=g, dtype=torch.float64) + 2
+    grad_out = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    norm = fusednorm.nn.GroupNorm(2 * pool.world, x.shape[1], activation="silu").double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, x.shape[1]))
+        norm.bias.copy_(torch.linspace(-1, 1, x.shape[1]))
+    xr = x.clone().requires_grad_()
+    out = norm(xr)
+    out.backward(grad_out)
+    for placements, got, got_dx, grad_type, dw, db in pool.run(_task_dtensor_module, spec, x, grad_out):
+        assert placements == (_placement(spec),) and grad_type == "Tensor"
+        assert_close(got, out, torch.float64)
+        assert_close(got_dx, xr.grad, torch.float64, scale=10)
+        assert_close(dw, norm.weight.grad, torch.float64, scale=10)
+        assert_close(db, norm.bias.grad, torch.float64, scale=10)
+
+
 @needs_dtensor
 def test_dtensor_channel_shards_off_group_boundaries_raise(pool):
     # 6 channels in 3 groups of 2: shards of ceil(6 / world) = 3 (2 ranks) or 2 (3 ranks) channels.
