@@ -383,18 +383,39 @@ def instance_norm(input, running_mean, running_var, weight, bias, use_input_stat
     check_supported()
     Replicate, _, _ = _placements()
     if not use_input_stats:
-        # The running statistics normalize each element: elementwise, run on the local tensor.
+        # The running statistics normalize each element: elementwise, run on the local tensor,
+        # above autograd, so each operand's local tensor says how its gradient adds up.
         input = _replicated_input(input)
         plan = _Plan(input, input.shape[1])
-        rm, rv = plan.local_parameter(running_mean), plan.local_parameter(running_var)
+        _, _, Partial = _placements()
+        whole_is_local = plan.placement.is_replicate()
+
+        def local(t, placements, partial_grad):
+            if t is None:
+                return None
+            if not is_dtensor(t):
+                # A plain tensor: replicated; from_local's backward sums its gradient over ranks.
+                t = _DTensor.from_local(t, plan.mesh, [_placements()[0]()], run_check=False)
+            if tuple(t.placements) != tuple(placements):
+                t = t.redistribute(plan.mesh, placements)
+            grad_placements = [Partial()] if partial_grad and not whole_is_local else placements
+            return t.to_local(grad_placements=grad_placements)
+
+        def parameter(t):
+            t = local(t, [Replicate()], True)
+            return t[plan.c0:plan.c1] if t is not None and plan.mode == "channels" else t
+
         ep = dict(epilogue)
         for k in ("scale", "shift"):
-            ep[k] = plan.local(ep.get(k), plan.per_sample_channel())
+            ep[k] = local(ep.get(k), plan.per_sample_channel(), plan.mode == "spatial")
         for k in ("residual", "multiplier"):
-            ep[k] = plan.local(ep.get(k), plan.like_input())
-        out = functional.instance_norm(input.to_local(), rm, rv, plan.local_parameter(weight),
-                                       plan.local_parameter(bias), False, momentum, eps, **ep)
-        return _wrap_like_input(plan, out, input)
+            ep[k] = local(ep.get(k), plan.like_input(), False)
+        with torch.no_grad():
+            rm, rv = parameter(running_mean), parameter(running_var)
+        out = functional.instance_norm(input.to_local(), rm, rv, parameter(weight), parameter(bias), False, momentum,
+                                       eps, **ep)
+        return _DTensor.from_local(out, plan.mesh, plan.like_input(), run_check=False, shape=input.shape,
+                                   stride=input.stride())
     # Checks of the plain op (shape, spatial size) on the global shape.
     functional._verify_spatial_size(input.size())
     if (running_mean is None) != (running_var is None):

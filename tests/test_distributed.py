@@ -376,6 +376,9 @@ def _task_dtensor(rank, world, api, spec, case, tensors, grad_out):
             rv = distribute_tensor(_device(rank, tensors["running_var"]).clone(), mesh, [Replicate()])
             out = fusednorm.instance_norm(x, rm, rv, eps=case["eps"], momentum=0.3, activation=case["activation"],
                                           **kw)
+        elif api == "instance_norm_eval":  # the running statistics normalize: elementwise, local
+            out = fusednorm.instance_norm(x, _device(rank, tensors["running_mean"]), _device(rank, tensors["running_var"]),
+                                          use_input_stats=False, eps=case["eps"], activation=case["activation"], **kw)
         else:  # "instance_norm_op": the composite op, without running statistics
             out = torch.ops.fusednorm.instance_norm(x, None, None, kw.get("weight"), kw.get("bias"), True, 0.1,
                                                     case["eps"])
@@ -428,6 +431,27 @@ def test_dtensor_instance_norm_with_running_stats(pool, spec):
             assert_close(got_grads[name], g, torch.float64, scale=max(1.0, g.abs().max().item()), msg=f"grad of {name}")
         assert_close(got_rm, rm, torch.float64, msg="running_mean")
         assert_close(got_rv, rv, torch.float64, msg="running_var")
+
+
+@needs_dtensor
+@pytest.mark.parametrize("spec", [1, 2])
+def test_dtensor_instance_norm_with_running_stats_in_eval(pool, spec):
+    case = _dtensor_case(pool.world, spec, True)
+    case["num_groups"] = case["shape"][1]
+    tensors, grad_out = _tensors(case, torch.float64, "instance_norm")
+    results = pool.run(_task_dtensor, "instance_norm_eval", spec, case, tensors, grad_out)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items()
+              if v is not None and not k.startswith("running")}
+    out = fusednorm.instance_norm(leaves["input"], tensors["running_mean"], tensors["running_var"], use_input_stats=False,
+                                  eps=case["eps"], activation=case["activation"],
+                                  **{k: v for k, v in leaves.items() if k != "input"})
+    out.backward(grad_out)
+    for placements, got_out, got_grads, _ in results:
+        assert placements == (_placement(spec),)
+        assert_close(got_out, out, torch.float64, msg="output")
+        for name, leaf in leaves.items():
+            assert_close(got_grads[name], leaf.grad, torch.float64, scale=max(1.0, leaf.grad.abs().max().item()),
+                         msg=f"grad of {name}")
 
 
 @needs_dtensor
