@@ -437,9 +437,10 @@ def instance_norm(
 
 
 def _update_running_stats(running_mean: Tensor, running_var: Tensor, mean: Tensor, rstd: Tensor, eps: float,
-                          momentum: float, spatial: int) -> None:
+                          momentum: float, spatial: Tensor) -> None:
     # As the composite op in csrc/ops.cpp: running = (1 - momentum) * running + momentum * batch
-    # mean of the per-instance statistic, the variance unbiased.
+    # mean of the per-instance statistic, the variance unbiased. spatial: the whole tensor's
+    # elements per (sample, channel), as global_statistics counts them.
     with torch.no_grad():
         running_mean.mul_(1 - momentum).add_(mean.mean(0).to(running_mean.dtype), alpha=momentum)
         n = float(spatial.reshape(-1)[0])
