@@ -29,7 +29,9 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-_DTensor: Any = None  # torch.distributed.tensor.DTensor where this torch has it
+# torch.distributed.tensor.DTensor once that module is imported (None before, and on a torch without
+# it): fusednorm.functional tests `DTensor is not None` first, a constant under torch.compile.
+DTensor: Any = None
 _REGISTERED = False
 
 
@@ -37,22 +39,23 @@ _DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 def _import_dtensor():
-    global _DTensor
-    if _DTensor is None and torch.distributed.is_available():
+    global DTensor
+    if DTensor is None and torch.distributed.is_available():
         try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # torch < 2.5: no public DTensor
+            from torch.distributed import tensor
+        except ImportError:
             return None
-        _DTensor = DTensor
-    return _DTensor
+        # torch < 2.5 has the package (tensor parallelism) but keeps DTensor private.
+        DTensor = getattr(tensor, "DTensor", None)
+    return DTensor
 
 
 def is_dtensor(t: Any) -> bool:
-    if _DTensor is None:
+    if DTensor is None:
         # Without torch.distributed.tensor imported there is no DTensor to be.
         if _DTENSOR_MODULE not in sys.modules or not register():
             return False
-    return isinstance(t, _DTensor)
+    return isinstance(t, DTensor)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -205,7 +208,7 @@ class _Plan:
         Replicate, _, _ = _placements()
         if not present:
             placements, shape = [Replicate()], (0,)
-        return _DTensor.from_local(t, self.mesh, placements, run_check=False, shape=torch.Size(shape),
+        return DTensor.from_local(t, self.mesh, placements, run_check=False, shape=torch.Size(shape),
                                    stride=_contiguous_strides(shape))
 
 
@@ -218,7 +221,7 @@ def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
 
 
 def _wrap_like_input(plan: _Plan, t: Tensor, input) -> Any:
-    return _DTensor.from_local(t, plan.mesh, plan.like_input(), run_check=False, shape=input.shape,
+    return DTensor.from_local(t, plan.mesh, plan.like_input(), run_check=False, shape=input.shape,
                                stride=input.stride())
 
 
@@ -355,8 +358,7 @@ def register() -> bool:
     global _REGISTERED
     if _REGISTERED:
         return True
-    DTensor = _import_dtensor()
-    if DTensor is None:
+    if _import_dtensor() is None:
         return False
     dispatcher = getattr(DTensor, "_op_dispatcher", None)
     handlers = getattr(dispatcher, "_custom_op_handlers", None)
@@ -395,7 +397,7 @@ def instance_norm(input, running_mean, running_var, weight, bias, use_input_stat
                 return None
             if not is_dtensor(t):
                 # A plain tensor: replicated; from_local's backward sums its gradient over ranks.
-                t = _DTensor.from_local(t, plan.mesh, [_placements()[0]()], run_check=False)
+                t = DTensor.from_local(t, plan.mesh, [_placements()[0]()], run_check=False)
             if tuple(t.placements) != tuple(placements):
                 t = t.redistribute(plan.mesh, placements)
             grad_placements = [Partial()] if partial_grad and not whole_is_local else placements
@@ -414,7 +416,7 @@ def instance_norm(input, running_mean, running_var, weight, bias, use_input_stat
             rm, rv = parameter(running_mean), parameter(running_var)
         out = functional.instance_norm(input.to_local(), rm, rv, parameter(weight), parameter(bias), False, momentum,
                                        eps, **ep)
-        return _DTensor.from_local(out, plan.mesh, plan.like_input(), run_check=False, shape=input.shape,
+        return DTensor.from_local(out, plan.mesh, plan.like_input(), run_check=False, shape=input.shape,
                                    stride=input.stride())
     # Checks of the plain op (shape, spatial size) on the global shape.
     functional._verify_spatial_size(input.size())

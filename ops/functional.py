@@ -80,7 +80,7 @@ def group_norm(
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
 ) -> Tensor:
-    if type(input) is not Tensor and _dtensor.is_dtensor(input):  # docs/distributed.md, 'DTensor'
+    if _dtensor.DTensor is not None and isinstance(input, _dtensor.DTensor):  # docs/distributed.md, 'DTensor'
         _dtensor.check_supported()
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
@@ -128,7 +128,7 @@ def instance_norm(
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
 ) -> Tensor:
-    if type(input) is not Tensor and _dtensor.is_dtensor(input):  # docs/distributed.md, 'DTensor'
+    if _dtensor.DTensor is not None and isinstance(input, _dtensor.DTensor):  # docs/distributed.md, 'DTensor'
         return _dtensor.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
                                       activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
                                       residual=residual, multiplier=multiplier)
