@@ -255,8 +255,8 @@ def _forward(op, input, num_groups, weight, bias, eps, scale=None, shift=None, r
     s, t = plan.local(scale, plan.per_sample_channel()), plan.local(shift, plan.per_sample_channel())
     r, m = plan.local(residual, plan.like_input()), plan.local(multiplier, plan.like_input())
     if plan.mode == "spatial":
-        mean, rstd, _ = _dist.global_statistics(x, num_groups, eps, plan.group)
-        out = _dist.forward_local(x, mean, rstd, num_groups, w, b, s, t, r, activation, negative_slope, m)
+        out, mean, rstd, _ = _dist.sharded_forward(x, num_groups, eps, plan.group, w, b, s, t, r, activation,
+                                                   negative_slope, m)
     elif fused:
         out, mean, rstd = op(x, plan.local_groups, w, b, eps, s, t, r, activation, negative_slope, m)
     else:

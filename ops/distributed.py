@@ -98,15 +98,58 @@ def merge_moments(parts: Sequence[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     return n, mean, m2
 
 
+def _statistics(x: Tensor, num_groups: int, eps: float, group) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # The whole tensor's count, mean, rstd (float64) and this shard's moments: one all-gather.
+    local = local_moments(x, num_groups)
+    count, mean, m2 = merge_moments(_all_gather(local, group))
+    return count, mean, torch.rsqrt(m2 / count + eps), local
+
+
 def global_statistics(x: Tensor, num_groups: int, eps: float, group) -> Tuple[Tensor, Tensor, Tensor]:
     """mean and rstd of the whole tensor per (sample, group), in the kernels' stats dtype, and the
     whole tensor's element count per group (float64): one all-gather."""
-    parts = _all_gather(local_moments(x, num_groups), group)
-    count, mean, m2 = merge_moments(parts)
-    var = m2 / count
+    count, mean, rstd, _ = _statistics(x, num_groups, eps, group)
     stats_dtype = _compute_dtype(x.dtype)
-    rstd = torch.rsqrt(var + eps)
     return mean.to(stats_dtype), rstd.to(stats_dtype), count
+
+
+def sharded_forward(x: Tensor, num_groups: int, eps: float, group, weight=None, bias=None, scale=None, shift=None,
+                    residual=None, activation=None, negative_slope=0.01, multiplier=None):
+    """This shard's output of the whole-tensor group norm, and the whole tensor's mean, rstd (stats
+    dtype) and count per group (float64): one all-gather.
+
+    The normalize runs in the fused kernel (docs/distributed.md, 'Local normalize'): the kernel
+    normalizes with the shard's own statistics, and a per-(sample, channel) scale and shift,
+    folded with weight, bias and the epilogue's scale and shift, turn that into the normalize with
+    the global ones: (x - m) * r = xhat_local * (r / r_local) + (m_local - m) * r."""
+    count, mean, rstd, local = _statistics(x, num_groups, eps, group)
+    stats_dtype = _compute_dtype(x.dtype)
+    mean_s, rstd_s = mean.to(stats_dtype), rstd.to(stats_dtype)
+    if x.numel() == 0 or eps <= 0:
+        # An empty shard has nothing to normalize; without eps a constant shard's own rstd is inf.
+        out = forward_local(x, mean_s, rstd_s, num_groups, weight, bias, scale, shift, residual, activation,
+                            negative_slope, multiplier)
+        return out, mean_s, rstd_s, count
+    N, C = x.shape[:2]
+    per_group = C // num_groups
+    local_rstd = torch.rsqrt(local[2] / local[0] + eps)
+    a = (rstd / local_rstd).repeat_interleave(per_group, dim=1)  # (N, C), float64
+    b = ((local[1] - mean) * rstd).repeat_interleave(per_group, dim=1)
+    w = weight.double() if weight is not None else 1.0
+    s1 = 1 + scale.double().reshape(N, C) if scale is not None else 1.0
+    folded_scale = a * w * s1 - 1
+    folded_shift = (b * w + (bias.double() if bias is not None else 0.0)) * s1
+    if shift is not None:
+        folded_shift = folded_shift + shift.double().reshape(N, C)
+    out, _, _ = torch.ops.fusednorm.fused_group_norm_forward(
+        x, num_groups, None, None, eps, folded_scale.to(stats_dtype), folded_shift.to(stats_dtype),
+        _in_dtype(residual, x.dtype), activation if activation is not None else "none", negative_slope,
+        _in_dtype(multiplier, x.dtype))
+    return out, mean_s, rstd_s, count
+
+
+def _in_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 # -- the local computation with given statistics -----------------------------------------------------
@@ -185,9 +228,9 @@ def _epilogue_chain(xhat: Tensor, x: Tensor, weight, bias, scale, shift, residua
 
 def forward_local(x: Tensor, mean: Tensor, rstd: Tensor, num_groups: int, weight=None, bias=None, scale=None,
                   shift=None, residual=None, activation=None, negative_slope=0.01, multiplier=None) -> Tensor:
-    """This shard's output given the (global) statistics: normalize, weight and bias, epilogue
-    (docs/distributed.md, 'Local normalize'), in float32 (float64 for float64 input); the result in
-    the input's dtype and memory format."""
+    """This shard's output given the (global) statistics: normalize, weight and bias, epilogue, as
+    ATen ops in float32 (float64 for float64 input); the result in the input's dtype and memory
+    format. sharded_forward's fallback (docs/distributed.md, 'Local normalize')."""
     xhat = _normalized(x, mean, rstd, num_groups)
     _, z = _epilogue_chain(xhat, x, weight, bias, scale, shift, residual, activation, negative_slope)
     z = _activation(z, activation, negative_slope)
@@ -278,9 +321,8 @@ class _ShardedGroupNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale, shift, residual, multiplier, num_groups, eps, activation,
                 negative_slope, group):
-        mean, rstd, count = global_statistics(x, num_groups, eps, group)
-        out = forward_local(x, mean, rstd, num_groups, weight, bias, scale, shift, residual, activation,
-                            negative_slope, multiplier)
+        out, mean, rstd, count = sharded_forward(x, num_groups, eps, group, weight, bias, scale, shift, residual,
+                                                 activation, negative_slope, multiplier)
         ctx.save_for_backward(x, mean, rstd, count, weight, bias, scale, shift, residual, multiplier)
         ctx.args = (num_groups, activation, negative_slope, group)
         ctx.mark_non_differentiable(mean, rstd, count)
