@@ -17,8 +17,8 @@ Gradients: the input's gradient is this rank's shard of the whole gradient; the 
 ``weight``, ``bias``, ``scale`` and ``shift`` are this rank's share: their sum over the ranks is the
 whole gradient (what DDP's all-reduce or a DTensor ``Partial`` placement adds up).
 
-The same local functions (:func:`forward_local`, :func:`backward_local`) serve the DTensor
-support in ``fusednorm._dtensor``.
+The same functions (:func:`sharded_forward`, :func:`backward_local`) serve the DTensor support
+in ``fusednorm._dtensor``.
 """
 
 from typing import List, Optional, Sequence, Tuple
