@@ -13,6 +13,7 @@ from . import nn  # noqa: E402
 from .functional import group_norm, instance_norm  # noqa: E402
 from .convert import convert  # noqa: E402
 from . import fusion  # noqa: E402,F401  (opt-in torch.compile backend; imports nothing heavy)
+from . import distributed  # noqa: E402  (sharded norms; DTensor support once torch.distributed.tensor loads)
 
 __version__ = "0.1.0"
-__all__ = ["convert", "fusion", "group_norm", "instance_norm", "nn"]
+__all__ = ["convert", "distributed", "fusion", "group_norm", "instance_norm", "nn"]

@@ -12,6 +12,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from . import _dtensor
+
 # The activations (None: no activation). Mirrors csrc/epilogue.h.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
 # Every accepted value of `activation`, by the functions and the modules alike: the activations,
@@ -125,6 +127,8 @@ def group_norm(
     _check_tensor("group_norm", "weight", 3, weight)
     _check_tensor("group_norm", "bias", 4, bias)
     _check_float("group_norm", "eps", 5, eps)
+    if _dtensor.DTensor is not None and isinstance(input, _dtensor.DTensor):  # docs/distributed.md, 'DTensor'
+        _dtensor.check_supported()
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     if num_groups <= 0:
@@ -182,6 +186,10 @@ def instance_norm(
         raise _type_error("instance_norm", "use_input_stats", 6, "bool", use_input_stats)
     _check_float("instance_norm", "momentum", 7, momentum)
     _check_float("instance_norm", "eps", 8, eps)
+    if _dtensor.DTensor is not None and isinstance(input, _dtensor.DTensor):  # docs/distributed.md, 'DTensor'
+        return _dtensor.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                                      activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+                                      residual=residual, multiplier=multiplier)
     if use_input_stats:
         _verify_spatial_size(input.size())
     if _no_operands(scale, shift, residual, multiplier):
