@@ -76,7 +76,7 @@ def cpu_suite() -> List[Case]:
         Case("GN CPU", (8, 320, 32, 32), torch.float32, "group"),
         Case("GN CPU", (8, 320, 32, 32), torch.float32, "group", channels_last=True),
         Case("IN CPU", (4, 64, 64, 64), torch.float32, "instance", affine=False),
-        # bfloat16 on the CPU converts in vectors (CPU eleventh run: it had been 3-4x ATen's time).
+        # bfloat16 on the CPU converts in vectors (it had been 3-4x ATen's time element by element).
         Case("GN CPU bf16", (8, 320, 32, 32), torch.bfloat16, "group"),
         Case("GN CPU bf16", (8, 320, 32, 32), torch.bfloat16, "group", channels_last=True),
         Case("GN+SiLU CPU", (8, 320, 32, 32), torch.float32, "group", activation="silu"),
