@@ -207,6 +207,19 @@ def keep_freed_memory_in_process() -> bool:
     return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and libc.mallopt(m_mmap_max, 0) == 1
 
 
+def warn_if_busy() -> None:
+    """Says so when the machine has more runnable threads than cores. A call that runs two OpenMP
+    threads then waits whenever one of them is descheduled: on a 2-core machine at a load average
+    of 15, calls took either ~0.3 ms or 20-25 ms (a scheduler time slice), fusednorm and ATen
+    alike, and the table measured the machine, not the kernels."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    print(f"load average {load:.1f} on {cores} cores, {torch.get_num_threads()} threads a call")
+    if load > cores:
+        print(f"  warning: the machine is busy (load {load:.1f} > {cores} cores): CPU timings will be "
+              "inflated and bimodal; rerun on an idle machine", file=sys.stderr)
+
+
 def interleaved_cpu_times(fns: Dict[str, Callable], reps: int = 40) -> Dict[str, float]:
     """Median milliseconds of each fn, timed in turns (a, b, c, b, c, a, ...): this 2-core machine's
     load drifts (one implementation's timings spread up to 1.5x between runs), and timed one after
@@ -426,6 +439,7 @@ def main():
     if device == "cpu":
         kept = keep_freed_memory_in_process()
         print(f"glibc keeps freed memory in the process: {'yes' if kept else 'no (not glibc?)'}")
+        warn_if_busy()
     measure = timer(device)
     roofline = copy_bandwidth(device, measure)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -440,6 +454,7 @@ def main():
     def save(complete: bool) -> None:
         with open(json_path + ".tmp", "w") as f:
             json.dump({"date": stamp, "card": card, "torch": torch.__version__, "roofline_gbps": roofline,
+                       "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                        "complete": complete, "rows": [asdict(r) for r in rows]}, f, indent=1)
         os.replace(json_path + ".tmp", json_path)
 

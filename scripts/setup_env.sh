@@ -116,9 +116,10 @@ else
   # -v streams the build's output: ninja's [n/m] line as each translation unit finishes, shortened
   # to the source's path here; everything goes to the log.
   set +e
-  ( cd "$ROOT" && python -m pip install -v --no-build-isolation --no-deps -e . ) > "$LOG" 2>&1 &
+  : > "$LOG"  # exists before tail opens it
+  ( cd "$ROOT" && python -m pip install -v --no-build-isolation --no-deps -e . ) >> "$LOG" 2>&1 &
   pip_pid=$!
-  tail -n +1 --pid="$pip_pid" -f "$LOG" 2>/dev/null \
+  tail -n +1 --pid="$pip_pid" -f "$LOG" \
     | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|^ *fusednorm: ' \
     | sed -u -E 's#^ *(\[[0-9]+/[0-9]+\]).* -c ([^ ]+).*#   \1 \2#; s#^ *(\[[0-9]+/[0-9]+\]) ([^ ]*/)?(c\+\+|g\+\+|gcc|cc|ld)?[^ ]* .*-o ([^ ]+).*#   \1 linking \4#; s#^ *fusednorm: #   #; s#'"$ROOT"'/##g'
   wait "$pip_pid"
