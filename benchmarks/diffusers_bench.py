@@ -8,7 +8,8 @@ from their published configs with random weights, each as
     compile + fusion   torch.compile(model, backend=fusednorm.fusion.backend()): norms and their
                        epilogues fused into fusednorm's op, the rest compiled by Inductor
 
-and checks that every variant's output matches eager. On a CPU it runs tiny configs (a smoke test).
+and checks that every variant's output matches eager. On a CPU it runs tiny configs and says so: a
+smoke test of the four variants, since the real models take minutes a call there.
 Needs diffusers; without it, says so and exits 0.
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
@@ -98,6 +99,10 @@ def main():
     measure = timer(device)
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"diffusers {diffusers.__version__} models on {card}, torch {torch.__version__}, {dtype}")
+    if device == "cpu":
+        print("  on the CPU these are tiny configs (2 blocks of 32-64 channels, 8x8 latents), not SD's: "
+              "the real models take minutes a call here. The rows check that convert and compile + "
+              "fusion run and match eager; their times say nothing about SD-sized models.")
     rows = []
     with torch.no_grad():
         for name, model, inputs in workloads(device, dtype):

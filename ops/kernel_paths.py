@@ -1,9 +1,9 @@
 """The environment knobs that choose among the CUDA kernel paths, and named settings of them.
 
-The C++ side reads the knobs on every call (README, "kernel-path knobs"); unset, each picks the
+The C++ side reads the knobs on every call (docs/design.md, "Kernel-path knobs"); unset, each picks the
 measured default. The named paths are the ones the tests run every kernel on (TEST_PATHS: the
 one-pass kernels with a small group in registers or in shared memory, the split passes, the team
-kernels), the compute-sanitizer cases run, and benchmarks/compare_paths.py times (PATHS, a
+kernels), the compute-sanitizer cases run, and tools/compare_paths.py times (PATHS, a
 superset). One list here, so that a new knob reaches all three."""
 
 import contextlib

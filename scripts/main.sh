@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The main job: sets up the environment and the build, runs every export example, then the
-# benchmark on whatever device is present (results under results/).
+# The main job: sets up the environment and the build (reused when nothing changed), runs every
+# export example, then the benchmarks on whatever device is present. Results, under results/:
+# bench_<device>.{md,json,svg} (the kernel suite: table, data, chart) and diffusers_<device>.json
+# (end-to-end models, when diffusers is installed). Extra arguments go to benchmarks/bench.py,
+# e.g. scripts/main.sh --no-compile --filter "VAE".
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
@@ -10,7 +13,9 @@ for example in export_examples/[!_]*.py; do
   echo "== $example"
   python "$example"
 done
+echo "== benchmarks/bench.py $*"
 python benchmarks/bench.py --out results "$@"
 # End-to-end diffusers VAE decode and UNet step (eager, convert, compile, compile + fusion); says
-# so and skips when diffusers is not installed.
+# so and skips when diffusers is not installed, and says so when it runs tiny configs on a CPU.
+echo "== benchmarks/diffusers_bench.py"
 python benchmarks/diffusers_bench.py --out results

@@ -3,7 +3,7 @@
 #   scripts/test_compat.sh torch==2.1.2
 # The tracked tree is copied to a scratch directory so that this build (CPU-only: old torch
 # wheels want an older CUDA than the toolkit here) never mixes with the main one. The virtual
-# environment is kept under ~/.cache/fusednorm, so only the first run downloads torch.
+# environment is kept under ~/.cache/fusednorm, so torch is downloaded only once.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SPEC="${1:?usage: scripts/test_compat.sh torch==VERSION [pytest args]}"

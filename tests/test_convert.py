@@ -23,6 +23,25 @@ def import_or_skip(name):
         pytest.skip(f"optional test dependency {name} not importable: {e}")
 
 
+@pytest.fixture
+def float32_convolutions():
+    """Convolutions and matmuls in full float32 for the test, the flags restored after it.
+
+    The model tests compare a converted model with its unconverted copy: the same convolutions
+    and matmuls, only the norms differ, and their outputs by float32 rounding (~1e-7). cuDNN runs
+    float32 convolutions in TF32 by default (torch.backends.cudnn.allow_tf32 is True), rounding
+    their inputs to 10 mantissa bits: a last-bit difference in a norm's output then flips an
+    occasional TF32 rounding, a 2^-11 relative step, and the models' outputs drift apart by
+    1e-4 to 1e-3 on a GPU (diffusers' tiny UNet 3.2e-4, the autoencoder 1.1e-3) whoever computes
+    the norm. In float32 the comparison measures the norms again."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def fused_modules(model):
     return [m for m in model.modules() if isinstance(m, FUSED)]
 
@@ -212,7 +231,7 @@ def tiny_unet():
     )
 
 
-def test_diffusers_unet(device):
+def test_diffusers_unet(device, float32_convolutions):
     torch.manual_seed(0)
     unet = tiny_unet()
     n_norms = sum(isinstance(m, nn.GroupNorm) for m in unet.modules())
@@ -224,7 +243,7 @@ def test_diffusers_unet(device):
     assert all(type(m.nonlinearity) is nn.SiLU for m in unet.modules() if type(m).__name__ == "ResnetBlock2D")
 
 
-def test_diffusers_autoencoder(device):
+def test_diffusers_autoencoder(device, float32_convolutions):
     diffusers = import_or_skip("diffusers")
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(
@@ -241,10 +260,8 @@ def test_diffusers_autoencoder(device):
 # -- timm ----------------------------------------------------------------------------------------
 
 
-def test_timm_group_norm_act(device, monkeypatch):
+def test_timm_group_norm_act(device, float32_convolutions):
     timm = import_or_skip("timm")
-    # Convolutions in float32, not TF32 (cuDNN's default), so that before and after compare closely.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     from timm.layers import GroupNormAct
 
     torch.manual_seed(0)

@@ -190,7 +190,7 @@ def test_activation_special_values_match_eager(activation, dtype, device):
 def test_activation_dense_range_float32(activation, device):
     # The activations and their derivatives in float32 at 20001 points of [-10, 10], against
     # float64: a few float32 ulp wherever the value is not tiny. The CUDA kernels' own SiLU and
-    # GELU (an ex2 and a fitted polynomial, scripts/fit_gelu_cdf.py) are held to this, not only to
+    # GELU (an ex2 and a fitted polynomial, tools/fit_gelu_cdf.py) are held to this, not only to
     # the dtype tolerances of the shape tests.
     from reference import activation_reference
 

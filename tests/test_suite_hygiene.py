@@ -1,10 +1,14 @@
-"""The test suite itself: a module-level test defined twice under one name silently replaces the
-first (pytest collects only the last), so its cases stop running without any failure. That happened
-once (a new CUDA-graph test shadowed an older one); this catches it in CI."""
+"""The test suite and the docs themselves.
+
+A module-level test defined twice under one name silently replaces the first (pytest collects only
+the last), so its cases stop running without any failure; that happened once (a new CUDA-graph
+test shadowed an older one). An unclosed code fence turns the rest of a Markdown file into one
+code block; that happened to the README. Both are caught here, in CI."""
 
 import ast
 import collections
 import pathlib
+import re
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -27,3 +31,57 @@ def test_a_clash_is_found():
     source = "import pytest\n\n\ndef test_a():\n    pass\n\n\nclass B:\n    pass\n\n\ndef test_a(x):\n    pass\n"
     assert names_defined_twice(source) == ["test_a"]
     assert names_defined_twice(source.replace("test_a(x)", "test_c(x)")) == []
+
+
+# -- the user docs -------------------------------------------------------------------------------
+
+ROOT = TESTS.parent
+DOCS = [ROOT / "README.md", ROOT / "tools" / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+# A results diary cites its entries by ordinal ("the twentieth run"); the docs keep current
+# numbers with their dates, and the history stays in git.
+DIARY_CITATION = re.compile(
+    r"\b(first|second|third|[a-z]+th|twenty[- ][a-z]+|[0-9]+(st|nd|rd|th)) (gpu |cpu )?run\b", re.I)
+
+
+def unclosed_fence(text):
+    """The line number of a code fence that is never closed (it would swallow the rest of the
+    document into one code block), or None. Fences follow CommonMark: ``` or ~~~, closed by a
+    fence of the same character at least as long."""
+    opened = None
+    for number, line in enumerate(text.splitlines(), 1):
+        m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if not m:
+            continue
+        fence = m.group(1)
+        if opened is None:
+            opened = (number, fence)
+        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not line.strip()[len(fence):].strip():
+            opened = None
+    return opened[0] if opened else None
+
+
+def test_docs_code_fences_are_closed():
+    unclosed = [f"{path.relative_to(ROOT)}:{unclosed_fence(path.read_text())}" for path in DOCS
+                if unclosed_fence(path.read_text())]
+    assert not unclosed, "code fence opened and never closed: " + ", ".join(unclosed)
+
+
+def test_an_unclosed_fence_is_found():
+    assert unclosed_fence("# a\n```bash\nx\n```\ntext\n") is None
+    assert unclosed_fence("# a\n```bash\nx\n```\n## b\n```\n") == 6
+    assert unclosed_fence("````\n```\n````\n") is None
+
+
+def test_docs_cite_no_run_diary():
+    hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in DOCS
+            for number, line in enumerate(path.read_text().splitlines(), 1) if DIARY_CITATION.search(line)]
+    assert not hits, "cite a docs/design.md section or a date instead:\n" + "\n".join(hits)
+    assert DIARY_CITATION.search("as the twenty-fifth run showed") and DIARY_CITATION.search("CPU tenth run")
+
+
+def test_tools_readme_lists_every_tool():
+    tools = ROOT / "tools"
+    listed = (tools / "README.md").read_text()
+    missing = [p.name for p in sorted(tools.iterdir())
+               if p.suffix in (".py", ".sh") and f"`{p.name}`" not in listed]
+    assert not missing, "tools/README.md has no line for: " + ", ".join(missing)

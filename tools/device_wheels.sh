@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ (ignored) the pure-Python wheels a device call carries, as the GPU machine
 # has no network: Liger-Kernel for bench.py's Liger column, pytest-xdist and execnet to spread
-# the suite over its cores (scripts/gpu_prebuilt.sh installs them there).
+# the suite over its cores (tools/gpu_prebuilt.sh installs them there).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"

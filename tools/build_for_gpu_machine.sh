@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Builds fusednorm's native library here, on a machine without a GPU, for the project's GPU
-# machine. A device call then carries it instead of spending ~200 s of device time on the build
-# (RESULTS.md, sixteenth run, section 4, ran this way).
+# machine. A device call then carries it instead of spending ~200 s of device time on the build.
 #
 # It builds the current working tree's tracked files against pip's wheel of the GPU machine's
 # torch: FUSEDNORM_DEVICE_TORCH, default 2.11.0, whose wheel is 2.11.0+cu130 like the one there.

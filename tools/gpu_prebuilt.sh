@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# One device call on a library built here by scripts/build_for_gpu_machine.sh (no build on the
+# One device call on a library built here by tools/build_for_gpu_machine.sh (no build on the
 # GPU machine: ~200 s of device time saved a call). Carry `gpu_build` and `.whl` (the wheels of
-# scripts/device_wheels.sh; the GPU machine has no network), then run on the device:
-#     scripts/gpu_prebuilt.sh test [ARGS...]   # the whole suite (or pytest ARGS: -k, files),
+# tools/device_wheels.sh; the GPU machine has no network), then run on the device:
+#     tools/gpu_prebuilt.sh test [ARGS...]   # the whole suite (or pytest ARGS: -k, files),
 #                                              # spread over the cores with pytest-xdist when
 #                                              # its wheel is carried
-#     scripts/gpu_prebuilt.sh sanitize         # scripts/sanitize.sh (memcheck, racecheck)
-#     scripts/gpu_prebuilt.sh bench FILTER S   # bench.py on the cases matching FILTER, S seconds
-#     scripts/gpu_prebuilt.sh paths ARGS...    # benchmarks/compare_paths.py ARGS
-#     scripts/gpu_prebuilt.sh py FILE ARGS...  # any script, with fusednorm and benchmarks/ importable
-#     scripts/gpu_prebuilt.sh ncu SPEC...      # Nsight Compute metrics (bytes, L2 sectors, warps,
+#     tools/gpu_prebuilt.sh sanitize         # tools/sanitize.sh (memcheck, racecheck)
+#     tools/gpu_prebuilt.sh bench FILTER S   # bench.py on the cases matching FILTER, S seconds
+#     tools/gpu_prebuilt.sh paths ARGS...    # tools/compare_paths.py ARGS
+#     tools/gpu_prebuilt.sh py FILE ARGS...  # any script, with fusednorm and benchmarks/ importable
+#     tools/gpu_prebuilt.sh ncu SPEC...      # Nsight Compute metrics (bytes, L2 sectors, warps,
 #                                              # occupancy limits) of the kernels of each
-#                                              # benchmarks/profile_kernels.py argument list SPEC
+#                                              # tools/profile_kernels.py argument list SPEC
 # GPU_BUILD=DIR takes DIR/_C.so instead of gpu_build's (a second build carried for an A/B run).
 # Logs and results go to $OUT (the device tool's output folder) or results/. Each subcommand fits
-# one call of 600 s. The eighteenth run (RESULTS.md) ran every subcommand on an H100 this way.
+# one call of 600 s (every subcommand was run on an H100 this way).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/results}"
 mkdir -p "$OUT"
 cd "$ROOT"
 BUILD="${GPU_BUILD:-gpu_build}"  # another folder of a build: A/B runs in one call
-[ -f "$BUILD/_C.so" ] || { echo "no $BUILD/_C.so: run scripts/build_for_gpu_machine.sh and carry $BUILD" >&2; exit 1; }
+[ -f "$BUILD/_C.so" ] || { echo "no $BUILD/_C.so: run tools/build_for_gpu_machine.sh and carry $BUILD" >&2; exit 1; }
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # see gpu_check.sh
 cp "$BUILD/_C.so" gpu_build/_build_info.py ops/
 # fusednorm importable without installing it: a folder whose `fusednorm` is this tree's ops/.
@@ -49,7 +49,7 @@ case "${1:-}" in
     grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | tail -15
     ;;
   sanitize)
-    timeout "${SANITIZER_TIMEOUT:-540}" scripts/sanitize.sh > "$OUT/sanitizer.log" 2>&1
+    timeout "${SANITIZER_TIMEOUT:-540}" tools/sanitize.sh > "$OUT/sanitizer.log" 2>&1
     echo "sanitizer exit code: $?"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases done" "$OUT/sanitizer.log"
     ;;
@@ -58,7 +58,7 @@ case "${1:-}" in
     ;;
   paths)
     shift
-    python benchmarks/compare_paths.py "$@" 2>&1 | grep -vi warning
+    python tools/compare_paths.py "$@" 2>&1 | grep -vi warning
     ;;
   py)
     shift
@@ -76,12 +76,12 @@ case "${1:-}" in
       i=$((i + 1))
       echo "== ncu $i: $spec"
       eval ncu --profile-from-start off --clock-control none --metrics "$metrics" \
-        python benchmarks/profile_kernels.py "$spec" > "$OUT/ncu_$i.txt" 2>&1
+        python tools/profile_kernels.py "$spec" > "$OUT/ncu_$i.txt" 2>&1
       grep -E "^  [a-z_]+.*\(|dram__|lts__|gpu__time|warps_active|registers|occupancy_limit|grid_size" "$OUT/ncu_$i.txt" | head -60
     done
     ;;
   *)
-    echo "usage: scripts/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS... | ncu SPEC..." >&2
+    echo "usage: tools/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS... | ncu SPEC..." >&2
     exit 2
     ;;
 esac

@@ -3,7 +3,7 @@ kernels cost next to nothing, forward with grad and backward (torch.autograd.gra
 fused (GN+SiLU), with the raw kernel ops beside them. The small rows of the GPU suite are bound by
 this time, not by their kernels.
 
-    python benchmarks/host_overhead.py [--device cpu|cuda] [--threads 1] [--reps 2000]
+    python tools/host_overhead.py [--device cpu|cuda] [--threads 1] [--reps 2000]
         [--shape 2,320,64,64 --dtype float16 --channels-last] [--enqueue]
 
 Calls are timed in turns (the order rotating) and each figure is the median in microseconds; on

@@ -6,12 +6,12 @@ shift, residual and multiplier; a multiplier; a residual; all four not requiring
 CUDA backwards treat apart) under each kernel path, and saves output and gradients; `compare`
 reports how many outputs differ, and fails on any outside the cases matching --expect.
 
-    # on the device, a build each (GPU_BUILD=DIR scripts/gpu_prebuilt.sh py ...):
-    python scripts/bitwise_ab.py save /tmp/a.pt
-    python scripts/bitwise_ab.py save /tmp/b.pt
-    python scripts/bitwise_ab.py compare /tmp/a.pt /tmp/b.pt [--expect /gelu/]
+    # on the device, a build each (GPU_BUILD=DIR tools/gpu_prebuilt.sh py ...):
+    python tools/bitwise_ab.py save /tmp/a.pt
+    python tools/bitwise_ab.py save /tmp/b.pt
+    python tools/bitwise_ab.py compare /tmp/a.pt /tmp/b.pt [--expect /gelu/]
 
-On an H200 `save` takes ~30 s (1440 cases, 7488 outputs; RESULTS.md, twenty-sixth run). On the
+On an H200 `save` takes ~30 s (1440 cases, 7488 outputs). On the
 CPU (--device cpu) the kernel paths do not apply: one path.
 """
 

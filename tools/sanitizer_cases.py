@@ -1,4 +1,4 @@
-"""Runs each CUDA kernel path once on small inputs, for compute-sanitizer (scripts/sanitize.sh):
+"""Runs each CUDA kernel path once on small inputs, for compute-sanitizer (tools/sanitize.sh):
 both layouts, every dtype, with and without weight/bias, tails that are not multiples of the vector
 width, groups split over several CTAs, misaligned (offset) storage, and empty inputs; the fused ops
 with every epilogue operand, their forward on each of its paths (one pass with the group in

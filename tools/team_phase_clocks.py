@@ -1,10 +1,10 @@
 """Where a team kernel's rounds go: per-phase clocks of thread 0 of a few CTAs, printed by an
 instrumented build of group_norm_team.cuh. Three steps (the third on the GPU machine):
 
-    python benchmarks/team_phase_clocks.py patch /tmp/phases   # a copy of the tree, instrumented
+    python tools/team_phase_clocks.py patch /tmp/phases   # a copy of the tree, instrumented
     (cd /tmp/phases && python setup.py build_ext --inplace)
     mkdir -p /tmp/phases_pkg && ln -sfn /tmp/phases/ops /tmp/phases_pkg/fusednorm
-    PYTHONPATH=/tmp/phases_pkg python benchmarks/team_phase_clocks.py run
+    PYTHONPATH=/tmp/phases_pkg python tools/team_phase_clocks.py run
 
 `run` times one forward and one backward of a few cases (after a warm-up call) and prints, per
 kernel and CTA, the share of its clock cycles in each phase and the microseconds per round:
@@ -14,8 +14,8 @@ kernel and CTA, the share of its clock cycles in each phase and the microseconds
             outputs and the channel parts
 Each CTA reports; the table prints a few of them and, per kernel, how the barrier wait spreads
 over all of them (which CTAs the others wait for). The patch inserts the clocks at fixed lines of the source: it stops with the line it could not
-find when the kernels change, and must then be updated with them. Measured with it (RESULTS.md,
-eleventh run): no phase of the GroupNorm problem's backward round dominates; each round spends
+find when the kernels change, and must then be updated with them. Measured with it on an H100
+(docs/design.md, "Team path"): no phase of the GroupNorm problem's backward round dominates; each round spends
 ~40% of its time with no DRAM traffic of its own (sums, publish, barrier, fold).
 """
 

@@ -3,16 +3,20 @@ kernel path the environment knobs select (the default choice, one-pass wherever 
 everywhere, and cluster limits), beside the copy-bandwidth roofline, so that a path's choice is
 made on measurements:
 
-    python benchmarks/compare_paths.py [--filter REGEX] [--backward] [--paths default,split,one_pass,shared,noteam,team,cluster8]
+    python tools/compare_paths.py [--filter REGEX] [--backward] [--paths default,split,one_pass,shared,noteam,team,cluster8]
 
 (the paths: fusednorm.kernel_paths.PATHS)
 """
 
 import argparse
+import os
 import re
+import sys
 
 import torch
 
+# bench.py's suite and timers live in benchmarks/, beside the user-facing benchmark.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import copy_bandwidth, gpu_suite, grad_inputs, implementations, make_inputs, timer
 from fusednorm.kernel_paths import PATHS, selected
 

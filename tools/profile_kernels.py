@@ -2,15 +2,19 @@
 Nsight Compute. Only the timed calls are profiled (the warm-up runs outside the range):
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \\
-        python benchmarks/profile_kernels.py --filter "VAE GN+SiLU" --shape 1,128,512,512
+        python tools/profile_kernels.py --filter "VAE GN+SiLU" --shape 1,128,512,512
 
 Each matching case runs `--reps` forward calls and `--reps` backward calls (one autograd.grad each).
 """
 
 import argparse
+import os
+import sys
 
 import torch
 
+# bench.py's suite and timers live in benchmarks/, beside the user-facing benchmark.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import gpu_suite, grad_inputs, implementations, make_inputs
 
 

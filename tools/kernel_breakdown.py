@@ -7,18 +7,22 @@ and under torch.profiler, and one line per (case, implementation, direction) giv
     gpu us    the sum of the call's kernel (and memset / memcpy) times
     kernels   how many the call launches, and the three longest with their times
 
-    python benchmarks/kernel_breakdown.py [--filter REGEX] [--reps N]
+    python tools/kernel_breakdown.py [--filter REGEX] [--reps N]
 """
 
 import argparse
 import collections
+import os
 import re
+import sys
 import time
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+# bench.py's suite and timers live in benchmarks/, beside the user-facing benchmark.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import gpu_suite, grad_inputs, implementations, make_inputs
 
 

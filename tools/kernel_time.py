@@ -2,10 +2,10 @@
 kernels an iteration launches (torch.profiler, CUPTI), over 20 iterations with an L2 flush before
 each (its kernel excluded). Host overhead is not counted, so A/B runs of two builds compare the
 kernels themselves: bench.py's backward rows (autograd wall time) were host-bound on rows under
-~0.3 ms, varying up to 2x between processes (RESULTS.md, twenty-fifth run), where these sums agreed
+~0.3 ms, varying up to 2x between processes on an H200, where these sums agreed
 within 0.5%. One line a case: label, forward ms, backward ms. On the GPU machine, a build each:
 
-    GPU_BUILD=DIR scripts/gpu_prebuilt.sh py benchmarks/kernel_time.py [--filter REGEX] [--iters N]
+    GPU_BUILD=DIR tools/gpu_prebuilt.sh py tools/kernel_time.py [--filter REGEX] [--iters N]
 
 The cases: the fused rows whose backward the one-CTA and team kernels take (ResNet, VAE, UNet
 shapes), the channels-last split path, problem 3's tail and the GroupNorm problem, with plain rows

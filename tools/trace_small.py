@@ -2,15 +2,19 @@
 fusednorm and of the eager composition, printing per-op CPU and CUDA totals. Small shapes are
 bound by launches and host code rather than by the kernels, which Nsight Compute does not show.
 
-    python benchmarks/trace_small.py --filter "SD UNet GN\\+SiLU b2" --shape 2,1280,8,8 [--channels-last]
+    python tools/trace_small.py --filter "SD UNet GN\\+SiLU b2" --shape 2,1280,8,8 [--channels-last]
 """
 
 import argparse
+import os
 import re
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+# bench.py's suite and timers live in benchmarks/, beside the user-facing benchmark.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import gpu_suite, grad_inputs, implementations, make_inputs
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, then Nsight Compute reports of fusednorm's kernels on
 # benchmark cases. Each argument is one profile_kernels.py argument list, e.g.
-#   scripts/gpu_profile.sh '--filter "VAE GN+SiLU" --shape 1,128,512,512' '--filter "problem 3"'
+#   tools/gpu_profile.sh '--filter "VAE GN+SiLU" --shape 1,128,512,512' '--filter "problem 3"'
 # Reports go to $OUT/ncu_<i>.txt (or results/).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +23,7 @@ i=0
 for spec in "$@"; do
   i=$((i + 1))
   echo "== ncu $i: $spec" | tee "$OUT/ncu_$i.txt"
-  eval "${NCU[*]} python benchmarks/profile_kernels.py $spec" >> "$OUT/ncu_$i.txt" 2>&1
+  eval "${NCU[*]} python tools/profile_kernels.py $spec" >> "$OUT/ncu_$i.txt" 2>&1
   # The summary lines that matter most, per kernel.
   grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Grid Size" "$OUT/ncu_$i.txt" | head -80
 done

@@ -11,7 +11,7 @@ do, in float32 (numpy, Horner with rounding a step, the ex2 exact: MUFU.EX2 adds
 relative), against float64 erfc and against eager float32's (1 + erf) / 2 with erf rounded once
 (CUDA's erff is documented to 2 ulp, so eager's own error is up to about twice that shown).
 
-    .venv/bin/python scripts/fit_gelu_cdf.py [--degree 9]
+    .venv/bin/python tools/fit_gelu_cdf.py [--degree 9]
 """
 import argparse
 import math

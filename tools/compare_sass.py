@@ -2,7 +2,7 @@
 kernel, and lists those that differ. A CUDA change meant to leave the kernels alone (a
 refactor) is proven so without a GPU when no kernel differs:
 
-    python scripts/compare_sass.py before/_C.so gpu_build/_C.so
+    python tools/compare_sass.py before/_C.so gpu_build/_C.so
 
 Kernels are paired in the order cuobjdump lists them (their mangled names carry a hash of the
 source file, so they differ between builds of different sources). Needs cuobjdump: the CUDA

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over a representative subset of the CUDA kernels
-# (scripts/sanitizer_cases.py: every layout, dtype, parameter combination and split path once).
+# (tools/sanitizer_cases.py: every layout, dtype, parameter combination and split path once).
 # Needs the environment of scripts/setup_env.sh (or any python with fusednorm installed).
 # racecheck over the whole list took over 530 s in one process on an H100, and 298 s as six
-# processes in parallel (RESULTS.md, seventeenth run): it runs as RACE_SHARDS (default 6)
+# processes in parallel (H100): it runs as RACE_SHARDS (default 6)
 # processes, each every N-th case (sanitizer_cases.py --shard). With the fourth backward mask
 # (300 units) the whole list no longer fits one call (H200: memcheck and two of eight racecheck
 # shards in 416 s; the 120 fused units' memcheck, then racecheck in 10 shards, not done in 238 s).
@@ -15,13 +15,13 @@ LOGS="$(mktemp -d)"
 status=0
 echo "== compute-sanitizer --tool memcheck"
 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-  python "$ROOT/scripts/sanitizer_cases.py" ${SANITIZER_CASE_ARGS:-} || status=1
+  python "$ROOT/tools/sanitizer_cases.py" ${SANITIZER_CASE_ARGS:-} || status=1
 shards="${RACE_SHARDS:-6}"
 echo "== compute-sanitizer --tool racecheck ($shards shards in parallel)"
 pids=()
 for ((i = 0; i < shards; i++)); do
   compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
-    python "$ROOT/scripts/sanitizer_cases.py" --shard "$i/$shards" ${SANITIZER_CASE_ARGS:-} > "$LOGS/racecheck_$i.log" 2>&1 &
+    python "$ROOT/tools/sanitizer_cases.py" --shard "$i/$shards" ${SANITIZER_CASE_ARGS:-} > "$LOGS/racecheck_$i.log" 2>&1 &
   pids+=($!)
 done
 for ((i = 0; i < shards; i++)); do

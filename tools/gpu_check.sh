@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build against its preinstalled torch, run the whole suite (CUDA
 # tests included, `large` ones too), then the compute-sanitizer subset. Logs go to $OUT (or
-# results/). Usage: scripts/gpu_check.sh [pytest args]
+# results/). Usage: tools/gpu_check.sh [pytest args]
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/results}"
@@ -34,6 +34,6 @@ timeout "${PYTEST_TIMEOUT:-420}" python -m pytest tests -q -ra -p no:cacheprovid
 echo "pytest exit code: $?"
 tail -45 "$OUT/pytest.log"
 [ "${SKIP_SANITIZER:-0}" = 1 ] && exit 0
-timeout "${SANITIZER_TIMEOUT:-480}" scripts/sanitize.sh > "$OUT/sanitizer.log" 2>&1
+timeout "${SANITIZER_TIMEOUT:-480}" tools/sanitize.sh > "$OUT/sanitizer.log" 2>&1
 echo "sanitizer exit code: $?"
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|==" "$OUT/sanitizer.log" | tail -8
