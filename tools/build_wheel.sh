@@ -72,6 +72,11 @@ raw="$(ls "$WORK"/raw/fusednorm-*.whl)"
 lib="$(ls "$WORK"/unpacked/fusednorm-*/fusednorm/_C*.so)"
 before=$(stat -c %s "$lib")
 strip "${STRIP_FLAGS[@]}" "$lib"
+if command -v patchelf >/dev/null 2>&1; then
+  # The build machine's library folders (Python's, from its link flags) mean nothing elsewhere;
+  # torch's libraries are found as the ones `import torch` already loaded.
+  patchelf --remove-rpath "$lib"
+fi
 echo "== stripped ${lib##*/} (${STRIP_FLAGS[*]}): $((before / 1048576)) MiB -> $(($(stat -c %s "$lib") / 1048576)) MiB"
 "$PYTHON" -m wheel pack -d "$WORK/stripped" "$WORK"/unpacked/fusednorm-* >/dev/null
 stripped="$(ls "$WORK"/stripped/fusednorm-*.whl)"
