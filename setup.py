@@ -1,15 +1,21 @@
 """Builds fusednorm's native library.
 
 One shared library, ``fusednorm/_C*.so``, defines and registers every op.  It does not link
-against Python (no Python.h): the package loads it with ``torch.ops.load_library``.
+against Python (no Python.h): the package loads it with ``torch.ops.load_library``.  It is
+compiled against the installed torch and only loads under that torch, which is why torch is not a
+build requirement and the built package requires exactly that torch (docs/install.md).
 
-CUDA sources are compiled whenever torch is a CUDA build and a CUDA toolkit is found, with or
-without a visible GPU.  Environment knobs:
+CUDA sources are compiled whenever torch is a CUDA build and a CUDA toolkit of the same CUDA major
+version is found, with or without a visible GPU.  Environment knobs:
 
 * ``FUSEDNORM_CUDA=0`` / ``=1``: force a CPU-only build / fail unless CUDA can be built.
-* ``TORCH_CUDA_ARCH_LIST``: architectures to build (default: the visible GPUs, else ``DEFAULT_ARCHS``).
+* ``TORCH_CUDA_ARCH_LIST``: architectures to build (default: the visible GPUs; without one, every
+  architecture both the toolkit and torch support, PTX for the newest; see ``default_arch_list``).
 * ``MAX_JOBS``: parallel compile jobs (honoured by torch's ninja build).
 * ``CUDA_HOME``: the toolkit; found from ``nvcc`` when unset.
+
+Metadata-only commands (``egg_info``, ``dist_info``, ``sdist``) work without torch; building the
+library without torch stops at once with one sentence saying what to do.
 """
 
 import glob
@@ -19,10 +25,57 @@ import shutil
 import subprocess
 import sys
 
+import setuptools
 from setuptools import setup
 
-DEFAULT_ARCHS = "8.0;8.6;8.9;9.0+PTX"
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The architecture list when neither nvcc nor torch can say which they support.
+FALLBACK_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+# The oldest architecture the kernels compile for: the team kernels' barrier loads are
+# ld.acquire.gpu, an sm_70 instruction (csrc/cuda/group_norm_team.cuh, team_load_acquire).
+MIN_CUDA_ARCH = (7, 0)
+LICENSE_EXPRESSION = "BSD-3-Clause"
+
+# setup.py commands that compile the library, hence need torch (the others only write metadata
+# or an sdist).
+_BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "bdist", "bdist_egg", "editable_wheel",
+                   "develop", "install"}
+NO_TORCH_MESSAGE = (
+    "fusednorm: torch is not importable in this build environment, and fusednorm's native "
+    "library must be compiled against the very torch it will run with, so install torch first "
+    "and then build without pip's isolated build environment: "
+    "pip install --no-build-isolation ."
+)
+
+
+def _import_torch_or_exit(argv):
+    """torch, or None for commands that need no compiler; exits with NO_TORCH_MESSAGE when a
+    command that compiles cannot import torch (pip's isolated build environment has none)."""
+    try:
+        import torch
+    except ImportError:
+        if _BUILD_COMMANDS.intersection(argv[1:]):
+            sys.exit(NO_TORCH_MESSAGE)
+        return None
+    return torch
+
+
+def torch_requirement(torch_version):
+    """The requirement a built package puts on torch: exactly the release it was compiled
+    against (the library's C++ ABI is that torch's; fusednorm/_library.py refuses any other)."""
+    if torch_version is None:
+        return "torch>=2.1"
+    return "torch==" + torch_version.split("+")[0]
+
+
+def license_options(setuptools_version):
+    """setup() keywords declaring the BSD-3-Clause license: PEP 639's License-Expression where
+    setuptools supports it (>= 77), the older License field otherwise (kept so that the build
+    works with the setuptools already installed; pyproject.toml marks the license dynamic)."""
+    major = int(re.match(r"\d+", setuptools_version).group())
+    if major >= 77:
+        return {"license_expression": LICENSE_EXPRESSION, "license_files": ["LICENSE"]}
+    return {"license": LICENSE_EXPRESSION, "license_files": ["LICENSE"]}
 
 
 def _toolkit_from_nvcc():
@@ -45,23 +98,140 @@ def _toolkit_from_nvcc():
     return os.path.realpath(m.group(1).strip()) if m else None
 
 
-def _want_cuda(torch):
-    flag = os.environ.get("FUSEDNORM_CUDA", "").strip()
+def _run(*cmd):
+    try:
+        res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout + res.stderr if res.returncode == 0 else None
+
+
+def _nvcc():
+    home = os.environ.get("CUDA_HOME")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def toolkit_cuda_version(nvcc_version_output):
+    """'13.0' from ``nvcc --version``'s output ("Cuda compilation tools, release 13.0, V13.0.88")."""
+    m = re.search(r"release (\d+)\.(\d+)", nvcc_version_output or "")
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def cuda_build_decision(flag, torch_cuda, toolkit_found, toolkit_cuda):
+    """(build CUDA?, error message or None) from FUSEDNORM_CUDA's value, torch.version.cuda, whether
+    a toolkit was found and its version (None when unknown).
+
+    A toolkit whose CUDA major differs from torch's is an error, not a silent CPU-only build: a
+    user who has a GPU and gets no CUDA kernels would only find out at run time, while the error
+    names both versions and the two ways out (docs/install.md, "CUDA toolkit and torch").
+    """
+    flag = (flag or "").strip()
     if flag == "0":
-        return False
-    if torch.version.cuda is None:
+        return False, None
+    if torch_cuda is None:
         if flag == "1":
-            sys.exit("FUSEDNORM_CUDA=1 but the installed torch is not a CUDA build")
-        return False
-    if not os.environ.get("CUDA_HOME"):
+            return False, "FUSEDNORM_CUDA=1 but the installed torch is not a CUDA build"
+        return False, None
+    if not toolkit_found:
+        if flag == "1":
+            return False, "FUSEDNORM_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)"
+        return False, None
+    if toolkit_cuda is not None and toolkit_cuda.split(".")[0] != torch_cuda.split(".")[0]:
+        return False, (
+            f"fusednorm: the CUDA toolkit found is CUDA {toolkit_cuda} but torch "
+            f"was built with CUDA {torch_cuda}, and extensions cannot be built across CUDA major "
+            f"versions: point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x toolkit, or build "
+            "CPU-only with FUSEDNORM_CUDA=0"
+        )
+    return True, None
+
+
+def _want_cuda(torch):
+    """Whether to build CUDA; may set CUDA_HOME, exits with cuda_build_decision's error."""
+    flag = os.environ.get("FUSEDNORM_CUDA", "")
+    if flag.strip() != "0" and torch.version.cuda is not None and not os.environ.get("CUDA_HOME"):
         toolkit = _toolkit_from_nvcc()
         if toolkit:
             os.environ["CUDA_HOME"] = toolkit
-    if os.environ.get("CUDA_HOME") or shutil.which("nvcc"):
-        return True
-    if flag == "1":
-        sys.exit("FUSEDNORM_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
-    return False
+    nvcc = _nvcc()
+    found = bool(os.environ.get("CUDA_HOME") or nvcc)
+    version = toolkit_cuda_version(_run(nvcc, "--version")) if nvcc else None
+    with_cuda, error = cuda_build_decision(flag, torch.version.cuda, found, version)
+    if error:
+        sys.exit(error)
+    if not with_cuda and torch.version.cuda is not None and flag.strip() != "0":
+        print("fusednorm: torch is a CUDA build but no CUDA toolkit was found (set CUDA_HOME): "
+              "building CPU-only")
+    return with_cuda
+
+
+def _parse_archs(names, prefix):
+    """{(major, minor)} of names like 'sm_120' / 'compute_90' (family-specific ones such as
+    'sm_90a' or 'compute_100f' are not portable targets and are left out)."""
+    archs = set()
+    for name in names:
+        m = re.fullmatch(prefix + r"_(\d+)", name.strip())
+        if m:
+            archs.add(divmod(int(m.group(1)), 10))
+    return archs
+
+
+def toolkit_archs(list_gpu_arch_output):
+    """The architectures ``nvcc --list-gpu-arch`` says it can build (empty when unknown)."""
+    return _parse_archs((list_gpu_arch_output or "").split(), "compute")
+
+
+def torch_archs(torch):
+    """The architectures torch's own kernels were compiled for. torch.cuda.get_arch_list() is
+    empty without a visible GPU in older torch; the flags behind it are not."""
+    try:
+        names = torch._C._cuda_getArchFlags().split()
+    except (AttributeError, RuntimeError):
+        names = torch.cuda.get_arch_list()
+    return _parse_archs(names, "sm")
+
+
+def _format_archs(archs):
+    names = [f"{major}.{minor}" for major, minor in sorted(archs)]
+    names[-1] += "+PTX"  # forward compatibility: the newest also as PTX, JIT-compiled on newer GPUs
+    return ";".join(names)
+
+
+def default_arch_list(toolkit, torch_built_for, min_arch=MIN_CUDA_ARCH):
+    """The TORCH_CUDA_ARCH_LIST of a build without a visible GPU: every architecture that the
+    toolkit can build and torch ships kernels for (torch's list already leaves out those whose
+    code another one's runs, e.g. sm_89 runs sm_86's), PTX for the newest. Either set alone
+    when the other is unknown or they share nothing; FALLBACK_ARCHS when both are unknown."""
+    toolkit = {a for a in toolkit if a >= min_arch}
+    torch_built_for = {a for a in torch_built_for if a >= min_arch}
+    archs = (toolkit & torch_built_for) or toolkit or torch_built_for
+    return _format_archs(archs) if archs else FALLBACK_ARCHS
+
+
+def visible_gpu_arch_list(capabilities, supported):
+    """TORCH_CUDA_ARCH_LIST for the visible GPUs (as torch's extension builder picks it): their
+    capabilities, each clamped to the newest of ``supported``, PTX for the newest."""
+    newest = max(supported) if supported else None
+    archs = {min(tuple(c), newest) if newest else tuple(c) for c in capabilities}
+    return _format_archs(archs)
+
+
+def _cuda_arch_list(torch):
+    """TORCH_CUDA_ARCH_LIST as given, else the default for this machine (docs/install.md,
+    "GPU architectures")."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if given:
+        return given
+    nvcc = _nvcc()
+    toolkit = toolkit_archs(_run(nvcc, "--list-gpu-arch")) if nvcc else set()
+    built_for = torch_archs(torch)
+    if torch.cuda.is_available():
+        supported = (toolkit & built_for) or toolkit or built_for
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        return visible_gpu_arch_list(caps, supported)
+    return default_arch_list(toolkit, built_for)
 
 
 def _pip_cuda_include_dirs():
@@ -124,8 +294,7 @@ def _extension():
         # Reload so that CUDA_HOME (possibly set above) is what torch's build helpers use.
         import importlib
         cpp_extension = importlib.reload(cpp_extension)
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+        os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(torch)
         sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
         extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"]
         include_dirs += _pip_cuda_include_dirs()
@@ -143,7 +312,7 @@ def _extension():
         extra_link_args=["-fopenmp"],
         py_limited_api=True,
     )
-    return ext, cpp_extension.BuildExtension
+    return ext, cpp_extension.BuildExtension, with_cuda
 
 
 def _compiler_matching_the_runtime():
@@ -208,22 +377,43 @@ def _compiler_matching_the_runtime():
           "may crash the process")
 
 
-def _write_build_info():
-    """Records the torch the library is built against, so that importing fusednorm under
-    another torch fails with a message naming both versions instead of a symbol error."""
+def _write_build_info(with_cuda):
+    """Records what the library is built for: the torch (so that importing fusednorm under another
+    torch fails with a message naming both versions instead of a symbol error), and for
+    ``python -m fusednorm`` whether CUDA kernels were compiled, for which architectures and with
+    which toolkit."""
     import torch
 
+    nvcc = _nvcc() if with_cuda else None
+    info = {
+        "TORCH_VERSION": torch.__version__,
+        "CUDA_VERSION": torch.version.cuda,  # the CUDA torch was built with
+        "WITH_CUDA": with_cuda,
+        "CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
+        "CUDA_TOOLKIT_VERSION": toolkit_cuda_version(_run(nvcc, "--version")) if nvcc else None,
+    }
     with open(os.path.join(HERE, "ops", "_build_info.py"), "w") as f:
         f.write("# Generated by setup.py; do not edit.\n")
-        f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
-        f.write(f"CUDA_VERSION = {torch.version.cuda!r}\n")
+        for name, value in info.items():
+            f.write(f"{name} = {value!r}\n")
 
 
-_compiler_matching_the_runtime()
-_write_build_info()
-ext, build_ext = _extension()
-setup(
-    ext_modules=[ext],
-    cmdclass={"build_ext": build_ext.with_options(no_python_abi_suffix=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-)
+# setuptools runs this file as __main__; tests import it to check the functions above.
+if __name__ == "__main__":
+    torch = _import_torch_or_exit(sys.argv)
+    options = dict(
+        license_options(setuptools.__version__),
+        install_requires=[torch_requirement(torch.__version__ if torch is not None else None)],
+    )
+    if torch is None:  # metadata or sdist: nothing is compiled
+        setup(**options)
+    else:
+        _compiler_matching_the_runtime()
+        ext, build_ext, with_cuda = _extension()
+        _write_build_info(with_cuda)
+        setup(
+            ext_modules=[ext],
+            cmdclass={"build_ext": build_ext.with_options(no_python_abi_suffix=True)},
+            options={"bdist_wheel": {"py_limited_api": "cp39"}},
+            **options,
+        )

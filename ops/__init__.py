@@ -4,6 +4,7 @@ The ops live in the ``torch.ops.fusednorm`` namespace; this package loads their 
 registers their fake (meta) kernels, and offers F-style functions and nn modules.
 """
 
+from ._version import __version__  # noqa: F401  (the one version source)
 from . import _library
 
 _library.load()
@@ -15,5 +16,4 @@ from .convert import convert  # noqa: E402
 from . import fusion  # noqa: E402,F401  (opt-in torch.compile backend; imports nothing heavy)
 from . import distributed  # noqa: E402  (sharded norms; DTensor support once torch.distributed.tensor loads)
 
-__version__ = "0.1.0"
 __all__ = ["convert", "distributed", "fusion", "group_norm", "instance_norm", "nn"]

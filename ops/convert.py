@@ -16,6 +16,19 @@ What is converted
     conversion still remove them) and so the same ``state_dict`` keys. A module registered at
     several places stays one shared module.
 
+What is skipped
+    ``filter_fn(name, module) -> bool``, when given, is asked about every module that would be
+    converted (``name`` is its qualified name in ``model``, ``""`` for ``model`` itself, as
+    ``named_modules`` gives it); a module it rejects is left as it is and nothing is folded into
+    it. A module registered under several names is converted only when ``filter_fn`` accepts
+    every one of them (it stays one shared module either way). fusednorm modules already in the
+    model are asked too, before an activation is folded into them.
+
+What is logged
+    One INFO record on the ``fusednorm`` logger: how many modules of each class were replaced,
+    which activation modules were folded into which norms, and how many ``filter_fn`` rejected;
+    one DEBUG record per replaced module.
+
 What is folded (the activation becomes the norm's fused ``activation``, its module an ``nn.Identity``)
     Only where the activation provably runs on the norm's output and on nothing else:
 
@@ -37,8 +50,9 @@ What is folded (the activation becomes the norm's fused ``activation``, its modu
 """
 
 import copy
+import logging
 from collections import Counter
-from typing import Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -46,6 +60,8 @@ from torch.nn.utils import parametrize
 from . import nn as fnn
 
 __all__ = ["convert", "module_activation"]
+
+_logger = logging.getLogger("fusednorm")
 
 _INSTANCE_NORMS = (
     (nn.InstanceNorm3d, fnn.InstanceNorm3d),
@@ -145,15 +161,21 @@ def _converted(module: nn.Module, cls: type) -> nn.Module:
     return new
 
 
-def _fold_sequentials(model: nn.Module) -> None:
+def _fold_sequentials(model: nn.Module, rejected: Set[int]) -> List[Tuple[str, str, str]]:
+    """Folds activations into the norms before them (the module docstring's rules), except into
+    norms whose id is in ``rejected``; returns (activation's name, its class, norm's name) of each
+    fold."""
     counts = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
-    for seq in model.modules():
+    folds = []
+    for seq_name, seq in model.named_modules():
         if not (isinstance(seq, nn.Sequential) and _keeps(type(seq), nn.Sequential, ("forward",))):
             continue
         names = list(seq._modules)
         for name, next_name in zip(names, names[1:]):
             norm, act = seq._modules[name], seq._modules[next_name]
             if type(norm) not in _FUSED or norm.activation is not None or act is None:
+                continue
+            if id(norm) in rejected:
                 continue
             folded = module_activation(act)
             if folded is None or counts[id(norm)] != 1 or counts[id(act)] != 1:
@@ -162,27 +184,72 @@ def _fold_sequentials(model: nn.Module) -> None:
                 continue
             norm.activation, norm.negative_slope = folded
             seq._modules[next_name] = nn.Identity().train(act.training)
+            prefix = seq_name + "." if seq_name else ""
+            folds.append((prefix + next_name, type(act).__name__, prefix + name))
+    return folds
 
 
-def convert(model: nn.Module, *, inplace: bool = True) -> nn.Module:
+def _log_summary(replaced: Dict[str, Tuple[nn.Module, nn.Module]], folds: List[Tuple[str, str, str]],
+                 rejected_count: int) -> None:
+    by_class = Counter(f"{type(old).__name__} -> fusednorm.nn.{type(new).__name__}"
+                       for old, new in replaced.values())
+    parts = [f"replaced {len(replaced)} module(s)"
+             + (": " + ", ".join(f"{n} {what}" for what, n in sorted(by_class.items())) if by_class else "")]
+    # timm's GroupNormAct brings its own activation along.
+    inner = [(name, new.activation) for name, (old, new) in replaced.items()
+             if _is_timm_group_norm_act(old) and new.activation is not None]
+    folded = [f"'{act}' ({cls}) into '{norm}'" for act, cls, norm in folds]
+    folded += [f"{activation} of '{name}' ({type(replaced[name][0]).__name__})" for name, activation in inner]
+    parts.append(f"folded {len(folded)} activation(s)" + (": " + ", ".join(folded) if folded else ""))
+    if rejected_count:
+        parts.append(f"left {rejected_count} module(s) alone as filter_fn asked")
+    _logger.info("fusednorm.convert: %s", "; ".join(parts))
+    for name, (old, new) in replaced.items():
+        _logger.debug("fusednorm.convert: '%s': %s -> fusednorm.nn.%s%s", name, type(old).__name__,
+                      type(new).__name__, f" (activation={new.activation!r})" if new.activation else "")
+
+
+def convert(model: nn.Module, *, inplace: bool = True,
+            filter_fn: Optional[Callable[[str, nn.Module], bool]] = None) -> nn.Module:
     """Replace the torch.nn GroupNorm / InstanceNorm layers of ``model`` with fusednorm's, folding
     activations that provably only follow them; see the module docstring for the exact rules.
 
     Args:
         model: any ``nn.Module`` (it may itself be a norm layer).
         inplace: convert ``model`` itself (default), or a deep copy of it, leaving ``model`` as is.
+        filter_fn: ``filter_fn(name, module) -> bool`` chooses which norm layers are converted (and
+            may receive a folded activation): ``name`` is the module's qualified name in
+            ``model`` (``""`` for ``model`` itself). Default: all of them.
 
     Returns:
         The converted model (``model`` itself when ``inplace``, unless ``model`` is itself a norm
         layer, which is returned converted).
+
+    A summary of what was replaced and folded is logged at INFO on the ``fusednorm`` logger
+    (``logging.getLogger("fusednorm").setLevel(logging.INFO)`` with a handler shows it).
+
+    Example::
+
+        model = fusednorm.convert(model, filter_fn=lambda name, m: not name.startswith("decoder."))
     """
     if not inplace:
         model = copy.deepcopy(model)
-    memo = {}
+    # Names are asked before anything changes: a module registered several times is converted only
+    # if every one of its names is accepted.
+    rejected: Set[int] = set()
+    names: Dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), name)
+        if filter_fn is not None and (isinstance(module, _FUSED) or _target_class(module) is not None):
+            if not filter_fn(name, module):
+                rejected.add(id(module))
+    memo: Dict[int, Optional[nn.Module]] = {}
+    originals: Dict[int, nn.Module] = {}
 
     def replacement(module: nn.Module) -> Optional[nn.Module]:
         if id(module) not in memo:
-            cls = _target_class(module)
+            originals[id(module)] = module
+            cls = None if id(module) in rejected else _target_class(module)
             memo[id(module)] = None if cls is None else _converted(module, cls)
         return memo[id(module)]
 
@@ -191,7 +258,9 @@ def convert(model: nn.Module, *, inplace: bool = True) -> nn.Module:
             if child is not None and replacement(child) is not None:
                 parent._modules[name] = memo[id(child)]
     root = replacement(model)
+    replaced = {names[key]: (originals[key], new) for key, new in memo.items() if new is not None}
     if root is not None:
         model = root
-    _fold_sequentials(model)
+    folds = _fold_sequentials(model, rejected)  # rejected modules are still in the model, unchanged
+    _log_summary(replaced, folds, len(rejected))
     return model

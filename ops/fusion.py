@@ -46,7 +46,7 @@ from torch import fx, nn
 
 from .convert import module_activation
 
-__all__ = ["backend", "fuse_graph", "FusionBackend"]
+__all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend"]
 
 _SCALE, _SHIFT, _RESIDUAL, _ACT, _MULTIPLIER = range(5)
 
@@ -349,3 +349,10 @@ def backend(inner: Any = "inductor") -> FusionBackend:
     epilogues into fusednorm ops, then compiles with ``inner`` (a registered backend name such as
     ``"inductor"`` or ``"aot_eager"``, or a backend callable)."""
     return FusionBackend(inner)
+
+
+def dynamo_backend(gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
+    """The backend registered under the name ``"fusednorm"`` (the ``torch_dynamo_backends`` entry
+    point in pyproject.toml), so that ``torch.compile(model, backend="fusednorm")`` works once
+    fusednorm is installed: the same as :func:`backend` ``()``, fusion then Inductor."""
+    return FusionBackend()(gm, example_inputs)

@@ -60,11 +60,60 @@ def _init_with_activation(torch_cls):
 
 
 class GroupNorm(torch.nn.GroupNorm):
-    __doc__ = torch.nn.GroupNorm.__doc__
+    """Group Normalization over a mini-batch (as :class:`torch.nn.GroupNorm`), computed by
+    fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
+
+    The input's channels are split into ``num_groups`` groups; each group of each sample is
+    normalized by its own mean and (biased) variance, then scaled and shifted per channel::
+
+        y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias
+
+    Args:
+        num_groups: number of groups to separate the channels into (divides ``num_channels``).
+        num_channels: number of channels C expected in the input.
+        eps: added to the variance for numerical stability (default 1e-5).
+        affine: learnable per-channel ``weight`` (ones) and ``bias`` (zeros) (default True).
+        device, dtype: of the parameters (factory keywords, as torch.nn's).
+        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
+            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
+            (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
+        negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
+            keyword-only, ignored by the other activations).
+
+    Epilogue operands of ``forward(input, scale=None, shift=None, residual=None, multiplier=None)``
+    (each optional, fused into the same pass over memory, applied in this order)::
+
+        z = normalize(input) * weight + bias
+        z = z * (1 + scale) + shift    # scale, shift: (N, C) or (N, C, 1, ..., 1) (AdaGN / FiLM)
+        z = z + residual               # residual: input's shape (a skip connection)
+        z = act(z)                     # the module's activation, if any
+        z = z * multiplier             # multiplier: input's shape (a gate)
+
+    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
+    input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
+
+    Shape:
+        - Input: (N, C, *); channels_last and channels_last_3d inputs keep their memory format.
+        - Output: (N, C, *), the input's shape, dtype and memory format.
+
+    Everything else (argument checks and their exceptions, ``state_dict`` keys, ``extra_repr``)
+    is :class:`torch.nn.GroupNorm`'s, of which this is a subclass.
+
+    Example::
+
+        >>> norm = fusednorm.nn.GroupNorm(32, 320, activation="silu")
+        >>> x = torch.randn(2, 320, 64, 64)
+        >>> y = norm(x)                                   # silu(group_norm(x))
+        >>> y = norm(x, scale=emb_scale, shift=emb_shift) # emb_*: (2, 320) time embedding
+    """
+
     __init__ = _init_with_activation(torch.nn.GroupNorm)
 
     def forward(self, input: Tensor, scale: Optional[Tensor] = None, shift: Optional[Tensor] = None,
                 residual: Optional[Tensor] = None, multiplier: Optional[Tensor] = None) -> Tensor:
+        """The normalization of ``input``, then the epilogue with the given operands (see the
+        class docstring): ``scale``/``shift`` of shape (N, C) or (N, C, 1, ..., 1), ``residual``
+        and ``multiplier`` of the input's shape."""
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                             activation=self.activation, negative_slope=self.negative_slope,
                             scale=scale, shift=shift, residual=residual, multiplier=multiplier)
@@ -80,6 +129,9 @@ class _InstanceNormMixin:
 
     def forward(self, input: Tensor, scale: Optional[Tensor] = None, shift: Optional[Tensor] = None,
                 residual: Optional[Tensor] = None, multiplier: Optional[Tensor] = None) -> Tensor:
+        """The normalization of ``input``, then the epilogue with the given operands (see the
+        class docstring): ``scale``/``shift`` of shape (N, C) or (N, C, 1, ..., 1), ``residual``
+        and ``multiplier`` of the input's shape."""
         self._check_input_dim(input)
         # Dynamo in torch 2.1 cannot call _get_no_batch_dim on a subclass; TorchScript cannot
         # read a class attribute: each gets its own spelling.
@@ -141,18 +193,138 @@ class _InstanceNormMixin:
 
 
 class InstanceNorm1d(_InstanceNormMixin, torch.nn.InstanceNorm1d):
-    __doc__ = torch.nn.InstanceNorm1d.__doc__
+    """Instance Normalization over 1d inputs (as :class:`torch.nn.InstanceNorm1d`), computed
+    by fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
+
+    Each channel of each sample is normalized by its own mean and (biased) variance::
+
+        y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias
+
+    Args:
+        num_features: number of channels C expected in the input.
+        eps: added to the variance for numerical stability (default 1e-5).
+        momentum: of the running statistics' update (default 0.1; None: cumulative average).
+        affine: learnable per-channel ``weight`` and ``bias`` (default False).
+        track_running_stats: keep running mean and variance and use them in eval mode (default
+            False).
+        device, dtype: of the parameters and buffers (factory keywords, as torch.nn's).
+        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
+            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
+            (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
+        negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
+            keyword-only, ignored by the other activations).
+
+    Epilogue operands of ``forward(input, scale=None, shift=None, residual=None, multiplier=None)``
+    (each optional, fused into the same pass over memory, applied in this order)::
+
+        z = normalize(input) * weight + bias
+        z = z * (1 + scale) + shift    # scale, shift: (N, C) or (N, C, 1, ...) (AdaGN / FiLM)
+        z = z + residual               # residual: input's shape (a skip connection)
+        z = act(z)                     # the module's activation, if any
+        z = z * multiplier             # multiplier: input's shape (a gate)
+
+    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
+    input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
+
+    Shape:
+        - Input: (N, C, L) or (C, L) (no batch dimension: operands then have none either).
+        - Output: the input's shape, dtype and memory format.
+
+    Everything else (argument checks and their exceptions and warnings, running statistics,
+    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm1d`'s, of which this is a subclass.
+    """
+
     __init__ = _init_with_activation(torch.nn.InstanceNorm1d)
     _NO_BATCH_DIM = 2
 
 
 class InstanceNorm2d(_InstanceNormMixin, torch.nn.InstanceNorm2d):
-    __doc__ = torch.nn.InstanceNorm2d.__doc__
+    """Instance Normalization over 2d inputs (as :class:`torch.nn.InstanceNorm2d`), computed
+    by fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
+
+    Each channel of each sample is normalized by its own mean and (biased) variance::
+
+        y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias
+
+    Args:
+        num_features: number of channels C expected in the input.
+        eps: added to the variance for numerical stability (default 1e-5).
+        momentum: of the running statistics' update (default 0.1; None: cumulative average).
+        affine: learnable per-channel ``weight`` and ``bias`` (default False).
+        track_running_stats: keep running mean and variance and use them in eval mode (default
+            False).
+        device, dtype: of the parameters and buffers (factory keywords, as torch.nn's).
+        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
+            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
+            (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
+        negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
+            keyword-only, ignored by the other activations).
+
+    Epilogue operands of ``forward(input, scale=None, shift=None, residual=None, multiplier=None)``
+    (each optional, fused into the same pass over memory, applied in this order)::
+
+        z = normalize(input) * weight + bias
+        z = z * (1 + scale) + shift    # scale, shift: (N, C) or (N, C, 1, ...) (AdaGN / FiLM)
+        z = z + residual               # residual: input's shape (a skip connection)
+        z = act(z)                     # the module's activation, if any
+        z = z * multiplier             # multiplier: input's shape (a gate)
+
+    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
+    input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
+
+    Shape:
+        - Input: (N, C, H, W) or (C, H, W) (no batch dimension: operands then have none either).
+        - Output: the input's shape, dtype and memory format.
+
+    Everything else (argument checks and their exceptions and warnings, running statistics,
+    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm2d`'s, of which this is a subclass.
+    """
+
     __init__ = _init_with_activation(torch.nn.InstanceNorm2d)
     _NO_BATCH_DIM = 3
 
 
 class InstanceNorm3d(_InstanceNormMixin, torch.nn.InstanceNorm3d):
-    __doc__ = torch.nn.InstanceNorm3d.__doc__
+    """Instance Normalization over 3d inputs (as :class:`torch.nn.InstanceNorm3d`), computed
+    by fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
+
+    Each channel of each sample is normalized by its own mean and (biased) variance::
+
+        y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias
+
+    Args:
+        num_features: number of channels C expected in the input.
+        eps: added to the variance for numerical stability (default 1e-5).
+        momentum: of the running statistics' update (default 0.1; None: cumulative average).
+        affine: learnable per-channel ``weight`` and ``bias`` (default False).
+        track_running_stats: keep running mean and variance and use them in eval mode (default
+            False).
+        device, dtype: of the parameters and buffers (factory keywords, as torch.nn's).
+        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
+            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
+            (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
+        negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
+            keyword-only, ignored by the other activations).
+
+    Epilogue operands of ``forward(input, scale=None, shift=None, residual=None, multiplier=None)``
+    (each optional, fused into the same pass over memory, applied in this order)::
+
+        z = normalize(input) * weight + bias
+        z = z * (1 + scale) + shift    # scale, shift: (N, C) or (N, C, 1, ...) (AdaGN / FiLM)
+        z = z + residual               # residual: input's shape (a skip connection)
+        z = act(z)                     # the module's activation, if any
+        z = z * multiplier             # multiplier: input's shape (a gate)
+
+    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
+    input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
+
+    Shape:
+        - Input: (N, C, D, H, W) or (C, D, H, W) (no batch dimension: operands then have none either).
+        - Output: the input's shape, dtype and memory format.
+
+    Everything else (argument checks and their exceptions and warnings, running statistics,
+    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm3d`'s, of which this is a subclass.
+    """
+
     __init__ = _init_with_activation(torch.nn.InstanceNorm3d)
     _NO_BATCH_DIM = 4

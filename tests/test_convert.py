@@ -295,3 +295,76 @@ def test_timm_group_norm_act_variants():
     assert list(model.state_dict()) == list(reference.state_dict())
     x = torch.randn(2, 8, 4, 4)
     torch.testing.assert_close(model.eval()(x), reference.eval()(x))
+
+
+# -- filter_fn and the logged summary ------------------------------------------------------------
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 8, 1), nn.GroupNorm(2, 8), nn.SiLU())
+        self.skip = nn.Sequential(nn.InstanceNorm2d(8, affine=True), nn.ReLU())
+        self.head = nn.Sequential(nn.GroupNorm(4, 8), nn.GELU())
+
+    def forward(self, x):
+        h = self.block(x)
+        return self.head(self.skip(h) + h)
+
+
+def test_filter_fn_chooses_what_is_converted(device):
+    torch.manual_seed(0)
+    model = Encoder().to(device)
+    reference = copy.deepcopy(model)
+    asked = []
+
+    def filter_fn(name, module):
+        asked.append((name, type(module)))
+        return not name.startswith("head.")
+
+    fusednorm.convert(model, filter_fn=filter_fn)
+    # Asked about the norm layers only, by their qualified names.
+    assert asked == [("block.1", nn.GroupNorm), ("skip.0", nn.InstanceNorm2d), ("head.0", nn.GroupNorm)]
+    assert type(model.block[1]) is fnn.GroupNorm and model.block[1].activation == "silu"
+    assert type(model.block[2]) is nn.Identity
+    assert type(model.skip[0]) is fnn.InstanceNorm2d and model.skip[0].activation == "relu"
+    # Rejected: left as it is, its activation not folded.
+    assert type(model.head[0]) is nn.GroupNorm and type(model.head[1]) is nn.GELU
+    assert_equivalent(reference, model, lambda d: (torch.randn(2, 4, 5, 5, device=d),), device)
+
+
+def test_filter_fn_on_shared_fused_and_root_modules():
+    norm = nn.GroupNorm(2, 4)
+    model = nn.ModuleDict({"a": nn.Sequential(norm), "b": nn.Sequential(norm)})
+    fusednorm.convert(model, filter_fn=lambda name, m: name == "a.0")  # rejected under "b.0"
+    assert model["a"][0] is norm and model["b"][0] is norm and type(norm) is nn.GroupNorm
+    fusednorm.convert(model, filter_fn=lambda name, m: name in ("a.0", "b.0"))
+    assert model["a"][0] is model["b"][0] and type(model["a"][0]) is fnn.GroupNorm
+    # A fusednorm module already there gets no activation folded when rejected.
+    own = fnn.GroupNorm(2, 4)
+    seq = nn.Sequential(own, nn.SiLU())
+    fusednorm.convert(seq, filter_fn=lambda name, m: False)
+    assert own.activation is None and type(seq[1]) is nn.SiLU
+    root = nn.InstanceNorm1d(4)
+    assert fusednorm.convert(root, filter_fn=lambda name, m: name != "") is root
+
+
+def test_convert_logs_a_summary(caplog):
+    import logging
+
+    model = Encoder()
+    with caplog.at_level(logging.DEBUG, logger="fusednorm"):
+        fusednorm.convert(model, filter_fn=lambda name, m: name != "head.0")
+    infos = [r for r in caplog.records if r.name == "fusednorm" and r.levelno == logging.INFO]
+    assert len(infos) == 1
+    message = infos[0].getMessage()
+    assert "replaced 2 module(s): 1 GroupNorm -> fusednorm.nn.GroupNorm, " \
+           "1 InstanceNorm2d -> fusednorm.nn.InstanceNorm2d" in message
+    assert "folded 2 activation(s): 'block.2' (SiLU) into 'block.1', 'skip.1' (ReLU) into 'skip.0'" in message
+    assert "left 1 module(s) alone as filter_fn asked" in message
+    debugs = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert "fusednorm.convert: 'block.1': GroupNorm -> fusednorm.nn.GroupNorm (activation='silu')" in debugs
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fusednorm"):
+        fusednorm.convert(nn.Sequential(nn.Conv2d(2, 2, 1)))
+    assert [r.getMessage() for r in caplog.records] == ["fusednorm.convert: replaced 0 module(s); folded 0 activation(s)"]
