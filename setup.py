@@ -154,7 +154,9 @@ def _link_portable_copies_first(obj, capability):
     vtable or other data that both emit is the portable object's.
     """
     out = obj + ".dispatch.o"
-    if os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(obj):
+    # Remade when the object or these rules (this file) change.
+    if os.path.exists(out) and os.path.getmtime(out) >= max(
+            os.path.getmtime(obj), os.path.getmtime(os.path.join(HERE, "setup.py"))):
         return out
     suffix = ".fusednorm_" + capability
     try:
