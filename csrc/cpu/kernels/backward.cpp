@@ -1,0 +1,464 @@
+// The CPU backward of group_norm_backward and fused_group_norm_backward, compiled once per CPU
+// capability (docs/design.md, 'CPU capabilities'). The formulas are in backward_sums.h; this file
+// holds the passes over memory for both layouts. As the forward, results do not depend on the
+// number of threads (docs/design.md, 'Determinism').
+#ifndef CPU_CAPABILITY
+#error "compiled once per CPU capability through setup.py's wrappers, which define CPU_CAPABILITY"
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/kernels/affine_params.h"
+#include "cpu/kernels/backward_sums.h"
+#include "cpu/kernels/channels_last.h"
+#include "cpu/kernels/elementwise_operands.h"
+#include "cpu/kernels/one_element_per_channel.h"
+#include "cpu/kernels/vec_io.h"
+#include "group_norm.h"
+
+namespace fusednorm::cpu::CPU_CAPABILITY {
+namespace {
+
+// Calls body(dp, x_run, len) over a contiguous run of `len` elements starting at element `off`
+// of a ChannelsFirst row (n, c): dp is dy itself, or the epilogue's gradient computed block by
+// block (blocks aligned as reduce_row's, so sums do not depend on the path) into a stack buffer,
+// or, with `cache`, into cache + (off - cache_origin): there the first pass (`write`) computes it
+// and the second reads it back.
+template <typename T, typename Body>
+void for_each_dp_run(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t off,
+    int64_t len, at::opmath_type<T> centre, at::opmath_type<T> pa, at::opmath_type<T> pc,
+    bool write, Body body, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using acc_t = at::opmath_type<T>;
+  if (!ep.active()) {
+    body(dy + off, x + off, len);
+    return;
+  }
+  acc_t buf[kBlock];
+  for (int64_t start = 0; start < len; start += kBlock) {
+    const int64_t block = std::min(kBlock, len - start);
+    const int64_t o = off + start;
+    acc_t* dp = cache != nullptr ? cache + (o - cache_origin) : buf;
+    if (write || cache == nullptr) ep.template backward_run<false>(dy + o, x + o, o, block, &centre, &pa, &pc, dp, write);
+    body(static_cast<const acc_t*>(dp), x + o, block);
+  }
+}
+
+// The same for rows [r0, r1) of a ChannelsLast sample starting at element `base`: body(dp, x,
+// rows) with dp and x pointing at row r0 (rows of C elements); dp in `buf`, or in
+// cache + (element - cache_origin) as for_each_dp_run.
+template <typename T, typename Body>
+void for_each_dp_chunk(const ElementwiseOperands<T>& ep, const T* dy, const T* x, int64_t base,
+    int64_t r0, int64_t r1, int64_t C, const GradInputCoeffs<at::opmath_type<T>>& k, int64_t n,
+    bool write, std::vector<at::opmath_type<T>>& buf, Body body, at::opmath_type<T>* cache = nullptr,
+    int64_t cache_origin = 0) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t first = base + r0 * C;
+  if (!ep.active()) {
+    body(dy + first, x + first, r1 - r0);
+    return;
+  }
+  acc_t* dp = cache;
+  if (cache != nullptr) {
+    dp += first - cache_origin;
+  } else {
+    buf.resize((r1 - r0) * C);
+    dp = buf.data();
+  }
+  if (write || cache == nullptr) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = base + r * C;
+      ep.template backward_run<true>(dy + o, x + o, o, C, &k.mean[n * C], &k.a[n * C], &k.pc[n * C],
+          dp + (r - r0) * C, write);
+    }
+  }
+  body(static_cast<const acc_t*>(dp), x + first, r1 - r0);
+}
+
+// The per-channel sums of chunk [r0, r1) of ChannelsLast sample n, into `partial` (3 x C).
+template <typename T>
+void chunk_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t n,
+    int64_t r0, int64_t r1, double* partial, std::vector<at::opmath_type<T>>& buf,
+    at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C;
+  const at::opmath_type<T>* mc = &k.mean[n * C];
+  for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/true, buf,
+      [&](const auto* dp, const T* xr, int64_t rows) {
+        reduce_channels<3>(xr, dp, 0, rows, C, partial,
+            [mc](auto& acc, const Vec& xv, const Vec& dpv, int64_t c0, int64_t count) {
+              accumulate_grad_sums(acc, dpv, xv - Vec::loadu(mc + c0, count));
+            });
+      },
+      cache, cache_origin);
+}
+
+// dx of chunk [r0, r1) of ChannelsLast sample n.
+template <typename T>
+void chunk_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t n,
+    int64_t r0, int64_t r1, std::vector<at::opmath_type<T>>& buf, at::opmath_type<T>* cache = nullptr,
+    int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C, first = (n * sh.S + r0) * C;
+  for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/false, buf,
+      [&](const auto* dp, const T* xr, int64_t rows) {
+        for (int64_t r = 0; r < rows; ++r) {
+          map_row(xr + r * C, dp + r * C, dx + first + r * C, C,
+              [&](const Vec& xv, const Vec& dpv, int64_t c0) {
+                const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+                const int64_t nc = n * C + c0;
+                return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dpv,
+                    at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
+                        Vec::loadu(&k.e[nc], count)));
+              });
+        }
+      },
+      cache, cache_origin);
+}
+
+// The sums of row (n, c) = nc of a ChannelsFirst input (dp through `cache` as for_each_dp_run).
+template <typename T>
+void channel_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t nc,
+    GradSums& out, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const Vec m(k.mean[nc]);
+  std::array<double, 3> sums{};
+  for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/true,
+      [&](const auto* dp, const T* xr, int64_t len) {
+        const auto part = reduce_row<3>(xr, dp, len,
+            [&m](auto& acc, const Vec& xv, const Vec& dpv, int64_t count) {
+              // Padding lanes hold dp = x = 0: only x - m needs masking.
+              accumulate_grad_sums(acc, dpv, first_lanes(xv - m, count));
+            });
+        for (int i = 0; i < 3; ++i) sums[i] += part[i];
+      },
+      cache, cache_origin);
+  out.db[nc] = sums[0];
+  out.dsc[nc] = sums[1];
+  out.dev[nc] = sums[2];
+}
+
+// dx of row nc of a ChannelsFirst input.
+template <typename T>
+void channel_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t nc,
+    at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using Vec = typename VecIO<T>::Vec;
+  const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
+  for_each_dp_run(ep, dy, x, nc * sh.S, sh.S, k.mean[nc], k.a[nc], k.pc[nc], /*write=*/false,
+      [&](const auto* dp, const T* xr, int64_t len) {
+        map_row(xr, dp, dx + (xr - x), len, [&](const Vec& xv, const Vec& dpv, int64_t) {
+          return at::vec::fmadd(a, dpv, at::vec::fmadd(b, xv - m, e));
+        });
+      },
+      cache, cache_origin);
+}
+
+// The lanes' sums of Vec::size() vectors at once: lane j of the result sums the lanes of
+// v[bit_reverse(j)]. Each step interleaves pairs of vectors lane by lane (at::vec::interleave2)
+// and adds the two halves, halving the vectors and doubling the period of their rows' pattern.
+template <typename Vec>
+Vec transpose_sum(std::array<Vec, Vec::size()> v) {
+  for (int n = Vec::size(); n > 1; n /= 2) {
+    for (int i = 0; i < n / 2; ++i) {
+      const auto halves = at::vec::interleave2(v[2 * i], v[2 * i + 1]);
+      v[i] = halves.first + halves.second;
+    }
+  }
+  return v[0];
+}
+
+// j with its log2(n) low bits in reverse order.
+constexpr int bit_reverse(int j, int n) {
+  int r = 0;
+  for (int bit = 1; bit < n; bit <<= 1) r = (r << 1) | ((j & bit) ? 1 : 0);
+  return r;
+}
+
+// The row whose sums transpose_sum leaves in each lane.
+template <int L>
+constexpr std::array<int, L> transpose_sum_rows() {
+  std::array<int, L> rows{};
+  for (int j = 0; j < L; ++j) rows[j] = bit_reverse(j, L);
+  return rows;
+}
+
+// Rows of at most this many vectors take the backward's sums a block of rows at a time.
+constexpr int64_t kShortRowVectors = 4;
+
+template <typename T>
+bool short_rows(const GroupNormShape& sh) {
+  return sh.S <= kShortRowVectors * VecIO<T>::kSize;
+}
+
+// The ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, rows of at
+// most kShortRowVectors vectors: each row's three sums in one vector each, then the lanes of the
+// block's rows summed together (transpose_sum), in place of three horizontal sums a row. Those,
+// with reduce_row's set-up, were a fixed ~90 cycles a row: (8, 1280, 16) took 4x ATen's time,
+// (2, 1280, 8, 8) 2.2x (one thread; docs/design.md, 'CPU kernels'). Every lane of transpose_sum adds its
+// row's lanes in the same tree, so a row's sums depend neither on its place in the block nor on
+// the block's other rows (absent ones are zeros): any split over threads, and blocks aligned to
+// groups or not, give the same bits. With an epilogue, the block's dp is made first (into
+// `cache` as for_each_dp_run), in one backward_run with each row's coefficients spread over its
+// elements: the same values as channel_grad_sums makes row by row, without a call a row.
+template <typename T>
+void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t first, int64_t rows,
+    GradSums& out, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
+  using acc_t = at::opmath_type<T>;
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  constexpr int L = Vec::size();
+  std::array<Vec, L> db, dsc, dev;
+  const int64_t present = std::min<int64_t>(L, rows - first), len = present * sh.S, o_first = first * sh.S;
+  acc_t block_dp[kShortRowVectors * L * L];
+  acc_t* const dp_first = cache != nullptr ? cache + (o_first - cache_origin) : block_dp;
+  if (ep.active()) {
+    acc_t centre[kShortRowVectors * L * L], pa[kShortRowVectors * L * L], pc[kShortRowVectors * L * L];
+    for (int64_t r = 0; r < present; ++r) {
+      const int64_t nc = first + r;
+      std::fill_n(centre + r * sh.S, sh.S, k.mean[nc]);
+      std::fill_n(pa + r * sh.S, sh.S, k.a[nc]);
+      std::fill_n(pc + r * sh.S, sh.S, k.pc[nc]);
+    }
+    ep.template backward_run<true>(dy + o_first, x + o_first, o_first, len, centre, pa, pc, dp_first, /*write=*/true);
+  }
+  for (int r = 0; r < L; ++r) {
+    std::array<Vec, 3> acc{Vec(0), Vec(0), Vec(0)};
+    if (r < present) {
+      const int64_t nc = first + r, o = nc * sh.S;
+      const Vec m(k.mean[nc]);
+      const acc_t* dp = dp_first + r * sh.S;
+      IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
+        // Padding lanes hold dp = x = 0: only x - m needs masking.
+        const Vec dpv = ep.active() ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
+        accumulate_grad_sums(acc, dpv, first_lanes(IO::load(x + o + i, count) - m, count));
+      });
+    }
+    db[r] = acc[0];
+    dsc[r] = acc[1];
+    dev[r] = acc[2];
+  }
+  acc_t lanes[3][L];
+  transpose_sum(db).store(lanes[0]);
+  transpose_sum(dsc).store(lanes[1]);
+  transpose_sum(dev).store(lanes[2]);
+  static constexpr std::array<int, L> kRows = transpose_sum_rows<L>();
+  for (int j = 0; j < L; ++j) {
+    if (kRows[j] < present) {
+      const int64_t nc = first + kRows[j];
+      out.db[nc] = lanes[0][j];
+      out.dsc[nc] = lanes[1][j];
+      out.dev[nc] = lanes[2][j];
+    }
+  }
+}
+
+template <typename T>
+void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
+  constexpr int64_t L = VecIO<T>::kSize;
+  if (short_rows<T>(sh)) {
+    const int64_t rows = sh.N * sh.C;
+    at::parallel_for(0, (rows + L - 1) / L, std::max<int64_t>(1, grain / L), [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) short_rows_grad_sums(dy, x, sh, k, ep, b * L, rows, out);
+    });
+    return;
+  }
+  at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t nc = begin; nc < end; ++nc) channel_grad_sums(dy, x, sh, k, ep, nc, out);
+  });
+}
+
+// The ChannelsFirst sums and dx group by group, for an epilogue whose dp is worth computing once:
+// a group's dp (D * S values, at most kMaxGroupDpBytes) goes into a per-thread buffer in the sums'
+// pass and is read back by the dx pass, the group's coefficients computed in between (with the
+// same arithmetic as the two-pass path, so the results are the same bits).
+constexpr int64_t kMaxGroupDpBytes = 512 * 1024;
+
+template <typename T>
+void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const std::vector<at::opmath_type<T>>& w_eff, const at::opmath_type<T>* rstd,
+    GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t M = sh.D * sh.S;
+  at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> group_dp(M);
+    for (int64_t ng = begin; ng < end; ++ng) {
+      const int64_t rows_end = (ng + 1) * sh.D;
+      if (short_rows<T>(sh)) {
+        for (int64_t nc = ng * sh.D; nc < rows_end; nc += VecIO<T>::kSize) {
+          short_rows_grad_sums(dy, x, sh, k, ep, nc, rows_end, sums, group_dp.data(), ng * M);
+        }
+      } else {
+        for (int64_t nc = ng * sh.D; nc < rows_end; ++nc) {
+          channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), ng * M);
+        }
+      }
+      const double delta = recentre_group(sh, ng, sums);
+      grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
+      for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
+        channel_grad_input(dy, x, dx, sh, k, ep, nc, group_dp.data(), ng * M);
+      }
+    }
+  });
+}
+
+// The backward sums of sample n from its per-chunk partials [chunks][3][C], added in chunk order.
+void sample_grad_totals(const double* partial, const GroupNormShape& sh, int64_t n, GradSums& out) {
+  const int64_t C = sh.C, chunks = num_chunks(sh);
+  for (int64_t c = 0; c < C; ++c) {
+    double t[3] = {0, 0, 0};
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int j = 0; j < 3; ++j) t[j] += partial[(k * 3 + j) * C + c];
+    out.db[n * C + c] = t[0];
+    out.dsc[n * C + c] = t[1];
+    out.dev[n * C + c] = t[2];
+  }
+}
+
+template <typename T>
+void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
+  const int64_t C = sh.C, chunks = num_chunks(sh);
+  std::vector<double> partial(sh.N * chunks * 3 * C);
+  for_each_chunk(sh, [&](int64_t n, int64_t kk, int64_t r0, int64_t r1) {
+    std::vector<at::opmath_type<T>> buf;
+    chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[(n * chunks + kk) * 3 * C], buf);
+  });
+  for (int64_t n = 0; n < sh.N; ++n) sample_grad_totals(&partial[n * chunks * 3 * C], sh, n, out);
+}
+
+// The ChannelsLast counterpart of backward_groups_channels_first, sample by sample (a group
+// spans its sample's rows): a sample's dp (S * C values, at most kMaxSampleDpBytes) is kept
+// between the sums and dx. Same chunks and summation order as the two-pass path.
+constexpr int64_t kMaxSampleDpBytes = 4 << 20;
+
+template <typename T>
+void backward_samples_channels_last(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const std::vector<at::opmath_type<T>>& w_eff, const at::opmath_type<T>* rstd,
+    GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t C = sh.C;
+  at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> sample_dp(sh.S * C), buf;
+    std::vector<double> partial(num_chunks(sh) * 3 * C);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t origin = n * sh.S * C;
+      for_sample_chunks(sh, [&](int64_t kk, int64_t r0, int64_t r1) {
+        chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[kk * 3 * C], buf, sample_dp.data(), origin);
+      });
+      sample_grad_totals(partial.data(), sh, n, sums);
+      for (int64_t ng = n * sh.G; ng < (n + 1) * sh.G; ++ng) {
+        grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, recentre_group(sh, ng, sums), k);
+      }
+      for_sample_chunks(sh, [&](int64_t, int64_t r0, int64_t r1) {
+        chunk_grad_input(dy, x, dx, sh, k, ep, n, r0, r1, buf, sample_dp.data(), origin);
+      });
+    }
+  });
+}
+
+template <typename T>
+void grad_input_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
+  at::parallel_for(0, sh.N * sh.C, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t nc = begin; nc < end; ++nc) channel_grad_input(dy, x, dx, sh, k, ep, nc);
+  });
+}
+
+template <typename T>
+void grad_input_channels_last(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep) {
+  for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) {
+    std::vector<at::opmath_type<T>> buf;
+    chunk_grad_input(dy, x, dx, sh, k, ep, n, r0, r1, buf);
+  });
+}
+
+}  // namespace
+
+FusedGrads fused_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const GroupNormShape& sh, Layout layout,
+    const Epilogue& epilogue, const FusedGradMask& mask, bool sum_residual_multiplier_grads) {
+  const at::Tensor dy = to_layout(grad_out, layout);
+  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  FusedGrads grads = empty_fused_grads(x, sh, layout, mask, weight, bias, epilogue, sum_residual_multiplier_grads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const acc_t* mp = mean_c.data_ptr<acc_t>();
+    const acc_t* rp = rstd_c.data_ptr<acc_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dyp = dy.data_ptr<scalar_t>();
+    const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
+    const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
+    const Modulation<acc_t> mod(epilogue);
+    ElementwiseOperands<scalar_t> ep(epilogue, mask[6]);
+    if (mask[5]) ep.grad_residual = grads.residual.data_ptr<scalar_t>();
+    if (mask[6]) ep.grad_multiplier = grads.multiplier.data_ptr<scalar_t>();
+    if (sh.S == 1) {
+      // No per-channel coefficient: no weight, bias, scale or shift.
+      const bool uniform = !(weight && weight->defined()) && !(bias && bias->defined()) && mod.gain.empty() &&
+          mod.shift.empty();
+      backward_one_element_per_channel(dyp, xp, sh, w, b, mod, uniform, mp, rp, ep,
+          mask[0] ? grads.input.data_ptr<scalar_t>() : nullptr, grads);
+      return;
+    }
+
+    GradSums sums(sh.N * sh.C);
+    std::vector<acc_t> w_eff(sh.N * sh.C);
+    for (int64_t n = 0; n < sh.N; ++n)
+      for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
+
+    GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
+    if (layout == Layout::ChannelsFirst && ep.active() && mask[0] &&
+        sh.D * sh.S * static_cast<int64_t>(sizeof(acc_t)) <= kMaxGroupDpBytes) {
+      backward_groups_channels_first(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);
+      param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
+      return;
+    }
+    // (Parallel over samples: only with a sample for every thread. Either path gives the same bits.)
+    if (layout == Layout::ChannelsLast && ep.active() && mask[0] && sh.N >= at::get_num_threads() &&
+        sh.S * sh.C * static_cast<int64_t>(sizeof(acc_t)) <= kMaxSampleDpBytes) {
+      backward_samples_channels_last(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);
+      param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
+      return;
+    }
+    if (layout == Layout::ChannelsFirst) {
+      grad_sums_channels_first(dyp, xp, sh, k, ep, sums);
+    } else {
+      grad_sums_channels_last(dyp, xp, sh, k, ep, sums);
+    }
+    const std::vector<double> delta = recentre(sh, sums);
+    if (mask[0]) {
+      grad_input_coeffs<acc_t>(sh, w_eff, rp, sums, delta, k);
+      scalar_t* dxp = grads.input.data_ptr<scalar_t>();
+      if (layout == Layout::ChannelsFirst) {
+        grad_input_channels_first(dyp, xp, dxp, sh, k, ep);
+      } else {
+        grad_input_channels_last(dyp, xp, dxp, sh, k, ep);
+      }
+    }
+    param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
+  });
+  return grads;
+}
+
+}  // namespace fusednorm::cpu::CPU_CAPABILITY

@@ -1,0 +1,117 @@
+// How the CPU kernels walk a ChannelsLast sample: chunks of rows (the unit of parallel work and
+// of partial sums) and blocks of channel vectors within them.
+#pragma once
+
+#ifndef CPU_CAPABILITY
+#error "compiled once per CPU capability through setup.py's wrappers, which define CPU_CAPABILITY"
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#include "cpu/kernels/vec_io.h"
+#include "group_norm.h"
+
+namespace fusednorm::cpu::CPU_CAPABILITY {
+// Internal linkage, as in one translation unit: GCC inlines these as before (where FMAs are
+// contracted depends on it, and with it the results' bits; docs/design.md, 'CPU capabilities').
+namespace {
+
+// Rows of a channels-last sample processed as one unit of work: fixed by C alone, so that
+// partial sums never depend on the thread count. About 64K elements: per-chunk work (merging the
+// channels into groups, the per-chunk partials) is paid once per chunk, and four times as many
+// rows as with 16K elements took the (8, 320, 32, 32) forward from ~0.35 to ~0.28 ms. At most
+// kBlock rows, so that no channel sums more values in opmath lanes than a ChannelsFirst block.
+inline int64_t rows_per_chunk(int64_t C) {
+  return std::min<int64_t>(kBlock, std::max<int64_t>(1, 65536 / std::max<int64_t>(C, 1)));
+}
+
+// Channels-last chunks are walked in blocks of kChannelVecs vectors of channels, each block down
+// all rows of the chunk with its per-channel state in registers: a running state in memory would
+// cost a load and a store per vector, as much as the data.
+constexpr int kChannelVecs = 4;
+
+// Calls f(c0, count, u) for the vectors u < kChannelVecs of channels of the block starting at cb
+// (count: channels in the vector, the last one may be partial). The loop over u is unrolled, so
+// that the callers' per-vector state (arrays indexed by u) stays in registers; full blocks take a
+// path with no bounds checks.
+template <typename F>
+inline void for_block_vectors(int64_t cb, int64_t C, int64_t size, F f) {
+  if (cb + kChannelVecs * size <= C) {
+#pragma GCC unroll 4
+    for (int u = 0; u < kChannelVecs; ++u) f(cb + u * size, size, u);
+  } else {
+#pragma GCC unroll 4
+    for (int u = 0; u < kChannelVecs; ++u) {
+      const int64_t c0 = cb + u * size;
+      if (c0 < C) f(c0, std::min<int64_t>(size, C - c0), u);
+    }
+  }
+}
+
+// Per-channel sums over rows [r0, r1) of a channels-last sample: out[k * C + c] for K
+// accumulators. `f(acc, xv, yv, c0, count)` updates the accumulators of channels
+// [c0, c0 + count); lanes past `count` load as zeros and are never stored. Each channel's rows are
+// added in row order.
+template <int K, typename T, typename Y = T, typename F>
+void reduce_channels(const T* x, const Y* y, int64_t r0, int64_t r1, int64_t C, double* out, F f) {
+  using IO = VecIO<T>;
+  using YIO = VecIO<Y>;
+  using Vec = typename IO::Vec;
+  using acc_t = typename IO::acc_t;
+  constexpr int64_t kSize = IO::kSize;
+  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+    std::array<std::array<Vec, K>, kChannelVecs> acc;
+    for (auto& a : acc) a.fill(Vec(0));
+    for (int64_t r = r0; r < r1; ++r) {
+      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+        const int64_t off = r * C + c0;
+        f(acc[u], IO::load(x + off, count), y ? YIO::load(y + off, count) : Vec(0), c0, count);
+      });
+    }
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      for (int k = 0; k < K; ++k) {
+        acc_t buf[kSize];
+        acc[u][k].store(buf);
+        for (int64_t i = 0; i < count; ++i) out[k * C + c0 + i] = buf[i];
+      }
+    });
+  }
+}
+
+inline int64_t num_chunks(const GroupNormShape& sh) {
+  const int64_t rows = rows_per_chunk(sh.C);
+  return (sh.S + rows - 1) / rows;
+}
+
+// Calls body(k, r0, r1) for chunk k = rows [r0, r1) of a sample.
+template <typename F>
+void with_chunk_rows(const GroupNormShape& sh, int64_t k, F body) {
+  const int64_t rows = rows_per_chunk(sh.C);
+  body(k, k * rows, std::min(sh.S, (k + 1) * rows));
+}
+
+// Runs body(chunk, r0, r1) over the chunks of rows of one sample, in order.
+template <typename F>
+void for_sample_chunks(const GroupNormShape& sh, F body) {
+  for (int64_t k = 0, chunks = num_chunks(sh); k < chunks; ++k) with_chunk_rows(sh, k, body);
+}
+
+// Runs body(n, chunk, r0, r1) over every chunk of rows of every sample, in parallel.
+template <typename F>
+void for_each_chunk(const GroupNormShape& sh, F body) {
+  const int64_t chunks = num_chunks(sh);
+  at::parallel_for(0, sh.N * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / chunks;
+      with_chunk_rows(sh, i % chunks, [&](int64_t k, int64_t r0, int64_t r1) { body(n, k, r0, r1); });
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fusednorm::cpu::CPU_CAPABILITY

@@ -1,0 +1,387 @@
+// The CPU forward of group_norm_forward and fused_group_norm_forward (the plain op is the fused
+// one with an empty epilogue), compiled once per CPU capability (docs/design.md, 'CPU
+// capabilities').
+//
+// Two layouts are handled in place (see Layout in group_norm.h):
+//   ChannelsFirst: group (n, g) is one contiguous run of D * S elements, D rows of S.
+//   ChannelsLast:  sample n is S rows of C channels; group g is a slice of D channels of each row.
+// Statistics take one pass over memory: each block of a group small enough to stay in cache is
+// reduced exactly in two passes (mean, then squared deviations from it) in vector lanes of opmath
+// (float, or double for double), and the blocks' (count, mean, M2) are merged in double with Chan's
+// formula. Neither a large offset nor a huge group loses precision, and there is no
+// E[x^2] - E[x]^2 (docs/design.md, 'Numerics').
+//
+// Results do not depend on the number of threads: every partial sum covers a range fixed by the
+// shape alone and partials are combined in a fixed order (docs/design.md, 'Determinism').
+#ifndef CPU_CAPABILITY
+#error "compiled once per CPU capability through setup.py's wrappers, which define CPU_CAPABILITY"
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "cpu/kernels/affine_params.h"
+#include "cpu/kernels/channels_last.h"
+#include "cpu/kernels/elementwise_operands.h"
+#include "cpu/kernels/vec_io.h"
+#include "group_norm.h"
+
+namespace fusednorm::cpu::CPU_CAPABILITY {
+namespace {
+
+// Count, mean and sum of squared deviations of a set of values; merge() is Chan's formula.
+struct Moments {
+  double n = 0, mean = 0, m2 = 0;
+  void merge(const Moments& o) {
+    if (o.n == 0) return;
+    const double total = n + o.n, delta = o.mean - mean;
+    mean += delta * (o.n / total);
+    m2 += o.m2 + delta * delta * (n * o.n / total);
+    n = total;
+  }
+};
+
+// A mean split into two opmath values, hi + lo. x - hi is exact for x near the mean (Sterbenz),
+// so (x - hi) - lo centres x to within one rounding even when |mean| >> std, which a mean rounded
+// to float32 alone would not (1e4 + randn loses ~5e-4 that way).
+template <typename acc_t>
+struct SplitMean {
+  acc_t hi, lo;
+  explicit SplitMean(double mean = 0)
+      : hi(static_cast<acc_t>(mean)), lo(static_cast<acc_t>(mean - static_cast<double>(hi))) {}
+};
+
+// Moments of a contiguous run of at most kBlock elements (cache-resident for its second read).
+template <typename T>
+Moments block_moments(const T* x, int64_t len) {
+  using Vec = typename VecIO<T>::Vec;
+  using acc_t = at::opmath_type<T>;
+  if (len == 0) return {};
+  // Summing x - x[0] keeps the float lanes small when |mean| >> std. Padding lanes past `count`
+  // load as zeros and are masked out.
+  const acc_t first = static_cast<acc_t>(x[0]);
+  const double shifted = reduce_row<1>(x, static_cast<const T*>(nullptr), len,
+      [first](auto& acc, const Vec& xv, const Vec&, int64_t count) {
+        const Vec d = xv - Vec(first);
+        acc[0] += first_lanes(d, count);
+      })[0];
+  const double mean = first + shifted / len;
+  const SplitMean<acc_t> m(mean);
+  // sum((x - hi) - lo)^2 = sum(x - hi)^2 - len * lo^2, as sum(x - hi) = len * lo.
+  const double m2 = reduce_row<1>(x, static_cast<const T*>(nullptr), len,
+      [m](auto& acc, const Vec& xv, const Vec&, int64_t count) {
+        const Vec d = xv - Vec(m.hi);
+        acc[0] += first_lanes(d * d, count);
+      })[0];
+  return {static_cast<double>(len), mean, std::max(m2 - len * double(m.lo) * m.lo, 0.0)};
+}
+
+// The output uses the statistics at opmath precision, not their saved rounding.
+double rstd_of(const Moments& m, double eps) {
+  const double var = m.n > 0 ? std::max(m.m2 / m.n, 0.0) : 0.0;
+  return 1.0 / std::sqrt(var + eps);
+}
+
+// out = epilogue(f(x)) over a contiguous run of n elements at element offset `off`: f's affine
+// values go through a cache-resident opmath buffer (no rounding to T in between), then the
+// epilogue's loop (one per activation) writes out. f(xv, _, i) takes the index within the run.
+template <typename T, typename F>
+void map_through_buffer(const T* x, T* out, int64_t off, int64_t n, F f, const ElementwiseOperands<T>& ep) {
+  using IO = VecIO<T>;
+  using acc_t = at::opmath_type<T>;
+  acc_t buf[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < len; i += IO::kSize) {
+      const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+      f(IO::load(x + start + i, count), typename IO::Vec(0), start + i).store(buf + i, count);
+    }
+    ep.forward_run(buf, out + start, off + start, len);
+  }
+}
+
+// per_channel_params: a weight or bias was given (w and b are 1 and 0 otherwise).
+template <typename T>
+void forward_channels_first(
+    const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
+    const std::vector<at::opmath_type<T>>& b, bool per_channel_params, double eps,
+    const Modulation<at::opmath_type<T>>& mod, const ElementwiseOperands<T>& ep, at::opmath_type<T>* mean_out,
+    at::opmath_type<T>* rstd_out) {
+  using acc_t = at::opmath_type<T>;
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t M = sh.D * sh.S;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1));
+  // Small groups go in batches: the batch's statistics first, then its outputs. A small group's
+  // moments, square root and division are one long chain of dependent operations, which the core
+  // overlaps across the groups of a batch but not across a group's output loop in between. A
+  // batch stays within kStatsBatchBytes (in L1 for its second read); a group of that size or
+  // more is a batch of one, read a second time from L2 as before.
+  constexpr int64_t kStatsBatchBytes = 8192, kMaxStatsBatch = 64;
+  const int64_t batch = std::max<int64_t>(1,
+      std::min<int64_t>(kMaxStatsBatch, kStatsBatchBytes / std::max<int64_t>(M * int64_t(sizeof(T)), 1)));
+  at::parallel_for(0, sh.N * sh.G, grain, [&](int64_t begin, int64_t end) {
+    double batch_mean[kMaxStatsBatch], batch_rstd[kMaxStatsBatch];
+    for (int64_t b0 = begin; b0 < end; b0 += batch) {
+      const int64_t b1 = std::min(end, b0 + batch);
+      for (int64_t ng = b0; ng < b1; ++ng) {
+        const T* xg = x + ng * M;
+        Moments stats;
+        for (int64_t start = 0; start < M; start += kBlock) {
+          stats.merge(block_moments(xg + start, std::min(kBlock, M - start)));
+        }
+        const double rstd = rstd_of(stats, eps);
+        mean_out[ng] = static_cast<acc_t>(stats.mean);
+        rstd_out[ng] = static_cast<acc_t>(rstd);
+        batch_mean[ng - b0] = stats.mean;
+        batch_rstd[ng - b0] = rstd;
+      }
+      for (int64_t ng = b0; ng < b1; ++ng) {
+        const T* xg = x + ng * M;
+        const double rstd = batch_rstd[ng - b0];
+        const SplitMean<acc_t> m(batch_mean[ng - b0]);
+        const int64_t g = ng % sh.G;
+        const int64_t n = ng / sh.G;
+        if (sh.S == 1) {
+          // One element per channel: the group is one run of D channels, each with its own
+          // coefficients (computed as below, in the same order).
+          const acc_t* wg = w.data() + g * sh.D;
+          const acc_t* bg = b.data() + g * sh.D;
+          const acc_t* gain = mod.gain.empty() ? nullptr : mod.gain.data() + n * sh.C + g * sh.D;
+          const acc_t* tshift = mod.shift.empty() ? nullptr : mod.shift.data() + n * sh.C + g * sh.D;
+          const Vec rs(static_cast<acc_t>(rstd)), hi(m.hi), lo(m.lo);
+          if (!per_channel_params && !gain && !tshift) {
+            // No coefficient per channel (problem 3's tail): one pair for the row, the values the
+            // general loop makes from weight 1 and bias 0, and the epilogue in the same loop.
+            const Vec shift = Vec(acc_t(0)) - lo * rs;
+            auto affine = [&](const Vec& xv) { return at::vec::fmadd(xv - hi, rs, shift); };
+            if (!ep.active()) {
+              map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D,
+                  [&](const Vec& xv, const Vec&, int64_t) { return affine(xv); });
+            } else {
+              ep.forward_each(y + ng * M, ng * M, sh.D,
+                  [&](int64_t i, int64_t count) { return affine(VecIO<T>::load(xg + i, count)); });
+            }
+            continue;
+          }
+          auto affine = [&](const Vec& xv, const Vec&, int64_t i) {
+            const int64_t count = std::min<int64_t>(Vec::size(), sh.D - i);
+            Vec scale = rs * Vec::loadu(wg + i, count);
+            Vec shift = Vec::loadu(bg + i, count);
+            if (gain) {
+              const Vec gv = Vec::loadu(gain + i, count);
+              scale = scale * gv;
+              shift = shift * gv;
+            }
+            if (tshift) shift = shift + Vec::loadu(tshift + i, count);
+            return at::vec::fmadd(xv - hi, scale, shift - lo * scale);
+          };
+          if (!ep.active()) {
+            map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D, affine);
+          } else {
+            map_through_buffer(xg, y + ng * M, ng * M, sh.D, affine, ep);
+          }
+          continue;
+        }
+        for (int64_t d = 0; d < sh.D; ++d) {
+          const int64_t c = g * sh.D + d;
+          const int64_t row = ng * M + d * sh.S;
+          const acc_t gain = mod.gain_at(n * sh.C + c);
+          const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
+          const Vec scale_v(scale), hi(m.hi), shift(b[c] * gain + mod.shift_at(n * sh.C + c) - m.lo * scale);
+          auto affine = [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); };
+          if (!ep.active()) {
+            map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S, affine);
+          } else {
+            map_through_buffer(xg + d * sh.S, y + row, row, sh.S, affine, ep);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Moments of every group over one chunk of rows of a channels-last sample. Per block of channels
+// (a few KB: the second read comes from L1), each channel's moments are taken exactly in two
+// passes, the sum of x - x[r0] and then the sums of d and d^2 for d = x - m' (m' the channel mean
+// rounded to opmath, corrected by sum d); the channels are then merged into their groups with
+// Chan's formula in double.
+template <typename T>
+void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh, Moments* out) {
+  using IO = VecIO<T>;
+  using Vec = typename IO::Vec;
+  using acc_t = typename IO::acc_t;
+  constexpr int64_t kSize = IO::kSize;
+  const int64_t C = sh.C, rows = r1 - r0;
+  std::vector<Moments> channel(C);
+  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+    std::array<Vec, kChannelVecs> first, sum, dsum, d2sum;
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      first[u] = IO::load(xn + r0 * C + c0, count);
+      sum[u] = Vec(0);
+    });
+    for (int64_t r = r0; r < r1; ++r) {
+      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+        sum[u] += IO::load(xn + r * C + c0, count) - first[u];
+      });
+    }
+    std::array<Vec, kChannelVecs> mean;
+    const Vec inv(acc_t(1) / static_cast<acc_t>(rows));
+    for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) {
+      mean[u] = first[u] + sum[u] * inv;
+      dsum[u] = d2sum[u] = Vec(0);
+    });
+    for (int64_t r = r0; r < r1; ++r) {
+      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+        const Vec d = IO::load(xn + r * C + c0, count) - mean[u];
+        dsum[u] += d;
+        d2sum[u] = at::vec::fmadd(d, d, d2sum[u]);
+      });
+    }
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      acc_t m[kSize], ds[kSize], d2[kSize];
+      mean[u].store(m);
+      dsum[u].store(ds);
+      d2sum[u].store(d2);
+      for (int64_t i = 0; i < count; ++i) {
+        const double shift = double(ds[i]) / rows;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift,
+                                  std::max(double(d2[i]) - double(ds[i]) * shift, 0.0)};
+      }
+    });
+  }
+  // Every channel counts `rows` values: the group's mean is the channels' mean, and its M2 their
+  // M2s plus rows times the squared deviations of their means (Chan's formula for equal counts,
+  // without its per-merge divisions, which cost as much as the data at a few rows a chunk).
+  for (int64_t g = 0; g < sh.G; ++g) {
+    double mean = 0;
+    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) mean += channel[c].mean;
+    mean /= sh.D;
+    double m2 = 0, spread = 0;
+    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
+      const double d = channel[c].mean - mean;
+      m2 += channel[c].m2;
+      spread += d * d;
+    }
+    out[g] = Moments{static_cast<double>(rows * sh.D), mean, m2 + rows * spread};
+  }
+}
+
+template <typename T>
+void forward_channels_last(
+    const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
+    const std::vector<at::opmath_type<T>>& b, double eps, const Modulation<at::opmath_type<T>>& mod,
+    const ElementwiseOperands<T>& ep, at::opmath_type<T>* mean_out, at::opmath_type<T>* rstd_out) {
+  using acc_t = at::opmath_type<T>;
+  using Vec = typename VecIO<T>::Vec;
+  const int64_t C = sh.C, chunks = num_chunks(sh);
+
+  std::vector<Moments> partial(sh.N * chunks * sh.G);
+  std::vector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
+
+  // Sample n's statistics, merged in chunk order, then each group's copied per channel so that
+  // the output pass is a vector loop over channels.
+  auto sample_coefficients = [&](int64_t n) {
+    for (int64_t g = 0; g < sh.G; ++g) {
+      Moments stats;
+      for (int64_t k = 0; k < chunks; ++k) stats.merge(partial[(n * chunks + k) * sh.G + g]);
+      const int64_t ng = n * sh.G + g;
+      const double rstd = rstd_of(stats, eps);
+      mean_out[ng] = static_cast<acc_t>(stats.mean);
+      rstd_out[ng] = static_cast<acc_t>(rstd);
+      const SplitMean<acc_t> m(stats.mean);
+      for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
+        const int64_t nc = n * C + c;
+        const acc_t gain = mod.gain_at(nc);
+        mean_hi[nc] = m.hi;
+        scale[nc] = static_cast<acc_t>(rstd) * w[c] * gain;
+        shift[nc] = b[c] * gain + mod.shift_at(nc) - m.lo * scale[nc];
+      }
+    }
+  };
+
+  // y = (x - hi) * scale + (bias - lo * scale) over rows [r0, r1) of sample n, see SplitMean,
+  // row by row: the loads and stores run along memory, the coefficients (12 bytes a channel) come
+  // from L1. (Blocks of channels down the rows with the coefficients in registers, as the moments
+  // take them, made strided loads and stores: 1.5x ATen's time on (8, 320, 32, 32).)
+  auto output_chunk = [&](int64_t n, int64_t r0, int64_t r1) {
+    const acc_t* hi = mean_hi.data() + n * C;
+    const acc_t* sc = scale.data() + n * C;
+    const acc_t* sf = shift.data() + n * C;
+    auto affine = [&](const Vec& xv, const Vec&, int64_t c0) {
+      const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+      return at::vec::fmadd(xv - Vec::loadu(hi + c0, count), Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
+    };
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = (n * sh.S + r) * C;
+      if (!ep.active()) {
+        map_row(x + off, static_cast<const T*>(nullptr), y + off, C, affine);
+      } else {
+        map_through_buffer(x + off, y + off, off, C, affine, ep);
+      }
+    }
+  };
+
+  if (sh.N >= at::get_num_threads()) {
+    // A sample for every thread: each thread takes whole samples, statistics then output, so that
+    // the output pass rereads x from cache. The same chunks and merge order as below: same bits.
+    at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for_sample_chunks(sh, [&](int64_t k, int64_t r0, int64_t r1) {
+          chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
+        });
+        sample_coefficients(n);
+        for_sample_chunks(sh, [&](int64_t, int64_t r0, int64_t r1) { output_chunk(n, r0, r1); });
+      }
+    });
+    return;
+  }
+  for_each_chunk(sh, [&](int64_t n, int64_t k, int64_t r0, int64_t r1) {
+    chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
+  });
+  for (int64_t n = 0; n < sh.N; ++n) sample_coefficients(n);
+  for_each_chunk(sh, [&](int64_t n, int64_t, int64_t r0, int64_t r1) { output_chunk(n, r0, r1); });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_forward(const at::Tensor& x,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
+    const GroupNormShape& sh, Layout layout, const Epilogue& epilogue) {
+  at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
+  at::Tensor mean = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
+  at::Tensor rstd = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_forward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));
+    const auto b = param_or<acc_t>(bias, sh.C, acc_t(0));
+    const Modulation<acc_t> mod(epilogue);
+    const ElementwiseOperands<scalar_t> ep(epilogue);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    acc_t* mp = mean.data_ptr<acc_t>();
+    acc_t* rp = rstd.data_ptr<acc_t>();
+    if (layout == Layout::ChannelsFirst) {
+      const bool per_channel_params = (weight.has_value() && weight->defined()) || (bias.has_value() && bias->defined());
+      forward_channels_first(xp, yp, sh, w, b, per_channel_params, eps, mod, ep, mp, rp);
+    } else {
+      forward_channels_last(xp, yp, sh, w, b, eps, mod, ep, mp, rp);
+    }
+  });
+  return {y, mean, rstd};
+}
+
+}  // namespace fusednorm::cpu::CPU_CAPABILITY
