@@ -126,7 +126,8 @@ def _extension():
         cpp_extension = importlib.reload(cpp_extension)
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
-        sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+        sources += sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)) + sorted(
+            glob.glob("csrc/cuda/**/*.cpp", recursive=True))
         extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"]
         include_dirs += _pip_cuda_include_dirs()
         ext_cls = cpp_extension.CUDAExtension

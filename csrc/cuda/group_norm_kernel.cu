@@ -57,6 +57,7 @@
 
 #include "clusters.cuh"
 #include "group_norm.h"
+#include "plan.h"
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceGuard.h>
@@ -1563,21 +1564,26 @@ int num_sms() {
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
-// Tiles wanted per pass: two waves of full-occupancy CTAs, so that even N * G = 8 fills the GPU.
-int64_t target_tiles() {
-  return static_cast<int64_t>(num_sms()) * kBlocksPerSM * 2;
+// The split passes' tiling is the planner's (plan.cpp; docs/design.md, "Split passes"), on this
+// device.
+static_assert(kThreads == plan::kSplitThreads && kUnroll == plan::kSplitUnroll && kMaxEntries == plan::kMaxEntries &&
+                  kMaxParamEntries == plan::kMaxParamEntries && kBlocksPerSM == plan::kSplitBlocksPerSM,
+    "the planner's split-pass constants are the kernels'");
+using plan::ceil_log2;
+using plan::log_piece;
+using plan::Tiling;
+
+int grid_for(int64_t tiles) { return plan::grid_for(tiles, num_sms()); }
+
+Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split) {
+  return plan::tile_rows(rows, lenv, max_split, num_sms());
 }
 
-// CTAs launched for `tiles` tiles; the kernels stride over the rest.
-int grid_for(int64_t tiles) {
-  return static_cast<int>(imax(1, imin(tiles, static_cast<int64_t>(num_sms()) * kBlocksPerSM * 4)));
+Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split) {
+  return plan::tile_cols(N, S, cvn, max_split, num_sms());
 }
 
-int ceil_log2(int64_t v) {
-  int l = 0;
-  while ((int64_t(1) << l) < v) ++l;
-  return l;
-}
+Tiling tile_apply_cols(int64_t rows, int64_t cvn) { return plan::tile_apply_cols(rows, cvn, num_sms()); }
 
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
@@ -1585,64 +1591,6 @@ bool aligned16(const void* p) {
 
 bool aligned_to(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
-struct Tiling {
-  int log_tx = 0;
-  int64_t split = 1, chunk = 1, ncb = 1, tiles = 1;
-};
-
-// Rows of `lenv` packs: 2^log_tx threads per row (the smallest power of two covering a row, up to
-// kThreads), kThreads >> log_tx rows per tile, and each row cut into `split` chunks so that there
-// are about target_tiles() tiles, each thread keeping at least two batches of packs.
-Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split) {
-  Tiling t;
-  t.log_tx = ceil_log2(imin(lenv, kThreads));
-  const int64_t tx = int64_t(1) << t.log_tx;
-  const int64_t row_blocks = ceil_div(rows, kThreads / tx);
-  int64_t split = ceil_div(target_tiles(), row_blocks);
-  split = imin(split, imax(1, lenv / (tx * kUnroll * 2)));
-  split = imax(1, imin(split, max_split));
-  t.chunk = ceil_div(lenv, split);
-  t.split = ceil_div(lenv, t.chunk);
-  t.tiles = row_blocks * t.split;
-  return t;
-}
-
-// ChannelsLast reduction over N samples of S rows of `cvn` packs: tiles (n, chunk of rows, block
-// of 2^log_tx packs), rows chunked as in tile_rows.
-Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split) {
-  Tiling t;
-  t.log_tx = ceil_log2(imin(cvn, kThreads));
-  const int64_t ty = kThreads >> t.log_tx;
-  t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
-  int64_t split = ceil_div(target_tiles(), N * t.ncb);
-  split = imin(split, imax(1, S / (ty * kUnroll * 2)));
-  split = imax(1, imin(split, max_split));
-  t.chunk = ceil_div(S, split);
-  t.split = ceil_div(S, t.chunk);
-  t.tiles = N * t.ncb * t.split;
-  return t;
-}
-
-// ChannelsLast elementwise pass over `rows` rows of `cvn` packs: tiles of `chunk` rows x one block
-// of 2^log_tx packs.
-Tiling tile_apply_cols(int64_t rows, int64_t cvn) {
-  Tiling t;
-  t.log_tx = ceil_log2(imin(cvn, kThreads));
-  const int64_t ty = kThreads >> t.log_tx;
-  t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
-  t.chunk = imax(ty * kUnroll * 2, ceil_div(rows, ceil_div(target_tiles(), t.ncb)));
-  t.split = ceil_div(rows, t.chunk);
-  t.tiles = t.split * t.ncb;
-  return t;
-}
-
-// Pieces of the ChannelsLast reduction: Q = the largest power of two dividing D, capped at the
-// channel block width, so that pieces tile both groups and blocks.
-int log_piece(int64_t D, int log_tx, int V) {
-  const int64_t q = imin(D & -D, (int64_t(1) << log_tx) * V);
-  return ceil_log2(q);
 }
 
 // Threads per finalize item: a warp, or the whole block for items with many partials.
@@ -1714,12 +1662,11 @@ void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != Appl
 }
 
 template <typename scalar_t, int V, ApplyMode M>
-void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
+void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a, bool act_kernel) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   if constexpr (M == ApplyMode::EpiForward) {
-    const char* env = std::getenv("FUSEDNORM_COLS_ACT_KERNEL");
-    const bool allowed = env == nullptr || std::atoi(env) != 0;
-    if (allowed && a.epi.residual == nullptr && a.epi.multiplier == nullptr) {
+    // The plan's cols_act_kernel: no residual, no multiplier, a common activation.
+    if (act_kernel) {
       const auto launch = [&](auto kernel) {
         kernel<<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1883,7 +1830,7 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
 template <typename scalar_t>
 void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const at::Tensor& rec,
     const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout,
-    const EpiArgs<scalar_t>* epi = nullptr) {
+    const EpiArgs<scalar_t>* epi = nullptr, bool cols_act_kernel = false) {
   using acc_t = acc_type<scalar_t>;
   constexpr int VW = pack_width<scalar_t>();
   ApplyArgs<scalar_t> a{};
@@ -1946,15 +1893,15 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
       with_epi_mode(a.dy != nullptr, [&](auto mode) {
         constexpr ApplyMode kMode = decltype(mode)::value;
         if (vec) {
-          launch_apply_cols<scalar_t, kMode == ApplyMode::EpiForward ? VW : VE, kMode>(with_epi());
+          launch_apply_cols<scalar_t, kMode == ApplyMode::EpiForward ? VW : VE, kMode>(with_epi(), cols_act_kernel);
         } else {
-          launch_apply_cols<scalar_t, 1, decltype(mode)::value>(with_epi());
+          launch_apply_cols<scalar_t, 1, decltype(mode)::value>(with_epi(), cols_act_kernel);
         }
       });
     } else if (vec) {
-      launch_apply_cols<scalar_t, VW, ApplyMode::Plain>(a);
+      launch_apply_cols<scalar_t, VW, ApplyMode::Plain>(a, false);
     } else {
-      launch_apply_cols<scalar_t, 1, ApplyMode::Plain>(a);
+      launch_apply_cols<scalar_t, 1, ApplyMode::Plain>(a, false);
     }
   }
 }
@@ -1972,12 +1919,116 @@ int finalize_grid(int64_t items, int log_iw) {
   return grid_for(ceil_div(items, kThreads >> log_iw));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Planning a call (plan.h): the call's problem, this device, and the residency answers the
+// planner asks of the kernels it may launch.
+
+// Clusters of `parts` CTAs of the parameter-gradient finalize `kernel` the current device runs at
+// once (a CTA takes a whole SM, a cluster's CTAs one GPC), asked once per device and size.
+template <typename Kernel>
+int resident_param_grad_clusters(Kernel kernel, int parts) {
+  // Clusters of each size the device runs at once, per device (0: not asked yet, -1: none).
+  static std::array<std::array<int, kMaxParamGradParts + 1>, 64> resident{};
+  const int device = c10::cuda::current_device();
+  if (device >= static_cast<int>(resident.size()) || parts > kMaxParamGradParts) return 0;
+  int& clusters = resident[device][parts];
+  if (clusters == 0) {
+    const int n = max_active_clusters(kernel, kParamGradThreads, 0, parts);
+    clusters = n > 0 ? n : -1;
+  }
+  return clusters;
+}
+
+plan::DeviceInfo device_info() {
+  const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
+  plan::DeviceInfo d;
+  d.sms = prop.multiProcessorCount;
+  d.major = prop.major;
+  d.minor = prop.minor;
+  d.smem_optin = static_cast<int64_t>(prop.sharedMemPerBlockOptin);
+  d.smem_per_sm = static_cast<int64_t>(prop.sharedMemPerMultiprocessor);
+  d.l2_bytes = prop.l2CacheSize;
+  d.cooperative_launch = prop.cooperativeLaunch != 0;
+  d.clusters_of_16 = prop.major >= 9 && clusters_of_16(prop);
+  return d;
+}
+
+template <typename scalar_t>
+plan::Problem problem_of(const GroupNormShape& sh, Layout layout, const Epilogue& ep, const at::Tensor& weight,
+    const at::Tensor& bias) {
+  plan::Problem p;
+  p.N = sh.N;
+  p.C = sh.C;
+  p.S = sh.S;
+  p.G = sh.G;
+  p.elem_bytes = static_cast<int>(sizeof(scalar_t));
+  p.bfloat16 = std::is_same_v<scalar_t, at::BFloat16>;
+  p.channels_last = layout == Layout::ChannelsLast;
+  p.act = static_cast<plan::Act>(static_cast<int>(ep.activation));
+  p.weight = weight.defined();
+  p.bias = bias.defined();
+  p.scale = ep.scale.defined();
+  p.shift = ep.shift.defined();
+  p.residual = ep.residual.defined();
+  p.multiplier = ep.multiplier.defined();
+  p.multiplier_is_residual = p.residual && p.multiplier && ep.residual.data_ptr() == ep.multiplier.data_ptr();
+  return p;
+}
+
+// The CUDA answers to the planner's residency questions about this call's kernels (scalar_t, the
+// epilogue's activation, in the backward what its sums keep, in the forward the streams).
+template <typename scalar_t>
+plan::Residency residency_of(Activation act, bool backward, Keep keep, int forward_streams) {
+  using acc_t = acc_type<scalar_t>;
+  plan::Residency r;
+  constexpr int V = pack_width<scalar_t>();
+  if constexpr (V > 1) {
+    r.team_ctas_per_sm = [act, backward, keep](int64_t smem) {
+      int per_sm = 0;
+      dispatch_activation(act, [&](auto a) {
+        constexpr Activation kA = decltype(a)::value;
+        if (!backward) {
+          per_sm = team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA>, smem);
+        } else {
+          dispatch_keep<kA>(keep, [&](auto k) {
+            per_sm = team_ctas_per_sm(group_norm_team_backward_kernel<scalar_t, V, kA, decltype(k)::value>, smem);
+          });
+        }
+      });
+      return per_sm;
+    };
+    r.cols_ctas_per_sm = [act, forward_streams](int pack_bytes, int64_t smem) {
+      return cols_one_pass_ctas_per_sm<scalar_t>(act, forward_streams, pack_bytes, smem);
+    };
+  }
+  r.param_grad_clusters = [](bool per_sample, int parts) {
+    return per_sample ? resident_param_grad_clusters(finalize_param_grads_kernel<acc_t, true>, parts)
+                      : resident_param_grad_clusters(finalize_param_grads_kernel<acc_t, false>, parts);
+  };
+  return r;
+}
+
 template <typename scalar_t>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
-  if (forward_team<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
-  if (forward_one_pass<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
+  plan::Problem prob = problem_of<scalar_t>(sh, layout, ep, weight, bias);
+  const void* residual = ep.residual.defined() ? ep.residual.data_ptr() : nullptr;
+  const void* multiplier = ep.multiplier.defined() ? ep.multiplier.data_ptr() : nullptr;
+  prob.aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(residual) && aligned16(multiplier);
+  const plan::DeviceInfo dev = device_info();
+  const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
+  const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams);
+  plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
+  if (pl.path == plan::Path::Team) {
+    if (forward_team<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
+    prob.team_refused = true;  // another context holds part of the device
+    pl = plan::plan_forward(prob, dev, res, plan::overrides());
+  }
+  if (pl.path != plan::Path::Split) {
+    forward_one_pass<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+    return;
+  }
   using acc_t = acc_type<scalar_t>;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
@@ -2004,40 +2055,8 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout);
   } else {
     const EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, /*with_residual=*/true);
-    apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout, &e);
+    apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout, &e, pl.cols_act_kernel);
   }
-}
-
-// CTAs (a cluster) per channel block of the parameter-gradient finalize `kernel`, for `work`
-// entries (or samples) per channel and `blocks` channel blocks: about two entries a warp, at most
-// kMaxParamGradParts, and only as many as let every block's cluster run at once: a CTA takes a
-// whole SM (54-64 registers a thread) and a cluster's CTAs one GPC, so fewer clusters fit than
-// SMs / parts. On an H200, clusters of 3 for 40 blocks and of 6 for 20 made the finalize
-// 1.04-1.4x slower than one CTA a block, where clusters that fit made it up to 1.9x faster
-// (RESULTS.md, fifteenth run). 1 where the device has no clusters. FUSEDNORM_PARAM_GRAD_PARTS
-// replaces the choice (clamped to 1..kMaxParamGradParts; the tests force 8 on the split path).
-template <typename Kernel>
-int param_grad_parts(Kernel kernel, int64_t work, int64_t blocks) {
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major < 9) return 1;
-  if (const char* env = std::getenv("FUSEDNORM_PARAM_GRAD_PARTS")) {
-    return static_cast<int>(imax(1, imin(std::atoi(env), kMaxParamGradParts)));
-  }
-  // Clusters of each size the device runs at once, per device (0: not asked yet).
-  static std::array<std::array<int, kMaxParamGradParts + 1>, 64> resident{};
-  const int device = c10::cuda::current_device();
-  if (device >= static_cast<int>(resident.size())) return 1;
-  constexpr int64_t kWarps = kParamGradThreads / kWarp;
-  int parts = static_cast<int>(imin(ceil_div(work, 2 * kWarps), kMaxParamGradParts));
-  for (; parts > 1; --parts) {
-    int& clusters = resident[device][parts];
-    if (clusters == 0) {
-      const int n = max_active_clusters(kernel, kParamGradThreads, 0, parts);
-      clusters = n > 0 ? n : -1;
-    }
-    if (clusters >= blocks) break;
-  }
-  return imax(1, parts);
 }
 
 // grad_weight, grad_bias, grad_scale, grad_shift (those `mask` asks for) from the per-(n, k, c)
@@ -2045,7 +2064,7 @@ int param_grad_parts(Kernel kernel, int64_t work, int64_t blocks) {
 template <typename scalar_t>
 void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor& weight,
     const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh, const FusedGradMask& mask,
-    FusedGrads& g) {
+    FusedGrads& g, int parts) {
   using acc_t = acc_type<scalar_t>;
   const auto stream = at::cuda::getCurrentCUDAStream();
   ParamGradArgs<acc_t> pg{};
@@ -2062,7 +2081,7 @@ void param_grads_pass(const Partials& p, const at::Tensor& rec, const at::Tensor
   const int64_t blocks = ceil_div(sh.C, kWarp);
   const auto plain_kernel = finalize_param_grads_kernel<acc_t, false>;
   const auto sample_kernel = finalize_param_grads_kernel<acc_t, true>;
-  pg.parts = per_sample ? param_grad_parts(sample_kernel, sh.N, blocks) : param_grad_parts(plain_kernel, pg.entries, blocks);
+  pg.parts = parts;  // the plan's
   const unsigned grid = static_cast<unsigned>(imin(blocks, grid_for(blocks * pg.parts) / pg.parts) * pg.parts);
   if (per_sample) {
     // With a scale each sample's share is weighted by 1 + scale[n, c], and grad_scale /
@@ -2094,21 +2113,46 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   const bool epi_sums =
       ep.scale.defined() || ep.multiplier.defined() || ep.activation != Activation::None;
   const bool want_params = mask[1] || mask[2] || mask[3] || mask[4];
+  plan::Problem prob = problem_of<scalar_t>(sh, layout, ep, weight, bias);
+  prob.backward = true;
+  prob.mask = mask;
+  {
+    // The one-CTA and team backwards' pointers (make_one_pass_backward_args): the residual only
+    // where p is needed.
+    EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
+    e.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
+    e.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
+    prob.aligned = aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) &&
+        aligned_to(mask[0] ? g.input.data_ptr() : nullptr, 16) && epi_aligned(e);
+    // The split reduce pass's (reduce_pass): the epilogue's only with epi_sums.
+    const EpiArgs<scalar_t> r =
+        epi_sums ? epi_args<scalar_t>(ep, ep.activation != Activation::None) : EpiArgs<scalar_t>{};
+    prob.split_aligned = aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) && epi_aligned(r);
+  }
+  const Keep keep = keep_for(ep.activation, ep.multiplier.defined(), mask[5] || mask[6]);
+  const plan::DeviceInfo dev = device_info();
+  const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/true, keep, 0);
+  plan::Plan pl = plan::plan_backward(prob, dev, res, plan::overrides());
   at::Tensor rec;
   {
-    // Groups in one CTA's shared memory, else spread over a team's (the team first where forced).
+    // Groups in one CTA's shared memory, or spread over a team's.
     Partials one;
-    const int team_mode = team_backward_mode();
-    const bool team_first = team_mode == 1;
-    const auto team = [&] {
-      return backward_team<scalar_t>(team_mode, dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
+    bool done = false;
+    if (pl.path == plan::Path::Team) {
+      done = backward_team<scalar_t>(pl, dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
           one.part_c, rec);
-    };
-    if ((team_first && team()) ||
-        backward_one_pass<scalar_t>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
-            one.part_c, rec) ||
-        (!team_first && team())) {
-      if (want_params) param_grads_pass<scalar_t>(one, rec, weight, bias, ep, sh, mask, g);
+      if (!done) {
+        prob.team_refused = true;  // another context holds part of the device
+        pl = plan::plan_backward(prob, dev, res, plan::overrides());
+      }
+    }
+    if (pl.path == plan::Path::OneCta) {
+      backward_one_pass<scalar_t>(pl, dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params,
+          one.part_c, rec);
+      done = true;
+    }
+    if (done) {
+      if (want_params) param_grads_pass<scalar_t>(one, rec, weight, bias, ep, sh, mask, g, pl.param_grad_parts);
       return;
     }
   }
@@ -2116,6 +2160,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     const Partials p = epi_sums
         ? reduce_pass<scalar_t, true, true>(x, dy, mean, weight, sh, layout, rstd, bias, &ep)
         : reduce_pass<scalar_t, true, false>(x, dy, mean, weight, sh, layout, rstd, bias, nullptr);
+    TORCH_INTERNAL_ASSERT(p.split == pl.reduce.split, "the split reduce pass left the planned tiling");
 
     // The (n, g) records are needed by dx and by grad_weight (for delta).
     rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
@@ -2131,7 +2176,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     finalize_grad_coefs_kernel<acc_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    if (want_params) param_grads_pass<scalar_t>(p, rec, weight, bias, ep, sh, mask, g);
+    if (want_params) param_grads_pass<scalar_t>(p, rec, weight, bias, ep, sh, mask, g, pl.param_grad_parts);
   } else {
     // Only grad_residual / grad_multiplier: they need p (hi = m, a = rstd * w_eff), not the dx
     // coefficients, so no reduction at all.

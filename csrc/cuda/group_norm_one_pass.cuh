@@ -19,6 +19,7 @@
 #include <cuda_pipeline.h>
 #include "clusters.cuh"
 #include "group_norm.h"
+#include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -34,24 +35,9 @@ namespace fusednorm {
 namespace {
 
 constexpr int kOnePassThreads = 256;
-// Largest group (x and its tensor-sized operands, in bytes) taken by the one-pass kernels: the CTAs
-// of a cluster share it, each holding at most kOnePassCtaBytes (three CTAs of 64 KB fit on an SM).
-// The one-CTA backward and devices without clusters take up to the opt-in shared-memory limit.
-constexpr int64_t kOnePassMaxBytes = 1 << 20;
+// The CTA size of the clusters probed by clusters_of_16 (the planner's largest one-pass CTA share,
+// plan.cpp; which groups take the one-pass kernels, and in how many CTAs, is the planner's).
 constexpr int64_t kOnePassCtaBytes = 64 * 1024;
-
-// FUSEDNORM_ONE_PASS_MAX_BYTES replaces that limit and forces the one-pass path for every group
-// within it (0 turns the path off): the tests cover both paths with it. Read per call (cheap next
-// to a launch), so that it can change within a process.
-struct OnePassLimit {
-  int64_t max_bytes;
-  bool forced;
-};
-
-OnePassLimit one_pass_limit() {
-  const char* env = std::getenv("FUSEDNORM_ONE_PASS_MAX_BYTES");
-  return env != nullptr ? OnePassLimit{std::atoll(env), true} : OnePassLimit{kOnePassMaxBytes, false};
-}
 
 template <typename scalar_t>
 struct OnePassArgs {
@@ -794,28 +780,18 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
 // register cap of 64.
 constexpr int kRegisterPacks = 8;
 
-// Whether groups without per-channel parameters take the register kernel's kLate variant.
-// FUSEDNORM_REGISTERS_LATE=0: the general one.
-bool registers_late() {
-  const char* env = std::getenv("FUSEDNORM_REGISTERS_LATE");
-  return env == nullptr || std::atoi(env) != 0;
-}
-
-// One CTA a group, of whole warps enough for R packs a thread (ChannelsLast: R rows a thread,
-// D / V threads a row).
+// One CTA a group of `threads` threads (the plan's: whole warps enough for R packs a thread;
+// ChannelsLast: R rows a thread, D / V threads a row); `late`: the variant that loads the
+// operands after the moments (ChannelsFirst, not bfloat16: its late kernels spilled 4-14 bytes
+// under the cap).
 template <typename scalar_t, int V, int R, int E, bool kCols>
-void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
+void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items, int threads, bool late) {
   static_assert(R * (1 + E) <= kRegisterPacks, "register kernel over its budget");
-  const int64_t wanted = kCols ? (a.D / V) * ceil_div(a.S, R) : ceil_div(a.len / V, R);
-  const int threads = static_cast<int>(std::min<int64_t>(kRegisterThreads, ceil_div(wanted, kWarp) * kWarp));
   const auto launch = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(items), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  // The late kernel is ChannelsFirst's, and not bfloat16's (its late kernels spilled 4-14 bytes
-  // under the cap).
   constexpr bool kLateAllowed = !kCols && !std::is_same_v<scalar_t, at::BFloat16>;
-  const bool late = kLateAllowed && a.uniform_channels() && registers_late();
   const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
     constexpr Activation kA = decltype(act)::value;
     if constexpr (kLateAllowed) {
@@ -823,157 +799,81 @@ void launch_registers(const OnePassArgs<scalar_t>& a, int64_t items) {
     }
     launch(group_norm_registers_kernel<scalar_t, V, R, E, kA, kCols, false>);
   });
-  TORCH_INTERNAL_ASSERT(launched, "register kernel: an activation launch_registers_if_fits refuses");
+  TORCH_INTERNAL_ASSERT(launched, "register kernel planned for an activation it is not instantiated for");
 }
 
-// The ChannelsLast register kernel, when a CTA of kRegisterThreads covers the group's S rows in
-// R <= 4 rows a thread. Each thread also holds its V channels' two coefficients (2 V registers),
-// so that it takes at most 2 packs with one extra stream or 4 without (ptxas sm_90, float16 /
-// float32: 44-64 registers, no spills).
+// The register kernel as planned: R packs (rows) a thread and E extra streams, among the
+// instantiations the planner picks from (docs/design.md, "Register kernel"; bfloat16 has none
+// with more than one extra stream, or one beside 4 packs, and channels-last bfloat16 only 2 rows
+// and no extra stream: those spilled).
 template <typename scalar_t, int V>
-bool launch_cols_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
-  // bfloat16 spilled (6 / 12-24 bytes) with more than 2 packs and no extra stream: that one only.
+void launch_registers_planned(const OnePassArgs<scalar_t>& a, int64_t items, const plan::Plan& pl) {
   constexpr bool kSmall = std::is_same_v<scalar_t, at::BFloat16>;
-  const int64_t lanes = a.D / V;
-  if (lanes > kRegisterThreads || a.streams() > (kSmall ? 1 : 2)) return false;
-  const int64_t rows_at_once = kRegisterThreads / lanes;
-  if (a.S <= 2 * rows_at_once) {
-    if (a.streams() == 1) {
-      launch_registers<scalar_t, V, 2, 0, true>(a, items);
-    } else if constexpr (!kSmall) {
-      launch_registers<scalar_t, V, 2, 1, true>(a, items);
+  const int R = pl.reg_packs, E = pl.reg_streams;
+  const auto wrong = [&] { TORCH_INTERNAL_ASSERT(false, "register kernel planned with ", R, " packs and ", E, " streams"); };
+  if (a.cols) {
+    if (R == 2 && E == 0) return launch_registers<scalar_t, V, 2, 0, true>(a, items, pl.threads, pl.late);
+    if constexpr (!kSmall) {
+      if (R == 2 && E == 1) return launch_registers<scalar_t, V, 2, 1, true>(a, items, pl.threads, pl.late);
+      if (R == 4 && E == 0) return launch_registers<scalar_t, V, 4, 0, true>(a, items, pl.threads, pl.late);
     }
-    return true;
+    return wrong();
   }
+  if (R == 2 && E == 0) return launch_registers<scalar_t, V, 2, 0, false>(a, items, pl.threads, pl.late);
+  if (R == 2 && E == 1) return launch_registers<scalar_t, V, 2, 1, false>(a, items, pl.threads, pl.late);
+  if (R == 4 && E == 0) return launch_registers<scalar_t, V, 4, 0, false>(a, items, pl.threads, pl.late);
   if constexpr (!kSmall) {
-    if (a.S <= 4 * rows_at_once && a.streams() == 1) {
-      launch_registers<scalar_t, V, 4, 0, true>(a, items);
-      return true;
-    }
+    if (R == 2 && E == 2) return launch_registers<scalar_t, V, 2, 2, false>(a, items, pl.threads, pl.late);
+    if (R == 4 && E == 1) return launch_registers<scalar_t, V, 4, 1, false>(a, items, pl.threads, pl.late);
   }
-  return false;
+  wrong();
 }
 
-// Runs the register kernel and returns true when the group fits its registers (2 packs a thread
-// with up to two extra streams, 4 with at most one; one fewer in bfloat16), the activation is
-// none, SiLU or ReLU (the common ones; the others keep the shared-memory kernel rather than add
-// instantiations), and each pack's elements share their coefficients (OnePassOutput::uniform_pack).
-// FUSEDNORM_ONE_PASS_REGISTERS=0 turns it off (the tests cover the shared-memory kernel with it).
-template <typename scalar_t, int V>
-bool launch_registers_if_fits(const OnePassArgs<scalar_t>& a, int64_t items) {
-  const char* env = std::getenv("FUSEDNORM_ONE_PASS_REGISTERS");
-  if (env != nullptr && std::atoi(env) == 0) return false;
-  if (!dispatch_common_activation(a.epi.act, [](auto) {})) return false;  // instantiated for those only
-  if (a.cols) return a.D % V == 0 && launch_cols_registers_if_fits<scalar_t, V>(a, items);
-  if (!a.template uniform_packs<V>()) return false;
-  const int extra_streams = a.streams() - 1;
-  // bfloat16 takes more registers than float16 for the same packs (its kernels with 2 packs and
-  // two extra streams, or 4 packs and one, spilled under the cap): one fewer stream there.
-  constexpr int max_extra = std::is_same_v<scalar_t, at::BFloat16> ? 1 : 2;
-  const int64_t lenv = a.len / V;
-  if (lenv <= 2 * kRegisterThreads && extra_streams <= max_extra) {
-    if (extra_streams == 0) {
-      launch_registers<scalar_t, V, 2, 0, false>(a, items);
-    } else if (extra_streams == 1) {
-      launch_registers<scalar_t, V, 2, 1, false>(a, items);
-    } else if constexpr (max_extra >= 2) {
-      launch_registers<scalar_t, V, 2, 2, false>(a, items);
-    }
-    return true;
-  }
-  if (lenv <= 4 * kRegisterThreads && extra_streams <= max_extra - 1) {
-    if (extra_streams == 0) {
-      launch_registers<scalar_t, V, 4, 0, false>(a, items);
-    } else if constexpr (max_extra >= 2) {
-      launch_registers<scalar_t, V, 4, 1, false>(a, items);
-    }
-    return true;
-  }
-  return false;
-}
-
-// Runs the channels-last shared-memory kernel and returns true when a slab's rows make at most
-// kOnePassThreads packs, the slab fits the CTA's shared memory, and the activation is none, SiLU or
-// ReLU (the others take the split passes rather than add instantiations).
-//
-// The span: the fewest groups (1, 2 or 4, dividing G) whose rows together fill a 32-byte sector.
-// Measured on an H100 (RESULTS.md, eighteenth run), one group a CTA -> two: ResNet's
-// GN+residual+ReLU 0.0732 -> 0.0563 ms, (8,320,64,64) fp16 GN+SiLU 0.0664 -> 0.0486 (its 160 KB
-// slabs, one CTA an SM, against 80 KB groups double-buffered). FUSEDNORM_COLS_SPAN=N: at most N
-// groups a CTA (1: one group a CTA).
-//
-// Unless forced, as the ChannelsFirst kernel: slabs over 48 KB only when there is a slab for
-// (almost: 7/8 of) every SM, and at most kColsOnePassMaxBytes (two CTAs an SM) for one group a
-// CTA; a wider slab may take the whole shared memory (the (8,320,64,64) slabs above).
-constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
-
-template <typename scalar_t>
-bool launch_cols_one_pass_if_fits(const OnePassArgs<scalar_t>& a, int64_t groups, bool forced) {
-  const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(scalar_t));
-  const int pack_bytes = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
-  const int64_t lanes = row_bytes / pack_bytes;  // a group's
-  const int64_t bytes = a.S * row_bytes;         // a group's
-  const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
-  const int64_t smem_limit = static_cast<int64_t>(prop.sharedMemPerBlockOptin) - 1024;
-  int max_span = kMaxColsSpan;
-  if (const char* env = std::getenv("FUSEDNORM_COLS_SPAN")) max_span = std::max(1, std::min(max_span, std::atoi(env)));
-  int span = 1;
-  while (2 * span <= max_span && span * row_bytes < 32 && a.G % (2 * span) == 0) span *= 2;
-  const auto fits = [&](int k) {
-    const int64_t slab = k * bytes;
-    if (k * lanes > kOnePassThreads || slab > smem_limit) return false;
-    return forced ||
-        (slab <= (k > 1 ? smem_limit : kColsOnePassMaxBytes) &&
-            (slab <= 48 * 1024 || 8 * (groups / k) >= 7 * prop.multiProcessorCount));
-  };
-  while (span > 1 && !fits(span)) span /= 2;  // the widest span up to that one which fits
-  if (!fits(span)) return false;
-  const int64_t items = groups / span;
-  const int64_t slab_bytes = span * bytes;
-  // Without a residual or multiplier, and where the CTAs of one slab each would not all be
-  // resident at once with two buffers: two buffers a CTA (the kernel's buffer_packs) and a grid of
-  // the CTAs resident at once. Measured on an H100 (RESULTS.md, seventeenth run): (8,320,64,64)
-  // fp16 GN+SiLU 0.072 -> 0.065 ms with one group a CTA; ResNet's GN+residual+ReLU 0.068 -> 0.078
-  // (half the CTAs an SM then wait on the residual's loads), hence none with operands.
-  // FUSEDNORM_COLS_PIPELINE=0: one buffer, one CTA a slab; 1: two buffers with operands too. (With
-  // no more slabs than SMs every CTA is resident anyway: no occupancy query on that path.)
-  const char* env = std::getenv("FUSEDNORM_COLS_PIPELINE");
-  const int knob = env == nullptr ? -1 : std::atoi(env);
-  const bool pipeline = (knob == 1 || (knob == -1 && a.streams() == 1)) && items > prop.multiProcessorCount &&
-      2 * slab_bytes <= smem_limit;
-  const auto launch = [&](auto kernel) {
-    int64_t grid = items;
-    int64_t buffer_packs = 0;
-    size_t smem = static_cast<size_t>(slab_bytes);
-    if (pipeline) {
-      allow_dynamic_smem(kernel, 2 * smem);
-      int per_sm = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kOnePassThreads, 2 * smem));
-      if (per_sm > 0 && items > static_cast<int64_t>(per_sm) * prop.multiProcessorCount) {
-        grid = static_cast<int64_t>(per_sm) * prop.multiProcessorCount;
-        buffer_packs = slab_bytes / pack_bytes;
-        smem *= 2;
-      }
-    }
-    allow_dynamic_smem(kernel, smem);
-    kernel<<<static_cast<unsigned>(grid), kOnePassThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-        a, items, buffer_packs, span);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
+// The channels-last shared-memory forward as planned (docs/design.md, "Channels-last one-pass"):
+// `span` groups a CTA, packs of `pack_bytes`, with two buffers a CTA and a grid of the CTAs
+// resident at once where the plan says so (buffer_packs > 0). Calls f(kernel) with the kernel
+// instantiated for the call's pack width, activation (none, SiLU, ReLU) and extra streams.
+template <typename scalar_t, typename F>
+void with_cols_one_pass_kernel(Activation act, int streams, int pack_bytes, const F& f) {
   const auto with_width = [&](auto width) {
     constexpr int V = decltype(width)::value / static_cast<int>(sizeof(scalar_t));
-    return dispatch_common_activation(a.epi.act, [&](auto act) {
-      constexpr Activation kA = decltype(act)::value;
-      switch (a.streams()) {
-        case 1: launch(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0>); break;
-        case 2: launch(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 1>); break;
-        default: launch(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 2>); break;
+    const bool found = dispatch_common_activation(act, [&](auto a) {
+      constexpr Activation kA = decltype(a)::value;
+      switch (streams) {
+        case 1: f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0>); break;
+        case 2: f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 1>); break;
+        default: f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 2>); break;
       }
     });
+    TORCH_INTERNAL_ASSERT(found, "channels-last one-pass kernel planned for an activation it is not instantiated for");
   };
   if (pack_bytes == 16) return with_width(std::integral_constant<int, 16>());
   if (pack_bytes == 8) return with_width(std::integral_constant<int, 8>());
-  return with_width(std::integral_constant<int, 4>());
+  with_width(std::integral_constant<int, 4>());
+}
+
+// The planner's residency question about the channels-last kernel of a call: CTAs an SM with
+// `smem` bytes each (the kernel allowed that much first).
+template <typename scalar_t>
+int cols_one_pass_ctas_per_sm(Activation act, int streams, int pack_bytes, int64_t smem) {
+  int per_sm = 0;
+  with_cols_one_pass_kernel<scalar_t>(act, streams, pack_bytes, [&](auto kernel) {
+    allow_dynamic_smem(kernel, static_cast<size_t>(smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kOnePassThreads, static_cast<size_t>(smem)));
+  });
+  return per_sm;
+}
+
+template <typename scalar_t>
+void launch_cols_one_pass(const OnePassArgs<scalar_t>& a, int64_t groups, const plan::Plan& pl) {
+  const int64_t items = groups / pl.span;
+  with_cols_one_pass_kernel<scalar_t>(a.epi.act, a.streams(), pl.pack_bytes, [&](auto kernel) {
+    const size_t smem = static_cast<size_t>(pl.smem);
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<static_cast<unsigned>(pl.grid), kOnePassThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+        a, items, pl.buffer_packs, pl.span);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 // Whether the device schedules clusters of 16 CTAs of kOnePassCtaBytes (H100's non-portable
@@ -996,65 +896,26 @@ bool clusters_of_16(const cudaDeviceProp& prop) {
   return known[device] == 2;
 }
 
-// CTAs per group for a group of `bytes` (x and its operands): enough that each CTA holds at most
-// kOnePassCtaBytes (with 128 KB a CTA, one per SM, an SM's loads stop while its CTA computes:
-// the 1 MB groups of the InstanceNorm problem ran at half the copy bandwidth), and, while the CTAs
-// would not fill the GPU, more (down to 16 KB a CTA). Clusters exist from sm_90 on, of up to 8
-// CTAs, or 16 where the device schedules them (H100: the InstanceNorm problem's forward took
-// 6.8 ms with 16 CTAs of 64 KB against 7.7 ms split). FUSEDNORM_ONE_PASS_MAX_CLUSTER lowers the
-// limit. 0: no cluster fits.
-int one_pass_cluster(int64_t bytes, int64_t items, const cudaDeviceProp& prop) {
-  int max_cluster = prop.major < 9 ? 1 : clusters_of_16(prop) ? 16 : 8;
-  if (const char* env = std::getenv("FUSEDNORM_ONE_PASS_MAX_CLUSTER")) {
-    max_cluster = std::max(1, std::min(max_cluster, std::atoi(env)));
-  }
-  int k = 1;
-  while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
-  while (k < max_cluster && items * k < prop.multiProcessorCount && bytes / (2 * k) >= 16 * 1024) k *= 2;
-  return ceil_div(bytes, k) <= kOnePassCtaBytes || (k == 1 && bytes <= prop.sharedMemPerBlockOptin) ? k : 0;
-}
-
-// Runs the forward in one pass and returns true when the group fits (see above; ChannelsLast: the
-// register kernel's limits) and every tensor-sized operand takes 16-byte packs; otherwise returns
-// false and the caller runs the split forward.
+// Runs the one-pass forward as planned (path Registers, Shared, Cluster or ColsShared).
 template <typename scalar_t>
-bool forward_one_pass(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
-    const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
-    return false;  // double: the split path (cp.async copies 16-byte packs here)
+    TORCH_INTERNAL_ASSERT(false, "one-pass forward planned for double");
   } else {
     OnePassArgs<scalar_t> a{};
-    if (!make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, a)) return false;
+    const bool made = make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, a);
+    TORCH_INTERNAL_ASSERT(made, "one-pass forward planned for arguments it cannot take");
     const int64_t items = sh.N * sh.G;
-    const int64_t streams = a.streams();
-    const int64_t bytes = streams * a.len * static_cast<int64_t>(sizeof(scalar_t));
-    const OnePassLimit limit = one_pass_limit();
-    if (bytes > limit.max_bytes) return false;
-    if (a.cols) {
-      // ChannelsLast: the register kernel, its shared-memory kernel, or the split passes (the
-      // ChannelsFirst shared-memory and cluster kernels read a group as contiguous packs).
-      a.cluster = 1;
-      if (items > std::numeric_limits<int>::max()) return false;
-      return launch_registers_if_fits<scalar_t, V>(a, items) ||
-          launch_cols_one_pass_if_fits<scalar_t>(a, items, limit.forced);
-    }
-    const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
-    const int cluster = one_pass_cluster(bytes, items, prop);
-    if (cluster == 0 || items * cluster > std::numeric_limits<int>::max()) return false;
-    // Without clusters a CTA works through a large group alone: unless there are enough groups to
-    // occupy every SM, the split passes (which spread a group over many CTAs) are faster. Measured
-    // on an H100: 64 groups of 80 KB took 38 us in one pass against 33 us split.
-    if (!limit.forced && cluster == 1 && bytes > 48 * 1024 && items < prop.multiProcessorCount) return false;
-    a.cluster = cluster;
-    a.chunk = ceil_div(a.len / V, cluster);
-    if (cluster == 1 && launch_registers_if_fits<scalar_t, V>(a, items)) {
-      return true;
-    }
-    const size_t smem = static_cast<size_t>(streams * a.chunk * V * static_cast<int64_t>(sizeof(scalar_t)));
+    a.cluster = 1;
+    if (pl.path == plan::Path::ColsShared) return launch_cols_one_pass<scalar_t>(a, items, pl);
+    if (!a.cols) a.chunk = ceil_div(a.len / V, pl.path == plan::Path::Registers ? 1 : pl.cluster);
+    if (pl.path == plan::Path::Registers) return launch_registers_planned<scalar_t, V>(a, items, pl);
+    a.cluster = pl.cluster;
+    const size_t smem = static_cast<size_t>(pl.smem);
     dispatch_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
-    return true;
   }
 }
 
@@ -1477,20 +1338,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
   });
 }
 
-// Threads a CTA of the one-pass backward for a group of lenv packs. FUSEDNORM_BACKWARD_THREADS
-// (256 or 512) replaces the choice (tuning).
-int backward_threads(int64_t lenv) {
-  if (const char* env = std::getenv("FUSEDNORM_BACKWARD_THREADS")) {
-    return std::atoi(env) == kBackwardThreads ? kBackwardThreads : kOnePassThreads;
-  }
-  return lenv >= 2 * kBackwardThreads ? kBackwardThreads : kOnePassThreads;
-}
-
 template <typename scalar_t, int V, Activation A, Keep K>
-void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
+void launch_backward_one_pass(const OnePassBackwardArgs<scalar_t>& a, int64_t items, size_t smem_bytes, int threads) {
   auto kernel = group_norm_backward_one_pass_kernel<scalar_t, V, A, K>;
   allow_dynamic_smem(kernel, smem_bytes);
-  const int threads = backward_threads(a.len / V);
   kernel<<<static_cast<unsigned>(items), threads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1526,32 +1377,23 @@ bool make_one_pass_backward_args(const at::Tensor& dy, const at::Tensor& x, cons
 }
 
 // Runs the backward's elementwise outputs (dx, grad_residual, grad_multiplier, as `mask` asks) in
-// one pass and returns true when the group fits (as forward_one_pass, counting x, dz and the
-// operands p needs) and S is 1 or a multiple of the pack width; part_c and rec are then set for the
-// parameter gradients when `want_params`. Returns false, having done nothing, otherwise.
+// one CTA a group as planned (path OneCta); part_c and rec are then set for the parameter
+// gradients when `want_params`.
 template <typename scalar_t>
-bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+void backward_one_pass(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
     const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
     Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
     at::Tensor& part_c, at::Tensor& rec) {
   using acc_t = acc_type<scalar_t>;
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
-    return false;
+    TORCH_INTERNAL_ASSERT(false, "one-CTA backward planned for double");
   } else {
     const int64_t items = sh.N * sh.G;
     OnePassBackwardArgs<scalar_t> a{};
-    if (items > std::numeric_limits<int>::max() ||
-        !make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, a)) {
-      return false;
-    }
-    const int64_t smem = a.streams() * a.len * static_cast<int64_t>(sizeof(scalar_t));
-    const auto* prop = at::cuda::getCurrentDeviceProperties();
-    const OnePassLimit limit = one_pass_limit();
-    if (smem > std::min<int64_t>(limit.max_bytes, static_cast<int64_t>(prop->sharedMemPerBlockOptin))) {
-      return false;
-    }
-    if (!limit.forced && smem > 48 * 1024 && items < prop->multiProcessorCount) return false;
+    const bool made =
+        make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, a);
+    TORCH_INTERNAL_ASSERT(made, "one-CTA backward planned for arguments it cannot take");
     if (want_params) {
       const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
       part_c = at::empty({sh.N * sh.C * 2}, opts);
@@ -1559,15 +1401,14 @@ bool backward_one_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tens
       a.part_c = part_c.data_ptr<acc_t>();
       a.rec = rec.data_ptr<acc_t>();
     }
-    a.log_seg = sh.S == 1 ? 0 : static_cast<int>(std::min<int64_t>(kLogThreads, ceil_log2(sh.S / V)));
-    const size_t bytes = static_cast<size_t>(smem);
+    a.log_seg = pl.log_seg;
+    const size_t bytes = static_cast<size_t>(pl.smem);
     dispatch_activation(ep.activation, [&](auto act) {
       constexpr Activation kA = decltype(act)::value;
       dispatch_keep<kA>(keep_for(a), [&](auto keep) {
-        launch_backward_one_pass<scalar_t, V, kA, decltype(keep)::value>(a, items, bytes);
+        launch_backward_one_pass<scalar_t, V, kA, decltype(keep)::value>(a, items, bytes, pl.threads);
       });
     });
-    return true;
   }
 }
 
