@@ -25,51 +25,86 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int kWarp = 32;
 constexpr int kLogThreads = 8;  // log2(kSplitThreads)
 
-// One-pass forward (docs/design.md, "One-pass forward", "Clusters"): groups of x and its
-// tensor-sized operands up to kOnePassMaxBytes, each CTA of a cluster holding at most
-// kOnePassCtaBytes (three CTAs of 64 KB fit on an SM; with 128 KB, one CTA an SM, an SM's loads
-// stop while its CTA computes). Without clusters, a group over 48 KB (more than the default
-// shared memory) runs in one pass only when there are groups for every SM: the split passes,
-// which spread a group over many CTAs, are faster otherwise (64 groups of 80 KB: 38 against 33 us).
+// One-pass forward (docs/design.md, "One-pass forward", "Clusters"). Groups of x and its
+// tensor-sized operands up to kOnePassMaxBytes take it, the CTAs of a cluster sharing a group,
+// each holding at most kOnePassCtaBytes: three CTAs of 64 KB fit on an SM, while with 128 KB a CTA,
+// one an SM, an SM's loads stop while its CTA computes (the 1 MB groups of the InstanceNorm
+// problem ran at half the copy bandwidth). While the CTAs would not fill the GPU, clusters grow
+// further, down to kClusterMinCtaBytes a CTA. Clusters exist from sm_90 on, of up to 8 CTAs, or 16
+// where the device schedules them (H100: the InstanceNorm problem's forward took 6.8 ms with 16
+// CTAs of 64 KB against 7.7 ms split). Without clusters a CTA works through a large group alone:
+// unless there are groups for every SM, a group over the default 48 KB takes the split passes,
+// which spread it over many CTAs (H100: 64 groups of 80 KB, 38 us in one pass against 33 split).
+// The one-CTA backward and devices without clusters take up to the opt-in shared memory.
 constexpr int64_t kOnePassMaxBytes = 1 << 20;
 constexpr int64_t kOnePassCtaBytes = 64 * 1024;
 constexpr int64_t kDefaultSmemBytes = 48 * 1024;
-constexpr int64_t kClusterMinCtaBytes = 16 * 1024;  // clusters grow to fill the GPU down to this a CTA
+constexpr int64_t kClusterMinCtaBytes = 16 * 1024;
 
 // Register kernel (docs/design.md, "Register kernel"): CTAs of kRegisterThreads, R packs a thread
-// with E extra streams, R * (1 + E) <= 8 16-byte packs (32 registers) under the cap of 64. bfloat16
-// takes one stream fewer (its kernels spilled with two extra streams or beside four packs);
-// channels-last groups take R <= 4 rows a thread, bfloat16 only 2 rows and no extra stream.
+// with E extra streams, R * (1 + E) <= 8 16-byte packs (32 registers) under the kernel's cap of 64
+// (two CTAs an SM). bfloat16 takes more registers than float16 for the same packs (its kernels
+// with 2 packs and two extra streams, or 4 packs and one, spilled under the cap): one stream fewer
+// there. Channels-last groups take R <= 4 rows a thread, each thread also holding its channels'
+// two coefficients (float16 / float32: 44-64 registers, no spills); bfloat16 spilled (6 / 12-24
+// bytes) with more than 2 rows or an extra stream. Only the common activations (none, SiLU, ReLU)
+// are instantiated; the others keep the shared-memory kernel.
 constexpr int kRegisterThreads = 512;
 
-// Channels-last one-pass forward (docs/design.md, "Channels-last one-pass"): a CTA takes up to
-// kMaxColsSpan adjacent groups whose rows together fill a 32-byte sector; one group a CTA of
-// at most kColsOnePassMaxBytes (two CTAs an SM); slabs over 48 KB only with a slab for 7/8 of
-// the SMs.
+// Channels-last one-pass forward (docs/design.md, "Channels-last one-pass"). A CTA takes the
+// fewest groups (up to kMaxColsSpan, dividing G) whose rows together fill a 32-byte sector:
+// measured on an H100, one group a CTA -> two took ResNet's GN+residual+ReLU 0.0732 -> 0.0563 ms
+// and (8,320,64,64) float16 GN+SiLU 0.0664 -> 0.0486 (160 KB slabs, one CTA an SM, against 80 KB
+// groups double-buffered). Unless forced: slabs over 48 KB only with a slab for 7/8 of the SMs,
+// and one group a CTA at most kColsOnePassMaxBytes (two CTAs an SM). Without a residual or
+// multiplier, where the slabs outnumber the CTAs resident at once, two buffers a CTA and a grid
+// of the resident CTAs: (8,320,64,64) float16 GN+SiLU 0.072 -> 0.065 ms with one group a CTA,
+// while ResNet's GN+residual+ReLU went 0.068 -> 0.078 (half the CTAs an SM then wait on the
+// residual's loads), hence none with operands.
 constexpr int kOnePassThreads = 256;
 constexpr int kMaxColsSpan = 4;
 constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
 constexpr int64_t kSectorBytes = 32;
 constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the driver's reserve a CTA
 
-// Team path (docs/design.md, "Team path"): two CTAs of 512 threads an SM, each holding at most
-// kTeamCtaBytes of the group; by default the team forward takes groups of at least kTeamMinBytes
-// of x (faster than the one-pass kernels from the UNet's 40 KB groups on, slower where the
-// register kernel takes the group: 20-32 KB) or over kOnePassMaxBytes with their operands.
+// Team path (docs/design.md, "Team path"): two CTAs of 512 threads an SM (while one computes or
+// waits at its barrier, the other's copies keep the SM's DRAM traffic going), each holding at
+// most kTeamCtaBytes of the group (two in the 227 KB of an SM). By default the team forward takes
+// ChannelsFirst groups of at least kTeamMinBytes of x, or over kOnePassMaxBytes with their
+// operands. Measured on an H100 (benchmarks/compare_paths.py): faster than the one-pass kernels
+// from the UNet's 40 KB groups ((8,640,32,32) float16: 0.0238 against 0.0250 ms) through the
+// attention block's 128 KB (0.082 against 0.107) and the 1 MB of the InstanceNorm problem (6.02
+// against 6.89 ms, clusters of 16); slower where the register kernel takes the group (20-32 KB:
+// (2,1280,16,16) 0.0135 against 0.0099). The team backward takes the groups the one-CTA backward
+// cannot.
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
 constexpr int64_t kTeamCtaBytes = 108 * 1024;
 constexpr int64_t kTeamMinBytes = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
-// docs/design.md, "Team prefetch": 3/8 of the next chunk forward, 4/8 backward, teams of 16 CTAs
-// and more (smaller teams' waits are covered by the other teams' traffic).
+// docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
+// next chunk into L2, so that the DRAM has work while the team synchronises. On an H100, with
+// three teams of 88 CTAs (the GroupNorm problem) the barrier's wait cost 1.3 ms of 6.9; 3/8 gave
+// 6.6-6.8 -> 5.95 ms, InstanceNorm3d 0.485 -> 0.437, the VAE's float16 0.252 -> 0.237, while 4/8
+// and more lost to L2 evictions (8/8: back at 6.79 ms) and teams of 10 (the InstanceNorm
+// problem's, whose waits the other teams' traffic covers) lost 5%: only teams of
+// kTeamPrefetchMinCtas and more. The backward prefetches each stream it holds, best at 4/8: the
+// InstanceNorm problem's backward 8.83 -> 8.36 ms, the GroupNorm problem's one team of 264 CTAs
+// 13.0 -> 11.3 (then faster than its split passes' 12.5).
 constexpr int kTeamPrefetchEighths = 3;
 constexpr int kTeamBackwardPrefetchEighths = 4;
 constexpr int kTeamPrefetchMinCtas = 16;
-// docs/design.md, "Team replicas": a backward CTA publishes a copy of its partials a rank, at
-// most 16 (the fold's reads then spread over as many L2 lines).
+// docs/design.md, "Team replicas": every CTA of a team reads every rank's partials after the
+// barrier; with one copy those reads fall on the few L2 lines that hold them (the GroupNorm
+// problem's backward spent 0.93 ms of 11.5 in that fold). A backward CTA publishes a copy a rank,
+// at most 16: on an H100 with 1, 4, 8 and 16 copies that backward took 11.35, 11.08, 10.95, 10.88
+// ms, InstanceNorm3d's 0.83 -> 0.79. The forward did not move with copies, and the CTA-wide
+// publish they need cost it 4-5%: one copy forward.
 constexpr int kTeamMaxReplicas = 16;
-// docs/design.md, "Team path": fewer teams win only when they cost 5% less (rounds * teams).
+// docs/design.md, "Team path": a round takes about group / team size, so the time goes as
+// rounds * teams; fewer teams win when they cost 5% less (the VAE's 32 groups of 1 MB: two rounds
+// of 16 teams against two of 26, 0.068 -> 0.050 ms), near-ties keep more teams (larger chunks,
+// fewer barriers: the GroupNorm problem took 8.3 ms with two teams against 7.1 with three).
 constexpr int64_t kTeamCountGainNum = 19, kTeamCountGainDen = 20;
 
 // One-CTA backward (docs/design.md, "One-CTA backward"): CTAs of 512 threads from 1024 packs a
@@ -78,9 +113,11 @@ constexpr int64_t kTeamCountGainNum = 19, kTeamCountGainDen = 20;
 constexpr int kBackwardThreads = 512;
 
 // Parameter gradients (docs/design.md, "Parameter gradients"): a channel block's finalize spreads
-// over a cluster of up to kMaxParamGradParts CTAs of kParamGradThreads, about two entries a warp,
-// only as large as lets every block's cluster run at once (clusters that do not fit made it
-// 1.04-1.4x slower, clusters that fit up to 1.9x faster).
+// over a cluster of up to kMaxParamGradParts CTAs (the portable cluster size) of
+// kParamGradThreads, about two entries a warp, and only as large as lets every block's cluster
+// run at once: a CTA takes a whole SM and a cluster's CTAs one GPC, so fewer clusters fit than
+// SMs / parts. On an H200, clusters of 3 for 40 blocks and of 6 for 20 made the finalize
+// 1.04-1.4x slower than one CTA a block, where clusters that fit made it up to 1.9x faster.
 constexpr int kParamGradThreads = 1024;
 constexpr int kMaxParamGradParts = 8;
 
@@ -371,13 +408,16 @@ bool team_backward(const Ctx& c, Plan& pl) {
   const int64_t pack_bytes = static_cast<int64_t>(c.backward_streams()) * c.V * p.elem_bytes;
   if (!plan_team(c, c.len / c.V, pack_bytes, /*backward=*/true, t)) return false;
   // One team on the whole grid, every CTA waiting at every round's barrier: without the L2
-  // prefetch the split passes were faster on the plain backward (docs/design.md, "Team path").
+  // prefetch the split passes were faster on the plain backward (H100: GroupNorm problem 13.1
+  // against 12.6 ms, InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose split
+  // backward costs more (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
   if (mode != 1 && t.teams == 1 && t.prefetch == 0 && p.act == Act::None && !p.multiplier && !p.scale) return false;
   const int64_t chunk = t.chunk;
   const int64_t spv = p.S / c.V;
   t.channel_split = ceil_div(spv - 1, chunk) + 1;  // chunks a channel's packs overlap
   // Segments as wide as a chunk's share of a channel, narrow enough that the most channels a
-  // chunk spans take one sweep.
+  // chunk spans take one sweep (each sweep costs a segment reduction and the coefficients' loads:
+  // six sweeps a round made the attention block's backward slower than the split passes).
   const int64_t max_channels = std::min<int64_t>(c.D, ceil_div(chunk - 1, spv) + 1);
   int log_fit = 0;
   while ((int64_t(2) << log_fit) * max_channels <= kTeamThreads) ++log_fit;
