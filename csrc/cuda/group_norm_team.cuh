@@ -1,7 +1,7 @@
 // The team forward and backward, for ChannelsFirst groups of kTeamMinBytes and more (the GroupNorm
 // problem's 8 MB groups, the VAE's 0.5-8 MB ones, attention's 128 KB) and, in the backward, the
-// groups the one-CTA backward cannot hold. Included after group_norm_one_pass.cuh, whose
-// arguments, output stage and backward arithmetic they share. The forward first:
+// groups the one-CTA backward cannot hold (docs/design.md, "Team path"). They share the one-pass
+// kernels' arguments and output stage and the one-CTA backward's arithmetic. The forward first:
 //
 // A group over kOnePassMaxBytes fits no CTA and no cluster, so the split forward read x twice
 // from DRAM; smaller ones took a cluster of CTAs each, which loaded, reduced and wrote in turn,
@@ -20,11 +20,19 @@
 // (kTeamPrefetchEighths), the only traffic it can issue while it waits.
 // Holding two or three rounds a CTA (round i + 1's moments taken before round i's barrier) was
 // slower on every row measured: the chunks shrink with the stages, and the rounds multiply.
-// x is read from DRAM once. An earlier version (branch experiment/team-forward) re-read each
+// x is read from DRAM once. An earlier version re-read each
 // chunk from global memory expecting L2 hits; with 12-50 MB of chunks in flight they were
 // evicted first and DRAM moved three passes. Shared memory cannot evict.
 
+#pragma once
+
 #include <cuda_pipeline.h>
+#include "cuda/common/base.cuh"
+#include "cuda/common/epilogue_math.cuh"
+#include "cuda/common/host.cuh"
+#include "cuda/common/moments.cuh"
+#include "cuda/group_norm_one_pass.cuh"
+#include "cuda/one_cta_backward.cuh"
 #include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -95,7 +103,7 @@ struct TeamGrid {
   // slot of copy c, then thread 0 arrives at round i's barrier (the CTA barrier, where other
   // threads wrote copies, and the fence make every copy, and the CTA's earlier writes, visible to
   // the team first). The backward's: that CTA barrier cost the forward 4-5% (GroupNorm problem
-  // 5.95 -> 6.27 ms on an H100, twenty-first and twenty-second runs), and thread 0 writing 16
+  // 5.95 -> 6.27 ms on an H100; docs/design.md, "Team replicas"), and thread 0 writing 16
   // copies itself cost the backward more than the copies gained. (ptxas: the barrier taken only
   // with copies leaves the 16-bit kernels 60 bytes spilled, 72 without the test.)
   __device__ void publish_copies(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
@@ -183,7 +191,7 @@ struct TeamArgs {
 // the other side outright when one is empty: the merge runs on every round's critical path (the
 // whole CTA waits for it), where most lanes hold no chunk, and merge()'s unconditional division
 // there cost 3-4% (InstanceNorm problem 6.03 -> 6.20 ms, attention GN 0.0846 -> 0.0877 ms on an
-// H100, same run).
+// H100; docs/design.md, "Team path").
 template <typename acc_t>
 struct ChunkMoments {
   acc_t n, mean, m2;
