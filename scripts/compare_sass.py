@@ -43,9 +43,15 @@ def demangle(name):
 
 
 def stable_name(name):
-    """The mangled name without the per-file hash of an anonymous namespace: nvcc spells one
-    `<length>_GLOBAL__N__<hash>_<length>_<file>_<hash>` (the lengths count the component)."""
-    return re.sub(r"\d+_GLOBAL__N__\w*?_cu_[0-9a-f]+", "_GLOBAL__N_", name)
+    """The mangled name without the per-file hash of an anonymous namespace: nvcc names one
+    `<length>_GLOBAL__N__<hash>_<length>_<file>_<hash>_<id>`, the leading length counting the rest."""
+    out, at = [], 0
+    for m in re.finditer(r"(\d+)_GLOBAL__N__", name):
+        if m.start() < at:
+            continue
+        out.append(name[at:m.start()] + "_GLOBAL__N_")
+        at = m.end(1) + int(m.group(1))
+    return "".join(out) + name[at:]
 
 
 def pairs(a, b):
