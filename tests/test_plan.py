@@ -236,10 +236,14 @@ def test_tuning_knobs_are_ignored_by_a_default_build(monkeypatch):
 
 
 def test_team_knobs_size_the_grid(monkeypatch):
-    row = ROWS[0]  # the GroupNorm problem: 3 teams of 88 forward, one of 264 backward
+    gn, instance = ROWS[0], ROWS[1]  # teams of 88 / 264 CTAs (GroupNorm), of 10 / 20 (InstanceNorm)
     _set(monkeypatch, {"FUSEDNORM_TEAM_PREFETCH": "0", "FUSEDNORM_TEAM_REPLICAS": "1"})
-    assert "prefetch=0 replicas=1" in plan_of(row, False)
-    assert "prefetch=0 replicas=1" in plan_of(row, True)
+    assert "prefetch=0 replicas=1" in plan_of(gn, False)
+    assert "teams=13 team_size=20 chunk=3277 smem=104864 prefetch=0 replicas=1" in plan_of(instance, True)
+    # One team on the whole grid without the L2 prefetch: the plain backward takes the split
+    # passes, which were faster there; with an activation the team kernel stays.
+    assert _path(plan_of(gn, True)) == "split"
+    assert _path(plan_of(gn._replace(activation="silu"), True)) == "team"
 
 
 def test_a_device_without_clusters(monkeypatch):
