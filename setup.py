@@ -451,7 +451,8 @@ def _extension():
         import importlib
         cpp_extension = importlib.reload(cpp_extension)
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(torch)
-        sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+        sources += sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)) + sorted(
+            glob.glob("csrc/cuda/**/*.cpp", recursive=True))
         extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"]
         include_dirs += _pip_cuda_include_dirs()
         ext_cls = cpp_extension.CUDAExtension

@@ -250,6 +250,11 @@ TORCH_LIBRARY(fusednorm, m) {
       " float eps=1e-05, *, str? activation=None, float negative_slope=0.01,"
       " Tensor? scale=None, Tensor? shift=None, Tensor? residual=None, Tensor? multiplier=None)"
       " -> Tensor");
+  // Private: the CUDA kernel planner (plan.h, plan_op.cpp).
+  m.def(
+      "_plan(int[] sizes, int num_groups, ScalarType dtype, bool channels_last=False,"
+      " str activation='none', str operands='', bool backward=False, int[] device=[]) -> str");
+  m.def("_reload_kernel_overrides() -> str");
 }
 
 TORCH_LIBRARY_IMPL(fusednorm, CompositeImplicitAutograd, m) {

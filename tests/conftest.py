@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import fusednorm  # noqa: F401  (loads the ops)
+from fusednorm.kernel_paths import reload_overrides
 
 # "ci": derandomized and bounded, so the suite fits CI's time budget and a failure reproduces.
 # "dev": fresh random examples each run. Pick with HYPOTHESIS_PROFILE; CI=true selects "ci".
@@ -37,5 +38,13 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if ("cuda" in item.keywords or "large" in item.keywords) and not torch.cuda.is_available():
+        if (item.get_closest_marker("cuda") or item.get_closest_marker("large")) and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def fresh_overrides():
+    """After each test (and after monkeypatch, set up later, has restored the environment), the
+    library reads the kernel-path overrides again (docs/design.md, "Kernel overrides")."""
+    yield
+    reload_overrides()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import fusednorm  # noqa: F401  (loads the native library)
 import kernel_paths
 
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Module globals (not fixtures) so that the helpers can also drive another backend of the ops.
@@ -445,7 +446,7 @@ def test_parameter_gradients_over_a_cluster(parts, monkeypatch):
     (channels_last) and a few (contiguous), with channel blocks of 32, 5 x 32 and one partial."""
     for shape, G, layout in (((2, 320, 32, 32), 32, "channels_last"), ((3, 1000, 6, 6), 8, "channels_last"),
                              ((4, 48, 64, 64), 4, "contiguous")):
-        monkeypatch.setenv("FUSEDNORM_PARAM_GRAD_PARTS", parts)
+        kernel_paths.set_knob(monkeypatch, "FUSEDNORM_PARAM_GRAD_PARTS", parts)
         x = make(shape, torch.float64, layout, seed=4, offset=1.0)
         dy = make(shape, torch.float64, layout, seed=5)
         w, b = make_params(shape[1], torch.float64)
@@ -453,7 +454,7 @@ def test_parameter_gradients_over_a_cluster(parts, monkeypatch):
         x32, dy32, w32, b32 = (t.float() for t in (x, dy, w, b))
         got = _run_all(x32, G, w32, b32, dy32)
         assert all(torch.equal(p, q) for p, q in zip(got, _run_all(x32, G, w32, b32, dy32))), "rerun differs"
-        monkeypatch.setenv("FUSEDNORM_PARAM_GRAD_PARTS", "1")
+        kernel_paths.set_knob(monkeypatch, "FUSEDNORM_PARAM_GRAD_PARTS", "1")
         one = _run_all(x32, G, w32, b32, dy32)
         for name, p, q in zip(("dw", "db"), got[4:], one[4:]):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-4, msg=lambda m: f"{name}: {m}")
@@ -785,7 +786,7 @@ def test_team_tuning_changes_no_bit(dtype, monkeypatch):
         for name, env in settings.items():
             kernel_paths.set_path(monkeypatch, "team")  # unsets every other knob
             for key, value in env.items():
-                monkeypatch.setenv(key, value)
+                kernel_paths.set_knob(monkeypatch, key, value)
             leaves = [t.detach().requires_grad_() for t in (x, w, b)]
             y = fusednorm.group_norm(*leaves[:1], G, *leaves[1:], EPS, activation=activation)
             grads = torch.autograd.grad(y, leaves, torch.ones_like(y))

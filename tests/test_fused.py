@@ -671,7 +671,7 @@ def _check_channels_last_shared_forward(monkeypatch, knob, value, cases, operand
     knob set to value (None: unset)."""
     kernel_paths.set_path(monkeypatch, "one_pass_shared")
     if value is not None:
-        monkeypatch.setenv(knob, value)
+        kernel_paths.set_knob(monkeypatch, knob, value)
     for shape, G, dtype in cases:
         for names in operand_sets:
             check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
@@ -720,7 +720,7 @@ def test_fused_registers_late_cuda(late, monkeypatch):
     # scale do. 2 and 4 packs a thread, partial rounds, every operand set, against float64.
     kernel_paths.use_defaults(monkeypatch)
     if late is not None:
-        monkeypatch.setenv("FUSEDNORM_REGISTERS_LATE", late)
+        kernel_paths.set_knob(monkeypatch, "FUSEDNORM_REGISTERS_LATE", late)
     torch.manual_seed(15)
     cases = (((16, 6000), 1, torch.float32), ((6, 3000), 1, torch.float32), ((3, 64, 9, 7), 8, torch.float16),
              ((4, 40, 8, 8), 2, torch.bfloat16))
@@ -752,7 +752,7 @@ def test_per_sample_parameter_gradients_over_a_cluster_cuda(parts, monkeypatch):
     # With a scale the parameter-gradient finalize weights each sample and writes grad_scale /
     # grad_shift per (n, c); a cluster's warps take whole samples, N below and above the number of
     # warps (32 a CTA). float64, against the composed reference.
-    monkeypatch.setenv("FUSEDNORM_PARAM_GRAD_PARTS", parts)
+    kernel_paths.set_knob(monkeypatch, "FUSEDNORM_PARAM_GRAD_PARTS", parts)
     torch.manual_seed(12)
     for shape, G in (((2, 320, 16, 16), 32), ((70, 64, 2, 2), 8)):
         for names in (["scale", "shift"], ["scale", "residual", "multiplier"]):

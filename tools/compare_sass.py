@@ -4,9 +4,11 @@ refactor) is proven so without a GPU when no kernel differs:
 
     python tools/compare_sass.py before/_C.so gpu_build/_C.so
 
-Kernels are paired in the order cuobjdump lists them (their mangled names carry a hash of the
-source file, so they differ between builds of different sources). Needs cuobjdump: the CUDA
-toolkit's, or the copy Triton ships (found through the `triton` package).
+Kernels are paired by name, the hash of the source file that names of the anonymous namespace
+carry left out (it differs between builds of different sources, and kernels move between
+translation units); where the names do not pair up one to one, in the order cuobjdump lists
+them. Needs cuobjdump: the CUDA toolkit's, or the copy Triton ships (found through the `triton`
+package).
 """
 
 import argparse
@@ -40,6 +42,29 @@ def demangle(name):
     return subprocess.run([filt, name], capture_output=True, text=True).stdout.strip() or name
 
 
+def stable_name(name):
+    """The mangled name without the per-file hash of an anonymous namespace: nvcc names one
+    `<length>_GLOBAL__N__<hash>_<length>_<file>_<hash>_<id>`, the leading length counting the rest."""
+    out, at = [], 0
+    for m in re.finditer(r"(\d+)_GLOBAL__N__", name):
+        if m.start() < at:
+            continue
+        out.append(name[at:m.start()] + "_GLOBAL__N_")
+        at = m.end(1) + int(m.group(1))
+    return "".join(out) + name[at:]
+
+
+def pairs(a, b):
+    """[(name, instructions before, instructions after), ...]: by stable name where the names pair
+    up one to one, else in order."""
+    by_name_a = {stable_name(n): i for n, i in a}
+    by_name_b = {stable_name(n): i for n, i in b}
+    if len(by_name_a) == len(a) and by_name_a.keys() == by_name_b.keys():
+        return [(n, by_name_a[stable_name(n)], by_name_b[stable_name(n)]) for n, _ in a]
+    print("kernel names do not pair up one to one: pairing in cuobjdump's order")
+    return [(na, ia, ib) for (na, ia), (_, ib) in zip(a, b)]
+
+
 def kernels(library):
     """[(mangled name, [instruction, ...]), ...] in cuobjdump's order."""
     out = subprocess.run([cuobjdump(), "-sass", library], capture_output=True, text=True, check=True).stdout
@@ -63,7 +88,7 @@ def main():
     if len(a) != len(b):
         print(f"{len(a)} kernels against {len(b)}: the instantiations changed")
         return 1
-    differ = [(na, len(ia), len(ib)) for (na, ia), (_, ib) in zip(a, b) if ia != ib]
+    differ = [(name, len(ia), len(ib)) for name, ia, ib in pairs(a, b) if ia != ib]
     for name, na, nb in differ:
         print(f"differs: {demangle(name)} ({na} -> {nb} instructions)")
     print(f"{len(a)} kernels, {len(differ)} differ")

@@ -111,10 +111,12 @@ CASES = [  # label, shape, groups, dtype, knobs, activation
 def run():
     import torch
     import fusednorm
+    import fusednorm.kernel_paths
     for label, shape, G, dtype, knobs, act in CASES:
         for name in ("FUSEDNORM_TEAM_BACKWARD", "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_ONE_PASS_MAX_BYTES"):
             os.environ.pop(name, None)
         os.environ.update(knobs)
+        fusednorm.kernel_paths.reload_overrides()
         dt = getattr(torch, dtype)
         x = torch.randn(shape, device="cuda", dtype=dt)
         w = torch.rand(shape[1], device="cuda", dtype=dt) + 0.5

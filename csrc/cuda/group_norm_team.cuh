@@ -1,7 +1,7 @@
 // The team forward and backward, for ChannelsFirst groups of kTeamMinBytes and more (the GroupNorm
 // problem's 8 MB groups, the VAE's 0.5-8 MB ones, attention's 128 KB) and, in the backward, the
-// groups the one-CTA backward cannot hold. Included after group_norm_one_pass.cuh, whose
-// arguments, output stage and backward arithmetic they share. The forward first:
+// groups the one-CTA backward cannot hold (docs/design.md, "Team path"). They share the one-pass
+// kernels' arguments and output stage and the one-CTA backward's arithmetic. The forward first:
 //
 // A group over kOnePassMaxBytes fits no CTA and no cluster, so the split forward read x twice
 // from DRAM; smaller ones took a cluster of CTAs each, which loaded, reduced and wrote in turn,
@@ -20,11 +20,20 @@
 // (kTeamPrefetchEighths), the only traffic it can issue while it waits.
 // Holding two or three rounds a CTA (round i + 1's moments taken before round i's barrier) was
 // slower on every row measured: the chunks shrink with the stages, and the rounds multiply.
-// x is read from DRAM once. An earlier version (branch experiment/team-forward) re-read each
+// x is read from DRAM once. An earlier version re-read each
 // chunk from global memory expecting L2 hits; with 12-50 MB of chunks in flight they were
 // evicted first and DRAM moved three passes. Shared memory cannot evict.
 
+#pragma once
+
 #include <cuda_pipeline.h>
+#include "cuda/common/base.cuh"
+#include "cuda/common/epilogue_math.cuh"
+#include "cuda/common/host.cuh"
+#include "cuda/common/moments.cuh"
+#include "cuda/group_norm_one_pass.cuh"
+#include "cuda/one_cta_backward.cuh"
+#include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -41,61 +50,8 @@ namespace {
 // one CTA an SM (16 warps) the SM spent a third of each round issuing no DRAM traffic.
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
-// x bytes a team CTA holds at most: two CTAs in the 227 KB of an H100 SM.
-constexpr int64_t kTeamCtaBytes = 108 * 1024;
-// Groups of at least this many bytes of x take the team forward by default, before the one-pass
-// kernels. Measured on an H100 (compare_paths.py): faster than those from the UNet's 40 KB groups
-// ((8,640,32,32) fp16: 0.0238 against 0.0250 ms) through the attention block's 128 KB (0.082
-// against 0.107) and the 1 MB of the InstanceNorm problem (6.02 against 6.89 ms, clusters of 16);
-// slower where the register kernel takes the group (20-32 KB: (2,1280,16,16) 0.0135 against 0.0099).
-constexpr int64_t kTeamMinBytes = 36 * 1024;
-
-// FUSEDNORM_TEAM_FORWARD: "0" turns the team path off, "1" forces it for every group it can take
-// (the tests cover it on small groups that way); unset, it takes ChannelsFirst groups of at least
-// kTeamMinBytes of x, or over kOnePassMaxBytes with their tensor-sized operands, except those
-// within a forced FUSEDNORM_ONE_PASS_MAX_BYTES. FUSEDNORM_TEAM_CTA_KB replaces kTeamCtaBytes
-// (tuning).
-int team_forward_mode() {
-  const char* env = std::getenv("FUSEDNORM_TEAM_FORWARD");
-  return env == nullptr ? -1 : std::atoi(env);
-}
-
-// FUSEDNORM_TEAM_BACKWARD: the same for the backward ("0" off, "1" every group it can take;
-// unset, the groups the one-CTA backward cannot take).
-int team_backward_mode() {
-  const char* env = std::getenv("FUSEDNORM_TEAM_BACKWARD");
-  return env == nullptr ? -1 : std::atoi(env);
-}
-
-int64_t team_cta_bytes() {
-  const char* env = std::getenv("FUSEDNORM_TEAM_CTA_KB");
-  return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) * 1024 : kTeamCtaBytes;
-}
-
-// The team forward's L2 prefetch (group_norm_team_kernel): before it waits at round i's barrier, a
-// CTA brings kTeamPrefetchEighths / 8 of its round i + 1 chunk into L2, so that the DRAM has work
-// while the team synchronises; the output loop's copies of those packs then read L2. Measured on
-// an H100 (RESULTS.md, twentieth run): with three teams of 88 CTAs (the GroupNorm problem) every
-// round ended with the DRAM drained, and the barrier's wait cost 1.3 ms of 6.9; prefetching 3/8
-// gave 6.6-6.8 -> 5.95 ms, InstanceNorm3d 0.485 -> 0.437, the VAE's float16 0.252 -> 0.237 and
-// bfloat16 (1,128,512,512) 0.079 -> 0.075 (teams of 24), while 4/8 and more lost to L2 evictions
-// (8/8: the GroupNorm problem back at 6.79 ms) and teams of 10 (the InstanceNorm problem's 26 teams,
-// whose waits the other teams' traffic already covers) lost 5%. Hence only teams of
-// kTeamPrefetchMinCtas CTAs and more. FUSEDNORM_TEAM_PREFETCH=k sets k / 8 for every team (0: off).
-// The team backward does the same for each stream it holds (x, dz and the operands), where 4/8
-// was best: the InstanceNorm problem's backward (13 teams of 20) 8.83 -> 8.36 ms, the VAE's
-// float16 0.587 -> 0.543, the GroupNorm problem's one team of 264 CTAs 13.0 -> 11.3 (then faster
-// than its split passes' 12.5).
-constexpr int kTeamPrefetchEighths = 3;
-constexpr int kTeamBackwardPrefetchEighths = 4;
-constexpr int kTeamPrefetchMinCtas = 16;
-
-int team_prefetch_eighths(int team_size, bool backward) {
-  const char* env = std::getenv("FUSEDNORM_TEAM_PREFETCH");
-  if (env != nullptr) return std::clamp(std::atoi(env), 0, 8);
-  if (team_size < kTeamPrefetchMinCtas) return 0;
-  return backward ? kTeamBackwardPrefetchEighths : kTeamPrefetchEighths;
-}
+// Which groups take the team kernels, the CTAs' shared memory, the teams, the L2 prefetch and
+// the partials' copies are the planner's (plan.cpp; docs/design.md, "Team path").
 
 // Teams of at least this many rounds and CTAs are staggered (TeamGrid::start).
 constexpr int64_t kStaggerRounds = 3;
@@ -104,24 +60,6 @@ constexpr int kStaggerTeamSize = 8;
 // Values a CTA publishes per round: the forward's chunk moments (count, mean, M2), the
 // backward's sums (see group_norm_team_backward_kernel).
 constexpr int kTeamPartials = 3;
-
-// Copies of a round's partials a backward CTA publishes (TeamGrid::replicas; CTA r reads copy
-// r % replicas). Every CTA of a team reads every rank's partials at once after the barrier, and
-// with one copy all those reads fall on the few L2 lines that hold them: the GroupNorm problem's
-// backward (one team of 264 CTAs) spent about 1 us of each round's critical path in that fold
-// (0.93 ms of 11.5, timing-only build skipping it). Measured on an H100 (RESULTS.md, twenty-first
-// run) with 1, 4, 8 and 16 copies: that backward 11.35 -> 11.08, 10.95, 10.88 ms, InstanceNorm3d's
-// 0.83 -> 0.79, the VAE's float16 0.536 -> 0.525. The forward rows did not move with copies, and
-// the CTA-wide publish that copies need (TeamGrid::publish_copies) cost them 4-5%: the forward
-// publishes one copy from thread 0 (TeamGrid::publish). A copy costs a CTA 12 bytes of stores a
-// round. FUSEDNORM_TEAM_REPLICAS sets it (tuning).
-constexpr int kTeamMaxReplicas = 16;
-
-int team_backward_replicas(int team_size) {
-  const char* env = std::getenv("FUSEDNORM_TEAM_REPLICAS");
-  if (env != nullptr) return std::clamp(std::atoi(env), 1, kTeamMaxReplicas);
-  return std::min(team_size, kTeamMaxReplicas);
-}
 
 __device__ __forceinline__ unsigned team_load_acquire(const unsigned* p) {
   unsigned v;
@@ -138,7 +76,7 @@ struct TeamGrid {
   int64_t groups;     // N * G
   int64_t chunk;      // packs of a group per CTA
   int team_size, teams;
-  int replicas = 1;   // copies of each CTA's partials: 1 forward, team_backward_replicas backward
+  int replicas = 1;   // copies of each CTA's partials: 1 forward, the plan's backward
   int prefetch = 0;   // packs of its next chunk (of each stream, backward) a CTA brings into L2 before a barrier wait
 
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
@@ -165,7 +103,7 @@ struct TeamGrid {
   // slot of copy c, then thread 0 arrives at round i's barrier (the CTA barrier, where other
   // threads wrote copies, and the fence make every copy, and the CTA's earlier writes, visible to
   // the team first). The backward's: that CTA barrier cost the forward 4-5% (GroupNorm problem
-  // 5.95 -> 6.27 ms on an H100, twenty-first and twenty-second runs), and thread 0 writing 16
+  // 5.95 -> 6.27 ms on an H100; docs/design.md, "Team replicas"), and thread 0 writing 16
   // copies itself cost the backward more than the copies gained. (ptxas: the barrier taken only
   // with copies leaves the 16-bit kernels 60 bytes spilled, 72 without the test.)
   __device__ void publish_copies(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
@@ -253,7 +191,7 @@ struct TeamArgs {
 // the other side outright when one is empty: the merge runs on every round's critical path (the
 // whole CTA waits for it), where most lanes hold no chunk, and merge()'s unconditional division
 // there cost 3-4% (InstanceNorm problem 6.03 -> 6.20 ms, attention GN 0.0846 -> 0.0877 ms on an
-// H100, same run).
+// H100; docs/design.md, "Team path").
 template <typename acc_t>
 struct ChunkMoments {
   acc_t n, mean, m2;
@@ -623,50 +561,14 @@ int team_blocks_per_sm(Kernel kernel, size_t smem) {
   return blocks;
 }
 
-// Teams for `groups` groups, at most `max_teams`. A round takes about group / team size, i.e.
-// teams / resident CTAs, so the time goes as rounds * teams: fewer teams can finish sooner when
-// the last round would leave many idle (the VAE's 32 groups of 1 MB over at most 26 teams: two
-// rounds of 26 against two of 16, 0.068 -> 0.050 ms). Near-ties keep more teams (larger chunks,
-// fewer barriers: the GroupNorm problem took 8.3 ms with two teams against 7.1 with three).
-int64_t team_count(int64_t groups, int64_t max_teams) {
-  const auto cost = [&](int64_t t) { return ceil_div(groups, t) * t; };
-  int64_t best = max_teams;
-  for (int64_t t = max_teams - 1; t >= 1; --t) {
-    if (cost(t) * 20 < cost(best) * 19) best = t;  // 5% less
-  }
-  return best;
-}
-
-// Sizes the team grid `t` of `kernel` (t.groups set) for groups of `lenv` packs, each pack taking
-// `pack_bytes` of a CTA's shared memory (the pack times the streams held): the fewest CTAs that
-// hold a group, then the teams (team_count), each spread over all the CTAs it can have (smaller
-// chunks, the grid's share of the bandwidth), the packs a CTA prefetches and the copies of its
-// partials (the `backward` kernel's rules or the forward's: team_prefetch_eighths,
-// team_backward_replicas). False where the device has no cooperative launch or the group does
-// not fit the resident grid.
-template <typename acc_t, typename Kernel>
-bool plan_team(Kernel kernel, int64_t lenv, int64_t pack_bytes, bool backward, TeamGrid<acc_t>& t) {
-  const cudaDeviceProp& prop = *at::cuda::getCurrentDeviceProperties();
-  if (!prop.cooperativeLaunch) return false;
-  const int64_t max_chunk = std::min<int64_t>(team_cta_bytes(), prop.sharedMemPerBlockOptin - 2048) / pack_bytes;
-  if (max_chunk <= 0) return false;
-  const size_t max_smem = static_cast<size_t>(max_chunk * pack_bytes);
-  allow_dynamic_smem(kernel, max_smem);
-  const int per_sm = team_blocks_per_sm(kernel, max_smem);
-  const int64_t resident = static_cast<int64_t>(per_sm) * prop.multiProcessorCount;
-  const int64_t min_team = ceil_div(lenv, max_chunk);
-  if (resident == 0 || min_team > resident) return false;
-  const int64_t teams = team_count(t.groups, imin(resident / min_team, t.groups));
-  const int64_t chunk = ceil_div(lenv, imin(resident / teams, lenv));
-  const int64_t team_size = ceil_div(lenv, chunk);
-  // The barrier counters reach rounds * team_size.
-  if (ceil_div(t.groups, teams) * team_size > std::numeric_limits<unsigned>::max()) return false;
-  t.teams = static_cast<int>(teams);
-  t.team_size = static_cast<int>(team_size);
-  t.chunk = chunk;
-  t.replicas = backward ? team_backward_replicas(t.team_size) : 1;
-  t.prefetch = static_cast<int>(chunk * team_prefetch_eighths(t.team_size, backward) / 8);
-  return true;
+// Sets the team grid `t` (t.groups set) as planned.
+template <typename acc_t>
+void set_team_grid(const plan::Plan& pl, TeamGrid<acc_t>& t) {
+  t.teams = pl.teams;
+  t.team_size = pl.team_size;
+  t.chunk = pl.chunk;
+  t.replicas = pl.replicas;
+  t.prefetch = static_cast<int>(pl.prefetch);
 }
 
 // Launches `kernel` on the grid planned in `t` (a member of `args`) with `smem` bytes of shared
@@ -696,110 +598,83 @@ bool launch_team_grid(Kernel kernel, Args& args, TeamGrid<acc_t>& t, size_t smem
   return true;
 }
 
-template <typename scalar_t, int V, Activation A>
-bool launch_team(TeamArgs<scalar_t>& a, const at::Tensor& x) {
-  auto kernel = group_norm_team_kernel<scalar_t, V, A>;
-  constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
-  if (!plan_team(kernel, a.op.len / V, pack_bytes, /*backward=*/false, a.team)) return false;
-  return launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
+// The planner's residency question about the team kernel of a call: CTAs an SM with `smem`
+// bytes each (the kernel allowed that much first).
+template <typename Kernel>
+int team_ctas_per_sm(Kernel kernel, int64_t smem) {
+  allow_dynamic_smem(kernel, static_cast<size_t>(smem));
+  return team_blocks_per_sm(kernel, static_cast<size_t>(smem));
 }
 
-// Runs the forward with the team kernel and returns true when it applies: ChannelsFirst, 16-byte
-// aligned tensors, a group whose x fits the resident grid's shared memory, large groups (see
-// team_forward_mode; any size when forced), and a device with cooperative launches.
+// Runs the team forward as planned (plan.path == Team); false, having launched nothing, where the
+// device refuses the grid (the caller plans again without the team path).
 template <typename scalar_t>
-bool forward_team(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
-    const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+bool forward_team(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
-    return false;  // double: the split path
+    TORCH_INTERNAL_ASSERT(false, "team forward planned for double");
+    return false;
   } else {
-    const int mode = team_forward_mode();
-    if (mode == 0 || layout != Layout::ChannelsFirst || sh.N * sh.G == 0 || sh.D * sh.S == 0) return false;
     TeamArgs<scalar_t> a{};
     OnePassArgs<scalar_t>& o = a.op;
-    if (!make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o)) return false;
-    if (mode != 1) {
-      const int64_t x_bytes = o.len * static_cast<int64_t>(sizeof(scalar_t));
-      const int64_t bytes = o.streams() * x_bytes;
-      const OnePassLimit limit = one_pass_limit();
-      if (limit.forced ? bytes <= limit.max_bytes : bytes <= kOnePassMaxBytes && x_bytes < kTeamMinBytes) return false;
-    }
+    const bool made = make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o);
+    TORCH_INTERNAL_ASSERT(made, "team forward planned for arguments it cannot take");
     o.cluster = 1;
     a.team.groups = sh.N * sh.G;
+    set_team_grid(pl, a.team);
+    constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
     bool launched = false;
-    dispatch_activation(ep.activation, [&](auto act) { launched = launch_team<scalar_t, V, decltype(act)::value>(a, x); });
+    dispatch_activation(ep.activation, [&](auto act) {
+      auto kernel = group_norm_team_kernel<scalar_t, V, decltype(act)::value>;
+      launched = launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
+    });
     return launched;
   }
 }
 
-template <typename scalar_t, int V, Activation A, Keep K>
-bool launch_team_backward(TeamBackwardArgs<scalar_t>& a, int mode, const at::Tensor& x, bool want_params,
-    at::Tensor& part_c, at::Tensor& rec) {
-  using acc_t = acc_type<scalar_t>;
-  auto kernel = group_norm_team_backward_kernel<scalar_t, V, A, K>;
-  OnePassBackwardArgs<scalar_t>& o = a.op;
-  const int64_t pack_bytes = o.streams() * V * static_cast<int64_t>(sizeof(scalar_t));
-  if (!plan_team(kernel, o.len / V, pack_bytes, /*backward=*/true, a.team)) return false;
-  // One team takes the whole grid, every CTA waiting at every round's barrier: without the L2
-  // prefetch, the split passes were faster there on the plain backward (H100: GroupNorm problem
-  // 13.1 against 12.6 ms, InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose
-  // split backward costs more (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
-  if (mode != 1 && a.team.teams == 1 && a.team.prefetch == 0 && o.epi.act == Activation::None &&
-      o.epi.multiplier == nullptr && o.epi.scale.ptr == nullptr) {
-    return false;
-  }
-  const int64_t chunk = a.team.chunk;
-  const int64_t spv = o.S / V;
-  // A channel's spv packs overlap at most this many chunks.
-  a.split = ceil_div(spv - 1, chunk) + 1;
-  // Segments of threads per channel: as wide as a chunk's share of a channel, but narrow enough
-  // that the most channels a chunk spans take one sweep (each sweep costs a segment reduction
-  // and the coefficients' loads: six sweeps a round made the attention block's backward slower
-  // than the split passes).
-  const int64_t max_channels = std::min<int64_t>(o.D, ceil_div(chunk - 1, spv) + 1);
-  int log_fit = 0;
-  while ((int64_t(2) << log_fit) * max_channels <= kTeamThreads) ++log_fit;
-  o.log_seg = std::min(log_fit, ceil_log2(std::min(spv, chunk)));
-  if (want_params) {
-    const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    const int64_t NC = a.team.groups / o.G * o.C;
-    at::Tensor buffer = at::empty({NC * 2 * (1 + a.split)}, opts);
-    part_c = buffer.narrow(0, 0, NC * 2);
-    rec = at::empty({a.team.groups * kRec}, opts);
-    o.part_c = part_c.data_ptr<acc_t>();
-    o.rec = rec.data_ptr<acc_t>();
-    a.channel_parts = o.part_c + NC * 2;
-  }
-  return launch_team_grid(kernel, a, a.team, static_cast<size_t>(chunk * pack_bytes), x);
-}
-
 // Runs the backward's elementwise outputs and the sums behind the parameter gradients with the
-// team kernel and returns true when it applies: dx wanted (without it one read pass suffices: the
-// split path), ChannelsFirst, S a multiple of the pack width, 16-byte aligned tensors, a group that
-// fits the resident grid, and a device with cooperative launches. part_c and rec are then set
-// for the parameter gradients when `want_params`, as backward_one_pass sets them. mode:
-// team_backward_mode(), read once a call.
+// team kernel as planned; part_c and rec are then set for the parameter gradients when
+// `want_params`, as backward_one_pass sets them. False, having launched nothing, where the device
+// refuses the grid.
 template <typename scalar_t>
-bool backward_team(int mode, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
-    const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout, const Epilogue& ep,
-    const FusedGradMask& mask, FusedGrads& g, bool want_params, at::Tensor& part_c, at::Tensor& rec) {
+bool backward_team(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout,
+    const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params, at::Tensor& part_c,
+    at::Tensor& rec) {
+  using acc_t = acc_type<scalar_t>;
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V == 1) {
-    return false;  // double: the split path
+    TORCH_INTERNAL_ASSERT(false, "team backward planned for double");
+    return false;
   } else {
-    if (mode == 0 || !mask[0] || sh.N * sh.G == 0 || sh.D * sh.S == 0 || sh.S % V != 0) return false;
     TeamBackwardArgs<scalar_t> a{};
-    if (!make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, a.op)) {
-      return false;
-    }
+    OnePassBackwardArgs<scalar_t>& o = a.op;
+    const bool made =
+        make_one_pass_backward_args<scalar_t, V>(dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, o);
+    TORCH_INTERNAL_ASSERT(made, "team backward planned for arguments it cannot take");
     a.team.groups = sh.N * sh.G;
+    set_team_grid(pl, a.team);
+    a.split = pl.channel_split;
+    o.log_seg = pl.log_seg;
+    if (want_params) {
+      const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+      const int64_t NC = a.team.groups / o.G * o.C;
+      at::Tensor buffer = at::empty({NC * 2 * (1 + a.split)}, opts);
+      part_c = buffer.narrow(0, 0, NC * 2);
+      rec = at::empty({a.team.groups * kRec}, opts);
+      o.part_c = part_c.data_ptr<acc_t>();
+      o.rec = rec.data_ptr<acc_t>();
+      a.channel_parts = o.part_c + NC * 2;
+    }
+    const int64_t pack_bytes = o.streams() * V * static_cast<int64_t>(sizeof(scalar_t));
     bool launched = false;
     dispatch_activation(ep.activation, [&](auto act) {
       constexpr Activation kA = decltype(act)::value;
-      dispatch_keep<kA>(keep_for(a.op), [&](auto keep) {
-        launched = launch_team_backward<scalar_t, V, kA, decltype(keep)::value>(a, mode, x, want_params, part_c, rec);
+      dispatch_keep<kA>(keep_for(o), [&](auto keep) {
+        auto kernel = group_norm_team_backward_kernel<scalar_t, V, kA, decltype(keep)::value>;
+        launched = launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
       });
     });
     return launched;

@@ -1,0 +1,719 @@
+// The kernel planner (plan.h): every rule that picks a CUDA path or sizes its launch.
+//
+// The constants below are the measured thresholds; each comment says why and cites the
+// docs/design.md section that holds the measurements.
+#include "plan.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <sstream>
+
+namespace fusednorm {
+namespace plan {
+namespace {
+
+int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------
+// Thresholds.
+
+constexpr int kWarp = 32;
+constexpr int kLogThreads = 8;  // log2(kSplitThreads)
+
+// One-pass forward (docs/design.md, "One-pass forward", "Clusters"). Groups of x and its
+// tensor-sized operands up to kOnePassMaxBytes take it, the CTAs of a cluster sharing a group,
+// each holding at most kOnePassCtaBytes: three CTAs of 64 KB fit on an SM, while with 128 KB a CTA,
+// one an SM, an SM's loads stop while its CTA computes (the 1 MB groups of the InstanceNorm
+// problem ran at half the copy bandwidth). While the CTAs would not fill the GPU, clusters grow
+// further, down to kClusterMinCtaBytes a CTA. Clusters exist from sm_90 on, of up to 8 CTAs, or 16
+// where the device schedules them (H100: the InstanceNorm problem's forward took 6.8 ms with 16
+// CTAs of 64 KB against 7.7 ms split). Without clusters a CTA works through a large group alone:
+// unless there are groups for every SM, a group over the default 48 KB takes the split passes,
+// which spread it over many CTAs (H100: 64 groups of 80 KB, 38 us in one pass against 33 split).
+// The one-CTA backward and devices without clusters take up to the opt-in shared memory.
+constexpr int64_t kOnePassMaxBytes = 1 << 20;
+constexpr int64_t kOnePassCtaBytes = 64 * 1024;
+constexpr int64_t kDefaultSmemBytes = 48 * 1024;
+constexpr int64_t kClusterMinCtaBytes = 16 * 1024;
+
+// Register kernel (docs/design.md, "Register kernel"): CTAs of kRegisterThreads, R packs a thread
+// with E extra streams, R * (1 + E) <= 8 16-byte packs (32 registers) under the kernel's cap of 64
+// (two CTAs an SM). bfloat16 takes more registers than float16 for the same packs (its kernels
+// with 2 packs and two extra streams, or 4 packs and one, spilled under the cap): one stream fewer
+// there. Channels-last groups take R <= 4 rows a thread, each thread also holding its channels'
+// two coefficients (float16 / float32: 44-64 registers, no spills); bfloat16 spilled (6 / 12-24
+// bytes) with more than 2 rows or an extra stream. Only the common activations (none, SiLU, ReLU)
+// are instantiated; the others keep the shared-memory kernel.
+constexpr int kRegisterThreads = 512;
+
+// Channels-last one-pass forward (docs/design.md, "Channels-last one-pass"). A CTA takes the
+// fewest groups (up to kMaxColsSpan, dividing G) whose rows together fill a 32-byte sector:
+// measured on an H100, one group a CTA -> two took ResNet's GN+residual+ReLU 0.0732 -> 0.0563 ms
+// and (8,320,64,64) float16 GN+SiLU 0.0664 -> 0.0486 (160 KB slabs, one CTA an SM, against 80 KB
+// groups double-buffered). Unless forced: slabs over 48 KB only with a slab for 7/8 of the SMs,
+// and one group a CTA at most kColsOnePassMaxBytes (two CTAs an SM). Without a residual or
+// multiplier, where the slabs outnumber the CTAs resident at once, two buffers a CTA and a grid
+// of the resident CTAs: (8,320,64,64) float16 GN+SiLU 0.072 -> 0.065 ms with one group a CTA,
+// while ResNet's GN+residual+ReLU went 0.068 -> 0.078 (half the CTAs an SM then wait on the
+// residual's loads), hence none with operands.
+constexpr int kOnePassThreads = 256;
+constexpr int kMaxColsSpan = 4;
+constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
+constexpr int64_t kSectorBytes = 32;
+constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the driver's reserve a CTA
+
+// Team path (docs/design.md, "Team path"): two CTAs of 512 threads an SM (while one computes or
+// waits at its barrier, the other's copies keep the SM's DRAM traffic going), each holding at
+// most kTeamCtaBytes of the group (two in the 227 KB of an SM). By default the team forward takes
+// ChannelsFirst groups of at least kTeamMinBytes of x, or over kOnePassMaxBytes with their
+// operands. Measured on an H100 (benchmarks/compare_paths.py): faster than the one-pass kernels
+// from the UNet's 40 KB groups ((8,640,32,32) float16: 0.0238 against 0.0250 ms) through the
+// attention block's 128 KB (0.082 against 0.107) and the 1 MB of the InstanceNorm problem (6.02
+// against 6.89 ms, clusters of 16); slower where the register kernel takes the group (20-32 KB:
+// (2,1280,16,16) 0.0135 against 0.0099). The team backward takes the groups the one-CTA backward
+// cannot.
+constexpr int kTeamThreads = 512;
+constexpr int kTeamBlocksPerSM = 2;
+constexpr int64_t kTeamCtaBytes = 108 * 1024;
+constexpr int64_t kTeamMinBytes = 36 * 1024;
+constexpr int64_t kTeamSmemReserveBytes = 2048;
+// docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
+// next chunk into L2, so that the DRAM has work while the team synchronises. On an H100, with
+// three teams of 88 CTAs (the GroupNorm problem) the barrier's wait cost 1.3 ms of 6.9; 3/8 gave
+// 6.6-6.8 -> 5.95 ms, InstanceNorm3d 0.485 -> 0.437, the VAE's float16 0.252 -> 0.237, while 4/8
+// and more lost to L2 evictions (8/8: back at 6.79 ms) and teams of 10 (the InstanceNorm
+// problem's, whose waits the other teams' traffic covers) lost 5%: only teams of
+// kTeamPrefetchMinCtas and more. The backward prefetches each stream it holds, best at 4/8: the
+// InstanceNorm problem's backward 8.83 -> 8.36 ms, the GroupNorm problem's one team of 264 CTAs
+// 13.0 -> 11.3 (then faster than its split passes' 12.5).
+constexpr int kTeamPrefetchEighths = 3;
+constexpr int kTeamBackwardPrefetchEighths = 4;
+constexpr int kTeamPrefetchMinCtas = 16;
+// docs/design.md, "Team replicas": every CTA of a team reads every rank's partials after the
+// barrier; with one copy those reads fall on the few L2 lines that hold them (the GroupNorm
+// problem's backward spent 0.93 ms of 11.5 in that fold). A backward CTA publishes a copy a rank,
+// at most 16: on an H100 with 1, 4, 8 and 16 copies that backward took 11.35, 11.08, 10.95, 10.88
+// ms, InstanceNorm3d's 0.83 -> 0.79. The forward did not move with copies, and the CTA-wide
+// publish they need cost it 4-5%: one copy forward.
+constexpr int kTeamMaxReplicas = 16;
+// docs/design.md, "Team path": a round takes about group / team size, so the time goes as
+// rounds * teams; fewer teams win when they cost 5% less (the VAE's 32 groups of 1 MB: two rounds
+// of 16 teams against two of 26, 0.068 -> 0.050 ms), near-ties keep more teams (larger chunks,
+// fewer barriers: the GroupNorm problem took 8.3 ms with two teams against 7.1 with three).
+constexpr int64_t kTeamCountGainNum = 19, kTeamCountGainDen = 20;
+
+// One-CTA backward (docs/design.md, "One-CTA backward"): CTAs of 512 threads from 1024 packs a
+// group on (256 below), groups up to the opt-in shared memory; over 48 KB only with a group for
+// every SM, as the forward.
+constexpr int kBackwardThreads = 512;
+
+// Parameter gradients (docs/design.md, "Parameter gradients"): a channel block's finalize spreads
+// over a cluster of up to kMaxParamGradParts CTAs (the portable cluster size) of
+// kParamGradThreads, about two entries a warp, and only as large as lets every block's cluster
+// run at once: a CTA takes a whole SM and a cluster's CTAs one GPC, so fewer clusters fit than
+// SMs / parts. On an H200, clusters of 3 for 40 blocks and of 6 for 20 made the finalize
+// 1.04-1.4x slower than one CTA a block, where clusters that fit made it up to 1.9x faster.
+constexpr int kParamGradThreads = 1024;
+constexpr int kMaxParamGradParts = 8;
+
+int pack_width(int elem_bytes) { return elem_bytes >= 8 ? 1 : 16 / elem_bytes; }
+
+bool common_activation(Act a) { return a == Act::None || a == Act::SiLU || a == Act::ReLU; }
+
+bool set(int64_t v) { return v != kUnset; }
+
+// ---------------------------------------------------------------------------------------------
+// Overrides.
+
+int64_t read_int(const char* name, bool wide = false) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return kUnset;
+  return wide ? static_cast<int64_t>(std::atoll(env)) : static_cast<int64_t>(std::atoi(env));
+}
+
+// An override whose value is kUnset (e.g. FUSEDNORM_TEAM_FORWARD=-1) means the default, as it
+// always did.
+Overrides read_overrides() {
+  Overrides o;
+  o.one_pass_max_bytes = read_int("FUSEDNORM_ONE_PASS_MAX_BYTES", /*wide=*/true);
+  // A set FUSEDNORM_ONE_PASS_MAX_BYTES forces the path even at -1: keep "set" apart from the value.
+  if (std::getenv("FUSEDNORM_ONE_PASS_MAX_BYTES") != nullptr && o.one_pass_max_bytes == kUnset) {
+    o.one_pass_max_bytes = kUnset - 1;  // any negative limit: no group fits
+  }
+  o.one_pass_registers = read_int("FUSEDNORM_ONE_PASS_REGISTERS");
+  o.registers_late = read_int("FUSEDNORM_REGISTERS_LATE");
+  o.team_forward = read_int("FUSEDNORM_TEAM_FORWARD");
+  o.team_backward = read_int("FUSEDNORM_TEAM_BACKWARD");
+  o.team_prefetch = read_int("FUSEDNORM_TEAM_PREFETCH");
+  o.team_replicas = read_int("FUSEDNORM_TEAM_REPLICAS");
+  o.param_grad_parts = read_int("FUSEDNORM_PARAM_GRAD_PARTS");
+  o.cols_pipeline = read_int("FUSEDNORM_COLS_PIPELINE");
+  o.cols_span = read_int("FUSEDNORM_COLS_SPAN");
+#ifdef FUSEDNORM_TUNING_KNOBS
+  o.one_pass_max_cluster = read_int("FUSEDNORM_ONE_PASS_MAX_CLUSTER");
+  o.team_cta_kb = read_int("FUSEDNORM_TEAM_CTA_KB", /*wide=*/true);
+  o.cols_act_kernel = read_int("FUSEDNORM_COLS_ACT_KERNEL");
+  o.backward_threads = read_int("FUSEDNORM_BACKWARD_THREADS");
+#endif
+  return o;
+}
+
+std::mutex overrides_mutex;
+Overrides* current_overrides = nullptr;
+
+// Knobs whose value "0" turns a feature off (atoi of a non-number is 0, as before).
+bool off(int64_t v) { return set(v) && v == 0; }
+
+// ---------------------------------------------------------------------------------------------
+// The paths' rules.
+
+struct Ctx {
+  const Problem& p;
+  const DeviceInfo& dev;
+  const Residency& res;
+  const Overrides& o;
+  int V;
+  int64_t D, len, items;
+  bool forced;          // FUSEDNORM_ONE_PASS_MAX_BYTES set
+  int64_t max_bytes;    // the one-pass limit
+
+  Ctx(const Problem& p_, const DeviceInfo& d, const Residency& r, const Overrides& o_)
+      : p(p_), dev(d), res(r), o(o_), V(pack_width(p_.elem_bytes)), D(p_.D()), len(p_.D() * p_.S),
+        items(p_.N * p_.G), forced(set(o_.one_pass_max_bytes) || o_.one_pass_max_bytes < kUnset),
+        max_bytes(forced ? o_.one_pass_max_bytes : kOnePassMaxBytes) {}
+
+  bool uniform_channels() const { return !p.weight && !p.bias && !p.scale && !p.shift; }
+  // x and its distinct tensor-sized operands, forward.
+  int forward_streams() const { return 1 + p.residual + (p.multiplier && !p.multiplier_is_residual); }
+  // x, dz and the operands p needs, backward (the residual only for act'(p) or grad_multiplier).
+  bool backward_residual() const { return p.residual && (p.act != Act::None || p.mask[6]); }
+  int backward_streams() const {
+    return 2 + backward_residual() + (p.multiplier && !(backward_residual() && p.multiplier_is_residual));
+  }
+};
+
+// Teams for `groups` groups, at most `max_teams`: a round takes about group / team size, so the
+// time goes as rounds * teams; near-ties keep more teams (larger chunks, fewer barriers).
+int64_t team_count(int64_t groups, int64_t max_teams) {
+  const auto cost = [&](int64_t t) { return ceil_div(groups, t) * t; };
+  int64_t best = max_teams;
+  for (int64_t t = max_teams - 1; t >= 1; --t) {
+    if (cost(t) * kTeamCountGainDen < cost(best) * kTeamCountGainNum) best = t;
+  }
+  return best;
+}
+
+// Sizes the team grid for groups of `lenv` packs of `pack_bytes` each (the pack times the
+// streams held): the fewest CTAs that hold a group, the teams, each spread over all the CTAs it
+// can have, the packs prefetched and the partials' copies. False where the device has no
+// cooperative launch or a group does not fit the resident grid.
+bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Plan& pl) {
+  if (!c.dev.cooperative_launch || !c.res.team_ctas_per_sm) return false;
+  const int64_t cta_bytes = set(c.o.team_cta_kb) ? imax(1, c.o.team_cta_kb) * 1024 : kTeamCtaBytes;
+  const int64_t max_chunk = imin(cta_bytes, c.dev.smem_optin - kTeamSmemReserveBytes) / pack_bytes;
+  if (max_chunk <= 0) return false;
+  const int per_sm = c.res.team_ctas_per_sm(max_chunk * pack_bytes);
+  const int64_t resident = static_cast<int64_t>(per_sm) * c.dev.sms;
+  const int64_t min_team = ceil_div(lenv, max_chunk);
+  if (resident == 0 || min_team > resident) return false;
+  const int64_t groups = c.items;
+  const int64_t teams = team_count(groups, imin(resident / min_team, groups));
+  const int64_t chunk = ceil_div(lenv, imin(resident / teams, lenv));
+  const int64_t team_size = ceil_div(lenv, chunk);
+  // The barrier counters reach rounds * team_size.
+  if (ceil_div(groups, teams) * team_size > std::numeric_limits<unsigned>::max()) return false;
+  pl.teams = static_cast<int>(teams);
+  pl.team_size = static_cast<int>(team_size);
+  pl.chunk = chunk;
+  pl.smem = chunk * pack_bytes;
+  pl.replicas = !backward ? 1
+      : set(c.o.team_replicas) ? static_cast<int>(std::clamp<int64_t>(c.o.team_replicas, 1, kTeamMaxReplicas))
+                               : std::min(pl.team_size, kTeamMaxReplicas);
+  const int64_t eighths = set(c.o.team_prefetch) ? std::clamp<int64_t>(c.o.team_prefetch, 0, 8)
+      : pl.team_size < kTeamPrefetchMinCtas ? 0
+      : backward ? kTeamBackwardPrefetchEighths : kTeamPrefetchEighths;
+  pl.prefetch = chunk * eighths / 8;
+  pl.grid = teams * team_size;
+  return true;
+}
+
+bool team_forward(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  const int64_t mode = c.o.team_forward;
+  if (c.V == 1 || p.team_refused || mode == 0 || p.channels_last || c.items == 0 || c.len == 0) return false;
+  if (c.len % c.V != 0 || !p.aligned) return false;
+  if (mode != 1) {
+    const int64_t x_bytes = c.len * p.elem_bytes;
+    const int64_t bytes = c.forward_streams() * x_bytes;
+    if (c.forced ? bytes <= c.max_bytes : bytes <= kOnePassMaxBytes && x_bytes < kTeamMinBytes) return false;
+  }
+  if (!plan_team(c, c.len / c.V, static_cast<int64_t>(c.V) * p.elem_bytes, /*backward=*/false, pl)) return false;
+  pl.path = Path::Team;
+  return true;
+}
+
+// The register kernel's launch for R packs (rows) a thread and E extra streams.
+void registers(const Ctx& c, int R, int E, bool cols, Plan& pl) {
+  const int64_t wanted = cols ? (c.D / c.V) * ceil_div(c.p.S, R) : ceil_div(c.len / c.V, R);
+  pl.path = Path::Registers;
+  pl.reg_packs = R;
+  pl.reg_streams = E;
+  pl.threads = static_cast<int>(imin(kRegisterThreads, ceil_div(wanted, kWarp) * kWarp));
+  // The late variant is ChannelsFirst's, and not bfloat16's (its late kernels spilled).
+  pl.late = !cols && !c.p.bfloat16 && c.uniform_channels() && !off(c.o.registers_late);
+  pl.grid = c.items;
+}
+
+bool cols_registers(const Ctx& c, Plan& pl) {
+  const bool small = c.p.bfloat16;
+  const int streams = c.forward_streams();
+  const int64_t lanes = c.D / c.V;
+  if (lanes > kRegisterThreads || streams > (small ? 1 : 2)) return false;
+  const int64_t rows_at_once = kRegisterThreads / lanes;
+  if (c.p.S <= 2 * rows_at_once) {
+    registers(c, 2, streams == 1 ? 0 : 1, true, pl);
+    return true;
+  }
+  if (!small && c.p.S <= 4 * rows_at_once && streams == 1) {
+    registers(c, 4, 0, true, pl);
+    return true;
+  }
+  return false;
+}
+
+bool registers_fit(const Ctx& c, Plan& pl) {
+  if (off(c.o.one_pass_registers)) return false;
+  if (!common_activation(c.p.act)) return false;  // instantiated for those only
+  if (c.p.channels_last) return c.D % c.V == 0 && cols_registers(c, pl);
+  if (!(c.p.S % c.V == 0 || c.uniform_channels())) return false;  // a pack's elements share coefficients
+  const int extra = c.forward_streams() - 1;
+  const int max_extra = c.p.bfloat16 ? 1 : 2;
+  const int64_t lenv = c.len / c.V;
+  if (lenv <= 2 * kRegisterThreads && extra <= max_extra) {
+    registers(c, 2, extra, false, pl);
+    return true;
+  }
+  if (lenv <= 4 * kRegisterThreads && extra <= max_extra - 1) {
+    registers(c, 4, extra, false, pl);
+    return true;
+  }
+  return false;
+}
+
+bool cols_shared(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  const int64_t groups = c.items;
+  const int64_t row_bytes = c.D * p.elem_bytes;
+  const int pack_bytes = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
+  const int64_t lanes = row_bytes / pack_bytes;
+  const int64_t bytes = p.S * row_bytes;
+  const int64_t smem_limit = c.dev.smem_optin - kSmemReserveBytes;
+  int max_span = kMaxColsSpan;
+  if (set(c.o.cols_span)) max_span = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_span, c.o.cols_span)));
+  int span = 1;
+  while (2 * span <= max_span && span * row_bytes < kSectorBytes && p.G % (2 * span) == 0) span *= 2;
+  const auto fits = [&](int k) {
+    const int64_t slab = k * bytes;
+    if (k * lanes > kOnePassThreads || slab > smem_limit) return false;
+    return c.forced ||
+        (slab <= (k > 1 ? smem_limit : kColsOnePassMaxBytes) &&
+            (slab <= kDefaultSmemBytes || 8 * (groups / k) >= 7 * c.dev.sms));
+  };
+  while (span > 1 && !fits(span)) span /= 2;
+  if (!fits(span)) return false;
+  if (!common_activation(p.act)) return false;  // the others take the split passes
+  const int64_t items = groups / span;
+  const int64_t slab_bytes = span * bytes;
+  const int64_t knob = c.o.cols_pipeline;
+  const bool pipeline = (knob == 1 || (knob == kUnset && c.forward_streams() == 1)) && items > c.dev.sms &&
+      2 * slab_bytes <= smem_limit;
+  pl.path = Path::ColsShared;
+  pl.span = span;
+  pl.pack_bytes = pack_bytes;
+  pl.grid = items;
+  pl.buffer_packs = 0;
+  pl.smem = slab_bytes;
+  if (pipeline) {
+    // Two buffers a CTA and a grid of the CTAs resident at once, where the slabs outnumber them.
+    const int per_sm = c.res.cols_ctas_per_sm ? c.res.cols_ctas_per_sm(pack_bytes, 2 * slab_bytes) : 0;
+    if (per_sm > 0 && items > static_cast<int64_t>(per_sm) * c.dev.sms) {
+      pl.grid = static_cast<int64_t>(per_sm) * c.dev.sms;
+      pl.buffer_packs = slab_bytes / pack_bytes;
+      pl.smem = 2 * slab_bytes;
+    }
+  }
+  return true;
+}
+
+// CTAs a group of `bytes` for the one-pass forward; 0 where none fits.
+int one_pass_cluster(const Ctx& c, int64_t bytes) {
+  int max_cluster = c.dev.major < 9 ? 1 : c.dev.clusters_of_16 ? 16 : 8;
+  if (set(c.o.one_pass_max_cluster)) {
+    max_cluster = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, c.o.one_pass_max_cluster)));
+  }
+  int k = 1;
+  while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
+  while (k < max_cluster && c.items * k < c.dev.sms && bytes / (2 * k) >= kClusterMinCtaBytes) k *= 2;
+  return ceil_div(bytes, k) <= kOnePassCtaBytes || (k == 1 && bytes <= c.dev.smem_optin) ? k : 0;
+}
+
+bool one_pass_forward(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  if (c.V == 1) return false;  // double: the split path
+  if (p.channels_last ? (c.D * p.elem_bytes) % 4 != 0 : c.len % c.V != 0) return false;
+  if (!p.aligned) return false;
+  const int64_t streams = c.forward_streams();
+  const int64_t bytes = streams * c.len * p.elem_bytes;
+  if (bytes > c.max_bytes) return false;
+  if (p.channels_last) {
+    if (c.items > std::numeric_limits<int>::max()) return false;
+    return registers_fit(c, pl) || cols_shared(c, pl);
+  }
+  const int cluster = one_pass_cluster(c, bytes);
+  if (cluster == 0 || c.items * cluster > std::numeric_limits<int>::max()) return false;
+  if (!c.forced && cluster == 1 && bytes > kDefaultSmemBytes && c.items < c.dev.sms) return false;
+  pl.cluster = cluster;
+  pl.chunk = ceil_div(c.len / c.V, cluster);
+  if (cluster == 1 && registers_fit(c, pl)) {
+    pl.cluster = 1;
+    pl.chunk = 0;
+    return true;
+  }
+  pl.path = cluster > 1 ? Path::Cluster : Path::Shared;
+  pl.smem = streams * pl.chunk * c.V * p.elem_bytes;
+  pl.grid = c.items * cluster;
+  pl.threads = kOnePassThreads;
+  return true;
+}
+
+// The arguments both one-pass-style backwards need: ChannelsFirst, 16-byte packs of whole
+// channels (S 1 or a multiple of the pack width), aligned tensors.
+bool backward_packs_fit(const Ctx& c) {
+  const Problem& p = c.p;
+  return !p.channels_last && c.len % c.V == 0 && (p.S == 1 || p.S % c.V == 0) && p.aligned;
+}
+
+bool team_backward(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  const int64_t mode = c.o.team_backward;
+  if (c.V == 1 || p.team_refused) return false;
+  if (mode == 0 || !p.mask[0] || c.items == 0 || c.len == 0 || p.S % c.V != 0) return false;
+  if (!backward_packs_fit(c)) return false;
+  Plan t = pl;
+  const int64_t pack_bytes = static_cast<int64_t>(c.backward_streams()) * c.V * p.elem_bytes;
+  if (!plan_team(c, c.len / c.V, pack_bytes, /*backward=*/true, t)) return false;
+  // One team on the whole grid, every CTA waiting at every round's barrier: without the L2
+  // prefetch the split passes were faster on the plain backward (H100: GroupNorm problem 13.1
+  // against 12.6 ms, InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose split
+  // backward costs more (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
+  if (mode != 1 && t.teams == 1 && t.prefetch == 0 && p.act == Act::None && !p.multiplier && !p.scale) return false;
+  const int64_t chunk = t.chunk;
+  const int64_t spv = p.S / c.V;
+  t.channel_split = ceil_div(spv - 1, chunk) + 1;  // chunks a channel's packs overlap
+  // Segments as wide as a chunk's share of a channel, narrow enough that the most channels a
+  // chunk spans take one sweep (each sweep costs a segment reduction and the coefficients' loads:
+  // six sweeps a round made the attention block's backward slower than the split passes).
+  const int64_t max_channels = std::min<int64_t>(c.D, ceil_div(chunk - 1, spv) + 1);
+  int log_fit = 0;
+  while ((int64_t(2) << log_fit) * max_channels <= kTeamThreads) ++log_fit;
+  t.log_seg = std::min(log_fit, ceil_log2(std::min(spv, chunk)));
+  t.path = Path::Team;
+  pl = t;
+  return true;
+}
+
+bool one_cta_backward(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  if (c.V == 1 || c.items > std::numeric_limits<int>::max() || !backward_packs_fit(c)) return false;
+  const int64_t smem = c.backward_streams() * c.len * p.elem_bytes;
+  if (smem > std::min<int64_t>(c.max_bytes, c.dev.smem_optin)) return false;
+  if (!c.forced && smem > kDefaultSmemBytes && c.items < c.dev.sms) return false;
+  const int64_t lenv = c.len / c.V;
+  pl.path = Path::OneCta;
+  pl.smem = smem;
+  pl.grid = c.items;
+  pl.threads = set(c.o.backward_threads) ? (c.o.backward_threads == kBackwardThreads ? kBackwardThreads : kOnePassThreads)
+      : lenv >= 2 * kBackwardThreads ? kBackwardThreads : kOnePassThreads;
+  pl.log_seg = p.S == 1 ? 0 : static_cast<int>(std::min<int64_t>(kLogThreads, ceil_log2(p.S / c.V)));
+  return true;
+}
+
+int param_grad_parts(const Ctx& c, bool per_sample, int64_t work, int64_t blocks) {
+  if (c.dev.major < 9) return 1;
+  if (set(c.o.param_grad_parts)) return static_cast<int>(imax(1, imin(c.o.param_grad_parts, kMaxParamGradParts)));
+  if (!c.res.param_grad_clusters) return 1;
+  constexpr int64_t kWarps = kParamGradThreads / kWarp;
+  int parts = static_cast<int>(imin(ceil_div(work, 2 * kWarps), kMaxParamGradParts));
+  for (; parts > 1; --parts) {
+    if (c.res.param_grad_clusters(per_sample, parts) >= blocks) break;
+  }
+  return static_cast<int>(imax(1, parts));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+bool tuning_knobs_compiled() {
+#ifdef FUSEDNORM_TUNING_KNOBS
+  return true;
+#else
+  return false;
+#endif
+}
+
+const Overrides& overrides() {
+  std::lock_guard<std::mutex> lock(overrides_mutex);
+  if (current_overrides == nullptr) current_overrides = new Overrides(read_overrides());
+  return *current_overrides;
+}
+
+const Overrides& reload_overrides() {
+  std::lock_guard<std::mutex> lock(overrides_mutex);
+  // The old struct is leaked, not freed: a call on another thread may still read it.
+  current_overrides = new Overrides(read_overrides());
+  return *current_overrides;
+}
+
+std::string Overrides::to_string() const {
+  std::ostringstream s;
+  const auto field = [&](const char* name, int64_t v) {
+    if (set(v) || v < kUnset) s << (s.tellp() > 0 ? " " : "") << name << "=" << v;
+  };
+  field("one_pass_max_bytes", one_pass_max_bytes);
+  field("one_pass_registers", one_pass_registers);
+  field("registers_late", registers_late);
+  field("team_forward", team_forward);
+  field("team_backward", team_backward);
+  field("team_prefetch", team_prefetch);
+  field("team_replicas", team_replicas);
+  field("param_grad_parts", param_grad_parts);
+  field("cols_pipeline", cols_pipeline);
+  field("cols_span", cols_span);
+  field("one_pass_max_cluster", one_pass_max_cluster);
+  field("team_cta_kb", team_cta_kb);
+  field("cols_act_kernel", cols_act_kernel);
+  field("backward_threads", backward_threads);
+  return s.str();
+}
+
+DeviceInfo h200() { return DeviceInfo{}; }
+
+std::string DeviceInfo::to_string() const {
+  std::ostringstream s;
+  s << "sms=" << sms << " cc=" << major << "." << minor << " smem_optin=" << smem_optin
+    << " smem_per_sm=" << smem_per_sm << " l2=" << l2_bytes << " cooperative=" << cooperative_launch
+    << " clusters_of_16=" << clusters_of_16;
+  return s.str();
+}
+
+Residency modeled_residency(const DeviceInfo& dev) {
+  Residency r;
+  const int64_t per_sm_smem = dev.smem_per_sm;
+  // __launch_bounds__(512, 2): registers allow two CTAs; shared memory may allow fewer.
+  r.team_ctas_per_sm = [per_sm_smem](int64_t smem) {
+    return static_cast<int>(imin(kTeamBlocksPerSM, per_sm_smem / (smem + kSmemReserveBytes)));
+  };
+  // __launch_bounds__(256, 2): modeled as limited by threads (8 CTAs) and shared memory only.
+  r.cols_ctas_per_sm = [per_sm_smem](int, int64_t smem) {
+    return static_cast<int>(imin(2048 / kOnePassThreads, per_sm_smem / (smem + kSmemReserveBytes)));
+  };
+  // A CTA of 1024 threads takes an SM; a cluster's CTAs share one graphics processing cluster,
+  // modeled as 18 SMs at most, the SMs spread evenly over them (an H100 / H200: 8 of 16-17).
+  const int sms = dev.sms;
+  const bool clusters = dev.major >= 9;
+  r.param_grad_clusters = [sms, clusters](bool, int parts) {
+    if (!clusters) return 0;
+    const int gpcs = (sms + 17) / 18;
+    int total = 0;
+    for (int g = 0; g < gpcs; ++g) total += (sms / gpcs + (g < sms % gpcs ? 1 : 0)) / parts;
+    return total;
+  };
+  return r;
+}
+
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::Split: return "split";
+    case Path::Registers: return "registers";
+    case Path::Shared: return "shared";
+    case Path::Cluster: return "cluster";
+    case Path::ColsShared: return "cols_shared";
+    case Path::Team: return "team";
+    case Path::OneCta: return "one_cta";
+  }
+  return "?";
+}
+
+std::string Plan::to_string() const {
+  std::ostringstream s;
+  s << "path=" << path_name(path);
+  switch (path) {
+    case Path::Registers:
+      s << " packs=" << reg_packs << " extra_streams=" << reg_streams << " threads=" << threads
+        << " late=" << late << " ctas=" << grid;
+      break;
+    case Path::Shared:
+    case Path::Cluster:
+      s << " cluster=" << cluster << " chunk=" << chunk << " smem=" << smem << " ctas=" << grid;
+      break;
+    case Path::ColsShared:
+      s << " span=" << span << " pack_bytes=" << pack_bytes << " smem=" << smem << " ctas=" << grid
+        << " buffer_packs=" << buffer_packs;
+      break;
+    case Path::Team:
+      s << " teams=" << teams << " team_size=" << team_size << " chunk=" << chunk << " smem=" << smem
+        << " prefetch=" << prefetch << " replicas=" << replicas << " ctas=" << grid;
+      break;
+    case Path::OneCta:
+      s << " threads=" << threads << " smem=" << smem << " ctas=" << grid << " log_seg=" << log_seg;
+      break;
+    case Path::Split:
+      if (reduce.tiles > 1 || reduce.split > 1) s << " split=" << reduce.split << " tiles=" << reduce.tiles;
+      if (cols_act_kernel) s << " cols_act_kernel=1";
+      break;
+  }
+  if (param_grad_parts > 0) s << " param_grad_parts=" << param_grad_parts;
+  return s.str();
+}
+
+Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
+  const Ctx c(p, dev, res, o);
+  Plan pl;
+  if (team_forward(c, pl) || one_pass_forward(c, pl)) return pl;
+  pl = Plan{};
+  pl.reduce = plan_reduce(p, /*grads=*/false, dev.sms).t;
+  // The channels-last (or S == 1) apply pass of an epilogue with neither residual nor multiplier
+  // and a common activation has a kernel of its own (docs/design.md, "Split passes").
+  const bool epilogue = p.act != Act::None || p.scale || p.shift || p.residual || p.multiplier;
+  pl.cols_act_kernel = epilogue && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) && !p.residual &&
+      !p.multiplier && common_activation(p.act);
+  return pl;
+}
+
+Plan plan_backward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
+  const Ctx c(p, dev, res, o);
+  const bool want_params = p.mask[1] || p.mask[2] || p.mask[3] || p.mask[4];
+  // Groups in one CTA's shared memory, else spread over a team's (the team first where forced).
+  const bool team_first = o.team_backward == 1;
+  Plan pl;
+  int64_t split = 1;
+  const bool fused = (team_first && team_backward(c, pl)) || one_cta_backward(c, pl) || (!team_first && team_backward(c, pl));
+  if (!fused) {
+    pl = Plan{};
+    if (p.mask[0] || want_params) {
+      const ReduceTiling r = plan_reduce(p, /*grads=*/true, dev.sms);
+      pl.reduce = r.t;
+      split = r.t.split;
+    }
+  }
+  if (want_params) {
+    const bool per_sample = p.scale || p.mask[3] || p.mask[4];
+    const int64_t blocks = ceil_div(p.C, kWarp);
+    pl.param_grad_parts = param_grad_parts(c, per_sample, per_sample ? p.N : p.N * split, blocks);
+  }
+  return pl;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split-pass tiling.
+
+int ceil_log2(int64_t v) {
+  int l = 0;
+  while ((int64_t(1) << l) < v) ++l;
+  return l;
+}
+
+// Two waves of full-occupancy CTAs, so that even N * G = 8 fills the GPU.
+int64_t target_tiles(int sms) { return static_cast<int64_t>(sms) * kSplitBlocksPerSM * 2; }
+
+int grid_for(int64_t tiles, int sms) {
+  return static_cast<int>(imax(1, imin(tiles, static_cast<int64_t>(sms) * kSplitBlocksPerSM * 4)));
+}
+
+// Rows of `lenv` packs: 2^log_tx threads a row (the smallest power of two covering a row, up to
+// kSplitThreads), and each row cut into `split` chunks so that there are about target_tiles()
+// tiles, each thread keeping at least two batches of packs.
+Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(lenv, kSplitThreads));
+  const int64_t tx = int64_t(1) << t.log_tx;
+  const int64_t row_blocks = ceil_div(rows, kSplitThreads / tx);
+  int64_t split = ceil_div(target_tiles(sms), row_blocks);
+  split = imin(split, imax(1, lenv / (tx * kSplitUnroll * 2)));
+  split = imax(1, imin(split, max_split));
+  t.chunk = ceil_div(lenv, split);
+  t.split = ceil_div(lenv, t.chunk);
+  t.tiles = row_blocks * t.split;
+  return t;
+}
+
+// ChannelsLast reduction over N samples of S rows of `cvn` packs: tiles (n, chunk of rows, block
+// of 2^log_tx packs), rows chunked as in tile_rows.
+Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(cvn, kSplitThreads));
+  const int64_t ty = kSplitThreads >> t.log_tx;
+  t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
+  int64_t split = ceil_div(target_tiles(sms), N * t.ncb);
+  split = imin(split, imax(1, S / (ty * kSplitUnroll * 2)));
+  split = imax(1, imin(split, max_split));
+  t.chunk = ceil_div(S, split);
+  t.split = ceil_div(S, t.chunk);
+  t.tiles = N * t.ncb * t.split;
+  return t;
+}
+
+// ChannelsLast elementwise pass over `rows` rows of `cvn` packs: tiles of `chunk` rows x one block
+// of 2^log_tx packs.
+Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(cvn, kSplitThreads));
+  const int64_t ty = kSplitThreads >> t.log_tx;
+  t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
+  t.chunk = imax(ty * kSplitUnroll * 2, ceil_div(rows, ceil_div(target_tiles(sms), t.ncb)));
+  t.split = ceil_div(rows, t.chunk);
+  t.tiles = t.split * t.ncb;
+  return t;
+}
+
+// Pieces of the ChannelsLast reduction: the largest power of two dividing D, capped at the
+// channel block width, so that pieces tile both groups and blocks.
+int log_piece(int64_t D, int log_tx, int V) {
+  const int64_t q = imin(D & -D, (int64_t(1) << log_tx) * V);
+  return ceil_log2(q);
+}
+
+ReduceTiling plan_reduce(const Problem& p, bool grads, int sms) {
+  ReduceTiling r;
+  const int VW = pack_width(p.elem_bytes);
+  const int64_t D = p.D();
+  if (!p.channels_last) {
+    // Forward: one row a group. Backward: one row a (n, c), pieces are channels.
+    const int64_t rows = grads ? p.N * p.C : p.N * p.G;
+    const int64_t len = grads ? p.S : D * p.S;
+    r.V = VW > 1 && p.split_aligned && len % VW == 0 ? VW : 1;
+    const int64_t max_split = grads ? imax(1, imin(kMaxEntries / D, kMaxParamEntries / p.N)) : kMaxEntries;
+    r.t = tile_rows(rows, len / r.V, max_split, sms);
+    r.entries = grads ? D * r.t.split : r.t.split;
+  } else {
+    r.V = VW > 1 && p.split_aligned && p.C % VW == 0 ? VW : 1;
+    const int64_t cvn = p.C / r.V;
+    const int log_tx = ceil_log2(imin(cvn, kSplitThreads));
+    r.log_q = log_piece(D, log_tx, r.V);
+    const int64_t pieces = D >> r.log_q;
+    const int64_t max_split = grads ? imax(1, imin(kMaxEntries / pieces, kMaxParamEntries / p.N))
+                                    : imax(1, kMaxEntries / pieces);
+    r.t = tile_cols(p.N, p.S, cvn, max_split, sms);
+    r.entries = pieces * r.t.split;
+  }
+  return r;
+}
+
+}  // namespace plan
+}  // namespace fusednorm

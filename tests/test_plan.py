@@ -1,0 +1,280 @@
+"""The kernel planner (csrc/plan.h) without a GPU: the plan of every benchmark-suite shape on an
+H200, forward and backward, pinned (a change of plan must be deliberate: it moves the benchmark),
+the overrides that force each kernel path the tests cover, and the planner's argument checks.
+
+The pinned plans are those the CUDA dispatcher carried out before the planner existed, its rules
+transcribed: the team grids (3 teams of 88 CTAs for the GroupNorm problem's forward, one of 264
+backward, 26 teams of 10 for the InstanceNorm problem), the register kernel for UNet's small
+groups and problem 3's tail, the channels-last shared-memory kernel for 2 groups a CTA of 160 KB.
+The residency the plans depend on (team CTAs an SM, parameter-gradient clusters at once) is
+modeled from the device's properties here; on a GPU the dispatcher asks the driver."""
+
+from typing import NamedTuple, Optional, Tuple
+
+import pytest
+import torch
+
+import fusednorm
+from fusednorm import kernel_paths
+from fusednorm.kernel_paths import H200, TEST_PATHS, TUNING_KNOBS
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+class Row(NamedTuple):
+    name: str
+    shape: Tuple[int, ...]
+    groups: int
+    dtype: torch.dtype
+    channels_last: bool
+    activation: Optional[str]
+    operands: Tuple[str, ...]
+    affine: bool
+    forward: str
+    backward: str
+
+
+# benchmarks/bench.py's GPU suite, then the rows of the video VAEs and of 8192 channels.
+ROWS = [
+    Row('GroupNorm problem', (112, 64, 512, 512), 8, F32, channels_last=False, activation=None, operands=(), affine=True,
+        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=2'),
+    Row('InstanceNorm problem', (112, 64, 512, 512), 64, F32, channels_last=False, activation=None, operands=(), affine=False,
+        forward='path=team teams=26 team_size=10 chunk=6554 smem=104864 prefetch=0 replicas=1 ctas=260',
+        backward='path=team teams=13 team_size=20 chunk=3277 smem=104864 prefetch=1638 replicas=16 ctas=260'),
+    Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=64 team_size=4 chunk=1280 smem=20480 prefetch=0 replicas=1 ctas=256',
+        backward='path=team teams=64 team_size=4 chunk=1280 smem=40960 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=split split=128 tiles=256 cols_act_kernel=1',
+        backward='path=split split=128 tiles=256 param_grad_parts=4'),
+    Row('SD UNet GN+SiLU b2', (2, 640, 32, 32), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=64 team_size=4 chunk=640 smem=10240 prefetch=0 replicas=1 ctas=256',
+        backward='path=team teams=64 team_size=4 chunk=640 smem=20480 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b2', (2, 640, 32, 32), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=cols_shared span=1 pack_bytes=8 smem=40960 ctas=64 buffer_packs=0',
+        backward='path=split split=64 tiles=128 param_grad_parts=2'),
+    Row('SD UNet GN+SiLU b2', (2, 1280, 16, 16), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=4 extra_streams=0 threads=320 late=0 ctas=64',
+        backward='path=one_cta threads=512 smem=40960 ctas=64 log_seg=5 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b2', (2, 1280, 16, 16), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=4 extra_streams=0 threads=320 late=0 ctas=64',
+        backward='path=split split=32 tiles=64 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b2', (2, 1280, 8, 8), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=64',
+        backward='path=one_cta threads=256 smem=10240 ctas=64 log_seg=3 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b2', (2, 1280, 8, 8), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=64',
+        backward='path=split split=8 tiles=16 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b8', (8, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=256 team_size=1 chunk=5120 smem=81920 prefetch=0 replicas=1 ctas=256',
+        backward='path=one_cta threads=512 smem=163840 ctas=256 log_seg=8 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b8', (8, 320, 64, 64), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=cols_shared span=2 pack_bytes=4 smem=163840 ctas=128 buffer_packs=0',
+        backward='path=split split=64 tiles=512 param_grad_parts=8'),
+    Row('SD UNet GN+SiLU b8', (8, 640, 32, 32), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=256 team_size=1 chunk=2560 smem=40960 prefetch=0 replicas=1 ctas=256',
+        backward='path=one_cta threads=512 smem=81920 ctas=256 log_seg=7 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b8', (8, 640, 32, 32), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=cols_shared span=1 pack_bytes=8 smem=40960 ctas=256 buffer_packs=0',
+        backward='path=split split=64 tiles=512 param_grad_parts=5'),
+    Row('SD UNet GN+SiLU b8', (8, 1280, 16, 16), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=4 extra_streams=0 threads=320 late=0 ctas=256',
+        backward='path=one_cta threads=512 smem=40960 ctas=256 log_seg=5 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b8', (8, 1280, 16, 16), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=4 extra_streams=0 threads=320 late=0 ctas=256',
+        backward='path=split split=32 tiles=256 param_grad_parts=3'),
+    Row('SD UNet GN+SiLU b8', (8, 1280, 8, 8), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=256',
+        backward='path=one_cta threads=256 smem=10240 ctas=256 log_seg=3 param_grad_parts=1'),
+    Row('SD UNet GN+SiLU b8', (8, 1280, 8, 8), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=256',
+        backward='path=split split=8 tiles=64 param_grad_parts=1'),
+    Row('VAE GN+SiLU', (1, 128, 512, 512), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=11 team_size=24 chunk=5462 smem=87392 prefetch=2048 replicas=1 ctas=264',
+        backward='path=team teams=4 team_size=66 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('VAE GN+SiLU', (1, 256, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=16 team_size=16 chunk=4096 smem=65536 prefetch=1536 replicas=1 ctas=256',
+        backward='path=team teams=11 team_size=24 chunk=2731 smem=87392 prefetch=1365 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('VAE GN+SiLU', (1, 512, 128, 128), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=32 team_size=8 chunk=4096 smem=65536 prefetch=0 replicas=1 ctas=256',
+        backward='path=team teams=16 team_size=16 chunk=2048 smem=65536 prefetch=1024 replicas=16 ctas=256 param_grad_parts=1'),
+    Row('VAE GN+SiLU', (1, 128, 1024, 1024), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('Attention GN', (16, 512, 4096), 32, BF16, channels_last=False, activation=None, operands=(), affine=True,
+        forward='path=team teams=132 team_size=2 chunk=4096 smem=65536 prefetch=0 replicas=1 ctas=264',
+        backward='path=team teams=88 team_size=3 chunk=2731 smem=87392 prefetch=0 replicas=3 ctas=264 param_grad_parts=1'),
+    Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=False, activation=None, operands=(), affine=True,
+        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=True, activation=None, operands=(), affine=True,
+        forward='path=split split=1056 tiles=2112',
+        backward='path=split split=256 tiles=512 param_grad_parts=8'),
+    Row('SD AdaGN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
+        forward='path=team teams=64 team_size=4 chunk=1280 smem=20480 prefetch=0 replicas=1 ctas=256',
+        backward='path=team teams=64 team_size=4 chunk=1280 smem=40960 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
+    Row('SD AdaGN+SiLU b2', (2, 1280, 16, 16), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
+        forward='path=registers packs=4 extra_streams=0 threads=320 late=0 ctas=64',
+        backward='path=one_cta threads=512 smem=40960 ctas=64 log_seg=5 param_grad_parts=1'),
+    Row('ResNet GN+residual+ReLU', (16, 256, 56, 56), 32, BF16, channels_last=True, activation='relu', operands=('residual',), affine=True,
+        forward='path=cols_shared span=2 pack_bytes=16 smem=100352 ctas=256 buffer_packs=0',
+        backward='path=split split=32 tiles=512 param_grad_parts=8'),
+    Row('problem 3 tail (h+y)*y', (1024, 8192), 1, F32, channels_last=False, activation=None, operands=('multiplier=residual',), affine=False,
+        forward='path=registers packs=4 extra_streams=1 threads=512 late=1 ctas=1024',
+        backward='path=one_cta threads=512 smem=98304 ctas=1024 log_seg=0'),
+    Row('video VAE GN+SiLU', (1, 128, 20, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=2 team_size=132 chunk=4965 smem=79440 prefetch=1861 replicas=1 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=2483 smem=79456 prefetch=1241 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('video VAE GN+SiLU', (1, 512, 16, 90, 160), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
+        forward='path=team teams=3 team_size=88 chunk=5237 smem=83792 prefetch=1963 replicas=1 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=1746 smem=55872 prefetch=873 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('rows of 8192', (1024, 1, 1, 8192), 1, F32, channels_last=False, activation=None, operands=(), affine=True,
+        forward='path=registers packs=4 extra_streams=0 threads=512 late=0 ctas=1024',
+        backward='path=one_cta threads=512 smem=65536 ctas=1024 log_seg=8 param_grad_parts=8'),
+]
+
+
+@pytest.fixture(autouse=True)
+def no_overrides(monkeypatch):
+    """Every test starts from the defaults; the library reads the overrides again after it."""
+    for name in kernel_paths.KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    kernel_paths.reload_overrides()
+    yield
+    monkeypatch.undo()
+    kernel_paths.reload_overrides()
+
+
+def plan_of(row, backward, device=H200):
+    return kernel_paths.plan(row.shape, row.groups, row.dtype, channels_last=row.channels_last,
+                             activation=row.activation, operands=row.operands, backward=backward,
+                             device=device, affine=row.affine)
+
+
+def _id(row):
+    layout = "-cl" if row.channels_last else ""
+    return f"{row.name}-{'x'.join(map(str, row.shape))}-{str(row.dtype)[6:]}{layout}"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_id)
+def test_benchmark_shapes_plans(row):
+    assert plan_of(row, backward=False) == row.forward
+    assert plan_of(row, backward=True) == row.backward
+
+
+def test_every_path_is_planned_for_some_benchmark_shape():
+    paths = {p.split()[0] for row in ROWS for p in (row.forward, row.backward)}
+    assert paths == {"path=" + p for p in ("team", "registers", "one_cta", "split", "cols_shared")}
+
+
+def _set(monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kernel_paths.reload_overrides()
+
+
+def _path(plan):
+    return plan.split()[0][len("path="):]
+
+
+# One shape a path takes by default: (2, 1280, 8, 8) float16 in registers forward and one CTA
+# backward, (8, 320, 64, 64) float16 on the team forward, (2, 32, 128, 128, 128) float32 on teams
+# of 88 CTAs.
+SMALL = ROWS[[r.shape for r in ROWS].index((2, 1280, 8, 8))]
+TEAM = ROWS[[r.shape for r in ROWS].index((8, 320, 64, 64))]
+
+
+@pytest.mark.parametrize("path", list(TEST_PATHS))
+def test_overrides_force_each_test_path(path, monkeypatch):
+    _set(monkeypatch, TEST_PATHS[path])
+    for row in (SMALL, TEAM):
+        forward, backward = plan_of(row, False), plan_of(row, True)
+        if path == "one_pass":
+            assert _path(forward) in ("registers", "shared", "cluster"), forward
+            assert _path(backward) == "one_cta", backward
+        elif path == "one_pass_shared":
+            assert _path(forward) in ("shared", "cluster"), forward
+            assert _path(backward) == "one_cta", backward
+        elif path == "split":
+            assert _path(forward) == "split", forward
+            assert _path(backward) == "split" and backward.endswith("param_grad_parts=8"), backward
+        else:
+            assert _path(forward) == "team" and _path(backward) == "team", (forward, backward)
+
+
+def test_overrides_are_read_once_until_reloaded(monkeypatch):
+    default = plan_of(SMALL, False)
+    monkeypatch.setenv("FUSEDNORM_TEAM_FORWARD", "1")
+    monkeypatch.setenv("FUSEDNORM_ONE_PASS_MAX_BYTES", "0")
+    assert plan_of(SMALL, False) == default
+    state = kernel_paths.reload_overrides()
+    assert "team_forward=1" in state and "one_pass_max_bytes=0" in state
+    assert _path(plan_of(SMALL, False)) == "team"
+    monkeypatch.delenv("FUSEDNORM_TEAM_FORWARD")
+    monkeypatch.delenv("FUSEDNORM_ONE_PASS_MAX_BYTES")
+    kernel_paths.reload_overrides()
+    assert plan_of(SMALL, False) == default
+
+
+def test_selected_sets_and_restores_the_overrides():
+    default = plan_of(TEAM, False)
+    with kernel_paths.selected("split"):
+        assert _path(plan_of(TEAM, False)) == "split"
+    assert plan_of(TEAM, False) == default
+
+
+def test_tuning_knobs_are_ignored_by_a_default_build(monkeypatch):
+    if kernel_paths.tuning_knobs_compiled():
+        pytest.skip("built with FUSEDNORM_TUNING_KNOBS")
+    default = (plan_of(TEAM, False), plan_of(TEAM, True), plan_of(SMALL, True))
+    _set(monkeypatch, {"FUSEDNORM_TEAM_CTA_KB": "16", "FUSEDNORM_BACKWARD_THREADS": "512",
+                       "FUSEDNORM_ONE_PASS_MAX_CLUSTER": "1", "FUSEDNORM_COLS_ACT_KERNEL": "0"})
+    assert set(TUNING_KNOBS) == {"FUSEDNORM_TEAM_CTA_KB", "FUSEDNORM_BACKWARD_THREADS",
+                                 "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_COLS_ACT_KERNEL"}
+    assert (plan_of(TEAM, False), plan_of(TEAM, True), plan_of(SMALL, True)) == default
+
+
+def test_team_knobs_size_the_grid(monkeypatch):
+    gn, instance = ROWS[0], ROWS[1]  # teams of 88 / 264 CTAs (GroupNorm), of 10 / 20 (InstanceNorm)
+    _set(monkeypatch, {"FUSEDNORM_TEAM_PREFETCH": "0", "FUSEDNORM_TEAM_REPLICAS": "1"})
+    assert "prefetch=0 replicas=1" in plan_of(gn, False)
+    assert "teams=13 team_size=20 chunk=3277 smem=104864 prefetch=0 replicas=1" in plan_of(instance, True)
+    # One team on the whole grid without the L2 prefetch: the plain backward takes the split
+    # passes, which were faster there; with an activation the team kernel stays.
+    assert _path(plan_of(gn, True)) == "split"
+    assert _path(plan_of(gn._replace(activation="silu"), True)) == "team"
+
+
+def test_a_device_without_clusters(monkeypatch):
+    # An sm_80 card (108 SMs, 163 KB a CTA): no clusters, so 512 KB groups are not taken in one
+    # pass, and the parameter gradients take one CTA a channel block.
+    a100 = (108, 8, 0, 163 * 1024, 164 * 1024, 40 << 20, 1, 0)
+    _set(monkeypatch, {"FUSEDNORM_TEAM_FORWARD": "0", "FUSEDNORM_TEAM_BACKWARD": "0"})
+    assert _path(kernel_paths.plan((1, 8, 128, 128), 1, F32, device=a100)) == "split"
+    assert _path(kernel_paths.plan((1, 8, 128, 128), 1, F32, device=H200)) == "cluster"
+    assert kernel_paths.plan((8, 320, 64, 64), 32, F16, channels_last=True, backward=True,
+                             device=a100).endswith("param_grad_parts=1")
+
+
+def test_double_takes_the_split_passes():
+    for backward in (False, True):
+        assert _path(kernel_paths.plan((2, 64, 8, 8), 32, torch.float64, backward=backward, device=H200)) == "split"
+
+
+def test_plan_without_device_is_an_h200s_where_no_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("plans for the visible GPU")
+    assert kernel_paths.plan(TEAM.shape, 32, F16, activation="silu") == TEAM.forward
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(RuntimeError, match="divisible by num_groups"):
+        kernel_paths.plan((2, 30, 4, 4), 4, F32, device=H200)
+    with pytest.raises(RuntimeError, match="not implemented for 'Int'"):
+        kernel_paths.plan((2, 32, 4, 4), 4, torch.int32, device=H200)
+    with pytest.raises(ValueError, match="unknown operand"):
+        kernel_paths.plan((2, 32, 4, 4), 4, F32, operands=("bias2",), device=H200)
+    with pytest.raises((ValueError, RuntimeError), match="activation"):
+        kernel_paths.plan((2, 32, 4, 4), 4, F32, activation="swish", device=H200)
+    assert fusednorm  # the package loads the library the plan op lives in
