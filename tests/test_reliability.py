@@ -218,8 +218,6 @@ def test_infinite_scale_gives_infinities_as_eager():
     assert_same_non_finite(fusednorm.group_norm(x, 1, scale=scale), eager_composition(x, 1, scale=scale))
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING_KERNEL.format(
-    "the backward multiplies by relu'(p) = 0 rather than selecting, so NaN * 0 reaches the group sums"))
 def test_nan_multiplier_where_relu_is_inactive_keeps_the_input_gradient_finite():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 8, generator=g, requires_grad=True)
@@ -277,8 +275,6 @@ def test_property_non_finite_elementwise_operands_stay_where_they_are(operand, v
 # -- extreme magnitudes: never a silent zero -------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING_KERNEL.format(
-    "the squared deviations overflow float32 lanes, var = inf, rstd = 0, output all zeros"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_huge_magnitudes_never_give_zeros(dtype):
     x = (torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3e19).to(dtype)
@@ -302,8 +298,6 @@ def test_zero_eps_and_zero_variance_is_not_finite():
 # -- channels-last precision at large offsets --------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING_KERNEL.format(
-    "the CPU kernel's channels-last moments sum a chunk's rows (up to 4096) in one float lane"))
 def test_channels_last_precision_at_a_large_offset():
     g = torch.Generator().manual_seed(0)
     x32 = (1e4 + torch.randn(2, 4, 64, 64, generator=g, dtype=torch.float64)).float()

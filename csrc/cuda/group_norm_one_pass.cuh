@@ -402,7 +402,8 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
     m2 += pack_squared_deviations(load_pack(x_smem[v]), K, shifted_mean);
   }
   const acc_t var = one_pass_cluster_sum(one_pass_block_sum(m2, red), &exchange[1], a.cluster) / total;
-  const acc_t group_rstd = acc_t(1) / sqrt(var + a.eps);
+  // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
+  const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
   if (rank == 0 && threadIdx.x == 0) {
     a.mean[item] = K + shifted_mean;
     a.rstd[item] = group_rstd;
@@ -565,7 +566,9 @@ struct RegisterGroup {
     for (int k = 0; k < R; ++k) {
       if (valid(a, k)) m2 += pack_squared_deviations(x[k], K, shifted_mean);
     }
-    const acc_t rstd = acc_t(1) / sqrt(one_pass_block_sum<MaxThreads>(m2, red) / total + a.eps);
+    const acc_t var = one_pass_block_sum<MaxThreads>(m2, red) / total;
+    // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
+    const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     if (threadIdx.x == 0) {
       a.mean[item] = K + shifted_mean;
       a.rstd[item] = rstd;
@@ -721,7 +724,9 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     for (int64_t s = row0; s < rows; s += step) {
       m2 += pack_squared_deviations(P(xs[place.dense(s)]), K, shifted_mean);
     }
-    const acc_t group_rstd = acc_t(1) / sqrt(one_pass_slot_sum(m2, q, span, red) / total + a.eps);
+    const acc_t var = one_pass_slot_sum(m2, q, span, red) / total;
+    // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
+    const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     // The first thread of each group's lanes (row 0) writes its statistics.
     if (row0 == 0 && place.lane * V == q * a.D) {
       a.mean[n * a.G + g] = K + shifted_mean;

@@ -57,7 +57,8 @@ __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const Moment
       const int64_t g = item - n * a.G;
       const acc_t K = static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]);
       const acc_t var = st.n > acc_t(0) && st.m2[0] > acc_t(0) ? st.m2[0] / st.n : acc_t(0);
-      const acc_t rs = acc_t(1) / sqrt(var + a.eps);
+      // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
+      const acc_t rs = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
       a.mean[item] = K + st.mean[0];
       a.rstd[item] = rs;
       acc_t* rec = a.rec + item * kRec;

@@ -158,6 +158,9 @@ struct ElementwiseOperands {
       Vec grad_m(acc_t(0));
       const auto coef = [&](const acc_t* c, const Vec& one) { return PerLane ? Vec::loadu(c + i, count) : one; };
       Vec xc(acc_t(0));
+      // ReLU's gradient is a select, as eager's threshold_backward: 0 where p <= 0 whatever
+      // dz * multiplier is (a NaN or inf there would otherwise reach the group sums as NaN).
+      Vec relu_inactive(acc_t(0));
       if (r.needs_p || WithSums) xc = IO::load(r.x + i, count) - coef(r.centre, centre1);
       if (r.needs_p) {
         Vec p = at::vec::fmadd(xc, coef(r.pa, pa1), coef(r.pc, pc1));
@@ -166,9 +169,14 @@ struct ElementwiseOperands {
           grad_m = dzv * vec_activation<A>(p, r.slope);
           if (!r.grads_in_one) IO::store(r.grad_multiplier + i, grad_m, count);
         }
-        if constexpr (A != Activation::None) g = g * vec_activation_derivative<A>(p, r.slope);
+        if constexpr (A == Activation::ReLU) {
+          relu_inactive = p <= Vec(acc_t(0));
+        } else if constexpr (A != Activation::None) {
+          g = g * vec_activation_derivative<A>(p, r.slope);
+        }
       }
       if (r.multiplier) g = g * IO::load(r.multiplier + i, count);
+      if constexpr (A == Activation::ReLU) g = Vec::blendv(g, Vec(acc_t(0)), relu_inactive);
       if (r.grad_residual) IO::store(r.grad_residual + i, r.grads_in_one ? g + grad_m : g, count);
       g.store(r.dp + i, count);
       if constexpr (WithSums) {

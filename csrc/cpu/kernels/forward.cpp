@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -93,6 +94,10 @@ Moments block_moments(const T* x, int64_t len) {
 // The output uses the statistics at opmath precision, not their saved rounding.
 double rstd_of(const Moments& m, double eps) {
   const double var = m.n > 0 ? std::max(m.m2 / m.n, 0.0) : 0.0;
+  // An infinite M2 of finite values: the float lanes overflowed on the squared deviations
+  // (|x - mean| above ~1.8e19 in float32 or bfloat16). No variance is known, and rstd = 0 would
+  // make the output all zeros: NaN instead, as eager gives (docs/deviations.md).
+  if (std::isinf(var)) return std::numeric_limits<double>::quiet_NaN();
   return 1.0 / std::sqrt(var + eps);
 }
 
@@ -240,26 +245,40 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
     }
     std::array<Vec, kChannelVecs> mean;
     const Vec inv(acc_t(1) / static_cast<acc_t>(rows));
-    for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) {
-      mean[u] = first[u] + sum[u] * inv;
-      dsum[u] = d2sum[u] = Vec(0);
-    });
-    for (int64_t r = r0; r < r1; ++r) {
-      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-        const Vec d = IO::load(xn + r * C + c0, count) - mean[u];
-        dsum[u] += d;
-        d2sum[u] = at::vec::fmadd(d, d, d2sum[u]);
+    for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { mean[u] = first[u] + sum[u] * inv; });
+    // The sums of d and d^2 go from opmath lanes to double every kLaneRows rows: a lane summing
+    // all of a chunk's rows (up to kBlock values) rounds ~10x more than a ChannelsFirst lane,
+    // which sums kBlock / (kUnroll * kSize) values; at |mean| >> std that was 10x the error
+    // (docs/design.md, 'Numerics').
+    constexpr int64_t kLaneRows = 64;
+    std::array<std::array<double, kSize>, kChannelVecs> dsum_total{}, d2sum_total{};
+    for (int64_t rb = r0; rb < r1; rb += kLaneRows) {
+      const int64_t re = std::min(r1, rb + kLaneRows);
+      for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { dsum[u] = d2sum[u] = Vec(0); });
+      for (int64_t r = rb; r < re; ++r) {
+        for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+          const Vec d = IO::load(xn + r * C + c0, count) - mean[u];
+          dsum[u] += d;
+          d2sum[u] = at::vec::fmadd(d, d, d2sum[u]);
+        });
+      }
+      for_block_vectors(cb, C, kSize, [&](int64_t, int64_t count, int u) {
+        acc_t ds[kSize], d2[kSize];
+        dsum[u].store(ds);
+        d2sum[u].store(d2);
+        for (int64_t i = 0; i < count; ++i) {
+          dsum_total[u][i] += ds[i];
+          d2sum_total[u][i] += d2[i];
+        }
       });
     }
     for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-      acc_t m[kSize], ds[kSize], d2[kSize];
+      acc_t m[kSize];
       mean[u].store(m);
-      dsum[u].store(ds);
-      d2sum[u].store(d2);
       for (int64_t i = 0; i < count; ++i) {
-        const double shift = double(ds[i]) / rows;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift,
-                                  std::max(double(d2[i]) - double(ds[i]) * shift, 0.0)};
+        const double ds = dsum_total[u][i], d2 = d2sum_total[u][i];
+        const double shift = ds / rows;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift, std::max(d2 - ds * shift, 0.0)};
       }
     });
   }

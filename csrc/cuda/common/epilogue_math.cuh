@@ -194,6 +194,9 @@ __device__ __forceinline__ T device_activation_derivative(Activation a, T p, T s
 template <int A, typename acc_t>
 __device__ __forceinline__ acc_t grad_at_p(Activation runtime_act, acc_t slope, acc_t dzm, acc_t p) {
   const Activation act = act_of<A>(runtime_act);
+  // ReLU's gradient is a select, as eager's threshold_backward: 0 where p <= 0 whatever dzm is
+  // (a NaN or inf multiplier there would otherwise reach the group sums as NaN).
+  if (act == Activation::ReLU) return p <= acc_t(0) ? acc_t(0) : dzm;
   return act == Activation::None ? dzm : dzm * device_activation_derivative(act, p, slope);
 }
 
