@@ -38,7 +38,7 @@ def is_available() -> bool:
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The kernels' precision: float32, float64 for float64 input (docs/design.md, 'Precision').
+    # The kernels' precision: float32, float64 for float64 input (docs/design.md, 'Numerics').
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

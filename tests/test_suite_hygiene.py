@@ -85,3 +85,29 @@ def test_tools_readme_lists_every_tool():
     missing = [p.name for p in sorted(tools.iterdir())
                if p.suffix in (".py", ".sh") and f"`{p.name}`" not in listed]
     assert not missing, "tools/README.md has no line for: " + ", ".join(missing)
+
+
+CITATION = re.compile(r"docs/design\.md[,;:]? *(?:section )?['\"]([^'\"]+)['\"]")
+
+
+def design_citations(text):
+    """The section names a text cites as docs/design.md, 'Section' (a name may wrap onto the next
+    comment line)."""
+    return {re.sub(r"\s*\n\s*(?://|#|\*)?\s*", " ", name) for name in CITATION.findall(text)}
+
+
+def test_design_citations_name_existing_sections():
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", (ROOT / "docs" / "design.md").read_text(), re.M)}
+    missing = {}
+    for folder in ("csrc", "ops", "tests", "tools", "benchmarks", "scripts"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".h", ".cpp", ".cu", ".cuh", ".sh") and path.is_file() and path.name != "test_suite_hygiene.py":
+                for name in design_citations(path.read_text(errors="replace")) - headings:
+                    missing.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert not missing, f"docs/design.md has no section of these names: {missing}"
+
+
+def test_a_missing_design_section_is_found():
+    assert design_citations("x  // docs/design.md, 'Team path'") == {"Team path"}
+    assert design_citations('see docs/design.md "Numerics"') == {"Numerics"}
+    assert design_citations("// docs/design.md, 'Kernel\n  // overrides'") == {"Kernel overrides"}
