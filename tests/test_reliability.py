@@ -353,11 +353,14 @@ FUNC_CASES = {
 def test_jacfwd_and_hessian_on_channels_last(case, shape):
     ours, theirs = FUNC_CASES[case]
     x = channels_last(shape)
-    torch.testing.assert_close(torch.func.jacfwd(ours)(x), torch.func.jacfwd(theirs)(x), atol=1e-8, rtol=1e-7)
+    # The reference takes the contiguous copy: eager's own group_norm fails under these transforms
+    # on channels-last input before torch 2.14 (a .view in F.group_norm); the values are the same.
+    torch.testing.assert_close(torch.func.jacfwd(ours)(x), torch.func.jacfwd(theirs)(x.contiguous()),
+                               atol=1e-8, rtol=1e-7)
     x_small = channels_last((1, 2, 2, 2))
     def loss(f):
         return lambda t: (f(t) ** 3).sum()
-    torch.testing.assert_close(torch.func.hessian(loss(ours))(x_small), torch.func.hessian(loss(theirs))(x_small),
+    torch.testing.assert_close(torch.func.hessian(loss(ours))(x_small), torch.func.hessian(loss(theirs))(x_small.contiguous()),
                                atol=1e-7, rtol=1e-6)
 
 
@@ -367,10 +370,12 @@ def test_vmap_of_jvp_on_channels_last(case):
     x = channels_last((2, 4, 3, 3))
     tangents = torch.randn(3, *x.shape, dtype=torch.float64)
 
-    def jvp_of(f):
+    def jvp_of(f, x):
         return torch.func.vmap(lambda t: torch.func.jvp(f, (x,), (t,))[1])
 
-    torch.testing.assert_close(jvp_of(ours)(tangents), jvp_of(theirs)(tangents), atol=1e-8, rtol=1e-7)
+    # The reference at the contiguous copy (see test_jacfwd_and_hessian_on_channels_last).
+    torch.testing.assert_close(jvp_of(ours, x)(tangents), jvp_of(theirs, x.contiguous())(tangents),
+                               atol=1e-8, rtol=1e-7)
 
 
 # -- memory formats ----------------------------------------------------------------------------------------------
@@ -514,8 +519,7 @@ def test_parameter_dtype_mismatch_is_a_runtime_error_as_eager(x_dtype, p_dtype):
 
 def test_zero_channels():
     x = torch.randn(2, 0, 5)
-    with pytest.raises(RuntimeError):
-        F.group_norm(x, 1)
+    # (eager raises too from torch 2.14 on; older versions return an empty tensor)
     for fn in (lambda: fusednorm.group_norm(x, 1), lambda: torch.ops.fusednorm.group_norm(x, 1)):
         with pytest.raises(RuntimeError, match="number of channels to be greater than 0"):
             fn()
