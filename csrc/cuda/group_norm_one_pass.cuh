@@ -26,6 +26,7 @@
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/common/moments.cuh"
+#include "cuda/paths.h"
 #include "group_norm.h"
 #include "plan.h"
 
@@ -889,26 +890,6 @@ void launch_cols_one_pass(const OnePassArgs<scalar_t>& a, int64_t groups, const 
   });
 }
 
-// Whether the device schedules clusters of 16 CTAs of kOnePassCtaBytes (H100's non-portable
-// maximum; 8 is the portable one). Asked once per device.
-bool clusters_of_16(const cudaDeviceProp& prop) {
-  static std::array<int, 64> known{};  // 0: not asked yet, 1: no, 2: yes
-  const int device = c10::cuda::current_device();
-  if (device >= static_cast<int>(known.size())) return false;
-  if (known[device] == 0) {
-    bool ok = false;
-    if (prop.major >= 9) {
-      auto kernel = group_norm_one_pass_kernel<float, 4, Activation::None>;
-      ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kOnePassCtaBytes) == cudaSuccess;
-      ok = ok && max_active_clusters(kernel, kOnePassThreads, kOnePassCtaBytes, 16) > 0;
-      (void)cudaGetLastError();  // a refused attribute must not surface at the next launch check
-    }
-    known[device] = ok ? 2 : 1;
-  }
-  return known[device] == 2;
-}
-
 // Runs the one-pass forward as planned (path Registers, Shared, Cluster or ColsShared).
 template <typename scalar_t>
 void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -933,4 +914,25 @@ void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tenso
 }
 
 }  // namespace
+
+// The one-pass entry points of paths.h, instantiated per dtype in one_pass_forward_<dtype>.cu.
+template <typename scalar_t>
+void one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
+  forward_one_pass<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+}
+
+template <typename scalar_t>
+int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem) {
+  return cols_one_pass_ctas_per_sm<scalar_t>(act, streams, pack_bytes, smem);
+}
+
 }  // namespace fusednorm
+
+#define FUSEDNORM_INSTANTIATE_ONE_PASS_FORWARD(T)                                                             \
+  template void fusednorm::one_pass_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,       \
+      const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
+      at::Tensor&)
+#define FUSEDNORM_INSTANTIATE_COLS_ONE_PASS_RESIDENCY(T) \
+  template int fusednorm::cols_one_pass_residency<T>(Activation, int, int, int64_t)

@@ -33,6 +33,7 @@
 #include "cuda/common/moments.cuh"
 #include "cuda/group_norm_one_pass.cuh"
 #include "cuda/one_cta_backward.cuh"
+#include "cuda/paths.h"
 #include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -683,4 +684,49 @@ bool backward_team(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 }
 
 }  // namespace
+
+// The team entry points of paths.h, instantiated per dtype in team_<dtype>.cu.
+template <typename scalar_t>
+bool team_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
+  return forward_team<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+}
+
+template <typename scalar_t>
+bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
+    at::Tensor& part_c, at::Tensor& rec) {
+  return backward_team<scalar_t>(pl, dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params, part_c,
+      rec);
+}
+
+template <typename scalar_t>
+int team_residency(Activation act, bool backward, int keep, int64_t smem) {
+  constexpr int V = pack_width<scalar_t>();
+  int per_sm = 0;
+  dispatch_activation(act, [&](auto a) {
+    constexpr Activation kA = decltype(a)::value;
+    if (!backward) {
+      per_sm = team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA>, smem);
+    } else {
+      dispatch_keep<kA>(static_cast<Keep>(keep), [&](auto k) {
+        per_sm = team_ctas_per_sm(group_norm_team_backward_kernel<scalar_t, V, kA, decltype(k)::value>, smem);
+      });
+    }
+  });
+  return per_sm;
+}
+
 }  // namespace fusednorm
+
+#define FUSEDNORM_INSTANTIATE_TEAM(T)                                                                         \
+  template bool fusednorm::team_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,           \
+      const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
+      at::Tensor&);                                                                                           \
+  template bool fusednorm::team_backward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,          \
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const GroupNormShape&,    \
+      Layout, const Epilogue&, const FusedGradMask&, FusedGrads&, bool, at::Tensor&, at::Tensor&)
+#define FUSEDNORM_INSTANTIATE_TEAM_RESIDENCY(T) \
+  template int fusednorm::team_residency<T>(Activation, bool, int, int64_t)

@@ -6,8 +6,10 @@
 #include "cuda/common/base.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
+#include "cuda/common/keep.cuh"
 #include "cuda/common/moments.cuh"
 #include "cuda/group_norm_one_pass.cuh"
+#include "cuda/paths.h"
 #include "group_norm.h"
 #include "plan.h"
 
@@ -206,16 +208,7 @@ __device__ __forceinline__ void backward_outputs(const EpiArgs<scalar_t>& e, con
   dx = k.ea * dp + (g.b1 * (xc - g.delta) + g.b2);
 }
 
-// What the sums phase leaves for the dx phase (Keep): nothing (None: no activation and no
-// multiplier, so dp = dz, as in the plain backward or with a residual alone); dp, written over dz
-// in shared memory (Dp); or dp and grad_residual / grad_multiplier, written to global memory at
-// once (DpAndGrads: both are known before the group's sums, and grad_multiplier = dz * act(p)
-// needs the dz that dp replaces). The dx phase then reads x and dp only, as the plain backward
-// does: the activation's derivative (and the residual's and multiplier's reads) taken once an
-// element instead of twice.
-// dp is kept rounded to scalar_t (exact in float), as eager PyTorch rounds the gradient that its
-// activation or multiplication backward hands the normalization's.
-enum class Keep { None, Dp, DpAndGrads };
+// Keep (common/keep.cuh): what the sums phase leaves for the dx phase.
 
 // Stores pack v's dp over its dz, and with DpAndGrads its grad_residual and grad_multiplier.
 template <Keep K, typename scalar_t, int V, typename acc_t, typename Element, typename I>
@@ -248,15 +241,6 @@ __device__ __forceinline__ void add_channel_sums(Sums<acc_t, 1>& s, const EpiArg
     }
     keep_pack<K>(element, v, dpv, gr, gm, grads);
   }
-}
-
-// What the sums phase of a backward keeps (a kernel template parameter, so that each kernel holds
-// one sums loop and one dx loop: with every choice in one kernel, the plain team backward spilled
-// and took 12% longer): dp where the activation's derivative or a multiplier make it differ from
-// dz, with the operands' gradients where either is wanted.
-inline Keep keep_for(Activation act, bool multiplier, bool operand_grads) {
-  if (act == Activation::None && !multiplier) return Keep::None;  // dp = dz
-  return operand_grads ? Keep::DpAndGrads : Keep::Dp;
 }
 
 template <typename scalar_t>
@@ -513,4 +497,19 @@ void backward_one_pass(const plan::Plan& pl, const at::Tensor& dy, const at::Ten
 }
 
 }  // namespace
+
+// The one-CTA backward entry point of paths.h, instantiated per dtype in one_cta_backward_<dtype>.cu.
+template <typename scalar_t>
+void one_cta_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
+    at::Tensor& part_c, at::Tensor& rec) {
+  backward_one_pass<scalar_t>(pl, dy, x, mean, rstd, weight, bias, sh, layout, ep, mask, g, want_params, part_c, rec);
+}
+
 }  // namespace fusednorm
+
+#define FUSEDNORM_INSTANTIATE_ONE_CTA_BACKWARD(T)                                                             \
+  template void fusednorm::one_cta_backward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,       \
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const GroupNormShape&,    \
+      Layout, const Epilogue&, const FusedGradMask&, FusedGrads&, bool, at::Tensor&, at::Tensor&)

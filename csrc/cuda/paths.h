@@ -1,0 +1,78 @@
+// The entry points of each kernel path, one translation unit per path and dtype (the parallel
+// build, docs/design.md, "Source layout"): the registration file (group_norm_kernel.cu) plans a
+// call and calls these; each is defined in its path's header and explicitly instantiated, once,
+// in the .cu file named beside it, so every kernel is compiled in exactly one translation unit.
+// The kernels themselves keep internal linkage in the file that launches them.
+#pragma once
+
+#include "group_norm.h"
+#include "plan.h"
+
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fusednorm {
+
+// One-pass forward: paths Registers, Shared, Cluster, ColsShared (one_pass_forward_<dtype>.cu;
+// double only asserts, in one_pass_forward_float.cu).
+template <typename scalar_t>
+void one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd);
+// The planner's residency question about the channels-last one-pass kernel of a call.
+template <typename scalar_t>
+int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem);
+// Whether the device schedules clusters of 16 one-pass CTAs (one_pass_forward_float.cu, whose
+// float kernel it asks about).
+bool clusters_of_16(const cudaDeviceProp& prop);
+
+// One-CTA backward: path OneCta (one_cta_backward_<dtype>.cu; double in the float file).
+template <typename scalar_t>
+void one_cta_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
+    at::Tensor& part_c, at::Tensor& rec);
+
+// Team path, both directions (team_<dtype>.cu; double in the float file). False where the
+// device refuses the grid.
+template <typename scalar_t>
+bool team_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd);
+template <typename scalar_t>
+bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
+    at::Tensor& part_c, at::Tensor& rec);
+// The planner's residency question about the team kernel of a call (`keep`: the backward's Keep).
+template <typename scalar_t>
+int team_residency(Activation act, bool backward, int keep, int64_t smem);
+
+// Split passes: path Split, both directions (split_<dtype>.cu). The backward runs from the
+// reduce pass on: dx, grad_residual, grad_multiplier and the parameter gradients `mask` asks for.
+template <typename scalar_t>
+void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd);
+template <typename scalar_t>
+void split_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool epi_sums, bool want_params);
+
+// The kernels templated on the accumulation type only, shared by every dtype and path
+// (param_grads.cu): the parameter gradients from the per-(n, k, c) partials `part_c` (`split`
+// chunks) and the (n, g) records; the backward's dx coefficients of the split passes; and the
+// planner's residency question about the parameter-gradient kernel.
+template <typename scalar_t>
+void param_grads_pass(const at::Tensor& part_c, int64_t split, const at::Tensor& rec, const at::Tensor& weight,
+    const at::Tensor& bias, const Epilogue& ep, const GroupNormShape& sh, const FusedGradMask& mask,
+    FusedGrads& g, int parts);
+template <typename acc_t>
+void finalize_grad_coefs_pass(const at::Tensor& part, int64_t entries, const at::Tensor& mean,
+    const at::Tensor& rstd, at::Tensor& rec, const GroupNormShape& sh);
+template <typename acc_t>
+int param_grad_residency(bool per_sample, int parts);
+
+}  // namespace fusednorm

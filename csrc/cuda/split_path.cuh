@@ -1,0 +1,362 @@
+// The split passes' host side (docs/design.md, "Split passes"): tiling and launches of the reduce
+// and apply passes, and the whole split forward and backward as planned (paths.h), instantiated
+// per dtype in split_<dtype>.cu.
+#pragma once
+
+#include "cuda/clusters.cuh"
+#include "cuda/common/base.cuh"
+#include "cuda/common/epilogue_math.cuh"
+#include "cuda/common/host.cuh"
+#include "cuda/common/moments.cuh"
+#include "cuda/paths.h"
+#include "cuda/split_apply.cuh"
+#include "cuda/split_finalize.cuh"
+#include "cuda/split_reduce.cuh"
+#include "group_norm.h"
+#include "plan.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace fusednorm {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Host side: tiling plans and launches.
+
+template <typename scalar_t, int V, bool GRADS, bool EPI>
+void launch_reduce_rows(const KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  reduce_rows_kernel<scalar_t, V, GRADS, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int V, bool GRADS, bool EPI>
+void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  reduce_cols_kernel<scalar_t, V, GRADS, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int V, ApplyMode M>
+void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  apply_rows_kernel<scalar_t, V, M><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int V, ApplyMode M>
+void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a, bool act_kernel) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if constexpr (M == ApplyMode::EpiForward) {
+    // The plan's cols_act_kernel: no residual, no multiplier, a common activation.
+    if (act_kernel) {
+      const auto launch = [&](auto kernel) {
+        kernel<<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
+        launch(apply_cols_act_kernel<scalar_t, V, static_cast<int>(decltype(act)::value)>);
+      });
+      if (launched) return;  // the other activations: the shared kernel
+    }
+  }
+  apply_cols_kernel<scalar_t, V, M><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Calls f(std::integral_constant<ApplyMode, M>{}) with the EPI apply mode of the direction.
+template <typename F>
+void with_epi_mode(bool backward, const F& f) {
+  if (backward) {
+    f(std::integral_constant<ApplyMode, ApplyMode::EpiBackward>{});
+  } else {
+    f(std::integral_constant<ApplyMode, ApplyMode::EpiForward>{});
+  }
+}
+
+// Pass 1 of either direction. Fills `part` (3 values per (n, piece, k), pieces of 2^log_q
+// channels) and, for GRADS, `part_c` (2 values per (n, k, c)); returns the number of partials
+// per group and the number of chunks.
+struct Partials {
+  at::Tensor part, part_c;
+  int64_t entries = 0;  // partials per (n, g) in `part`
+  int64_t split = 1;    // chunks of the reduced extent
+};
+
+// EPI (backward only): dy is dz, made into dp with the epilogue `ep`, whose p needs the saved
+// rstd and the bias; the weight sums use w_eff.
+template <typename scalar_t, bool GRADS, bool EPI>
+Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean,
+    const at::Tensor& weight, const GroupNormShape& sh, Layout layout, const at::Tensor& rstd,
+    const at::Tensor& bias, const Epilogue* ep) {
+  static_assert(GRADS || !EPI, "the forward statistics are those of x alone");
+  using acc_t = acc_type<scalar_t>;
+  constexpr int VW = pack_width<scalar_t>();
+  const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* dyp = GRADS ? dy.data_ptr<scalar_t>() : nullptr;
+  // p, and so the residual, is needed here only for act'(p).
+  EpiArgs<scalar_t> epi{};
+  if (EPI) {
+    epi = epi_args<scalar_t>(*ep, ep->activation != Activation::None);
+    epi.rstd = rstd.data_ptr<acc_t>();
+    epi.bias = param_ref<scalar_t>(bias);
+  }
+  const bool ptrs_aligned = aligned16(xp) && (!GRADS || aligned16(dyp)) && epi_aligned(epi);
+  Partials out;
+  if (layout == Layout::ChannelsFirst) {
+    KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI> a{};
+    a.x = xp;
+    a.dy = dyp;
+    a.C = sh.C;
+    a.D = sh.D;
+    // Forward: one row per group, the pieces are whole groups. Backward: one row per (n, c),
+    // pieces are channels.
+    a.rows = GRADS ? sh.N * sh.C : sh.N * sh.G;
+    a.len = GRADS ? sh.S : sh.D * sh.S;
+    const bool vec = VW > 1 && ptrs_aligned && a.len % VW == 0;
+    const int V = vec ? VW : 1;
+    // Backward: a group merges D * split partials, a channel's gradients N * split.
+    const int64_t max_split =
+        GRADS ? imax(1, imin(kMaxEntries / sh.D, kMaxParamEntries / sh.N)) : kMaxEntries;
+    const Tiling t = tile_rows(a.rows, a.len / V, max_split);
+    a.split = t.split;
+    a.chunk = t.chunk;
+    a.tiles = t.tiles;
+    a.log_tx = t.log_tx;
+    out.part = at::empty({a.rows * t.split * 3}, acc_opts);
+    a.part = out.part.data_ptr<acc_t>();
+    if (GRADS) {
+      out.part_c = at::empty({sh.N * t.split * sh.C * 2}, acc_opts);
+      a.part_c = out.part_c.data_ptr<acc_t>();
+      a.mean = mean.data_ptr<acc_t>();
+      a.weight = param_ref<scalar_t>(weight);
+    }
+    if constexpr (EPI) a.epi = epi;
+    out.entries = GRADS ? sh.D * t.split : t.split;
+    out.split = t.split;
+    if (vec) {
+      launch_reduce_rows<scalar_t, VW, GRADS, EPI>(a);
+    } else {
+      launch_reduce_rows<scalar_t, 1, GRADS, EPI>(a);
+    }
+  } else {
+    KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI> a{};
+    a.x = xp;
+    a.dy = dyp;
+    a.S = sh.S;
+    a.C = sh.C;
+    a.G = sh.G;
+    a.D = sh.D;
+    const bool vec = VW > 1 && ptrs_aligned && sh.C % VW == 0;
+    const int V = vec ? VW : 1;
+    const int64_t cvn = sh.C / V;
+    a.log_tx = ceil_log2(imin(cvn, kThreads));
+    a.log_q = log_piece(sh.D, a.log_tx, V);
+    const int64_t pieces_per_group = sh.D >> a.log_q;
+    const int64_t max_split =
+        GRADS ? imax(1, imin(kMaxEntries / pieces_per_group, kMaxParamEntries / sh.N))
+              : imax(1, kMaxEntries / pieces_per_group);
+    const Tiling t = tile_cols(sh.N, sh.S, cvn, max_split);
+    TORCH_INTERNAL_ASSERT(t.log_tx == a.log_tx);
+    a.split = t.split;
+    a.chunk = t.chunk;
+    a.ncb = t.ncb;
+    a.tiles = t.tiles;
+    out.part = at::empty({sh.N * (sh.C >> a.log_q) * t.split * 3}, acc_opts);
+    a.part = out.part.data_ptr<acc_t>();
+    if (GRADS) {
+      out.part_c = at::empty({sh.N * t.split * sh.C * 2}, acc_opts);
+      a.part_c = out.part_c.data_ptr<acc_t>();
+      a.mean = mean.data_ptr<acc_t>();
+      a.weight = param_ref<scalar_t>(weight);
+    }
+    if constexpr (EPI) a.epi = epi;
+    out.entries = pieces_per_group * t.split;
+    out.split = t.split;
+    if (vec) {
+      launch_reduce_cols<scalar_t, VW, GRADS, EPI>(a);
+    } else {
+      launch_reduce_cols<scalar_t, 1, GRADS, EPI>(a);
+    }
+  }
+  return out;
+}
+
+// The elementwise pass: y (dy undefined) or dx. With `epi` (the EPI kernels): the forward's z,
+// or the backward's dx (`out`, may then be null), grad_residual and grad_multiplier; `bias` is
+// then needed in the backward too (for p).
+template <typename scalar_t>
+void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const at::Tensor& rec,
+    const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh, Layout layout,
+    const EpiArgs<scalar_t>* epi = nullptr, bool cols_act_kernel = false) {
+  using acc_t = acc_type<scalar_t>;
+  constexpr int VW = pack_width<scalar_t>();
+  ApplyArgs<scalar_t> a{};
+  a.x = x.data_ptr<scalar_t>();
+  a.dy = dy.defined() ? dy.data_ptr<scalar_t>() : nullptr;
+  a.out = out;
+  a.rec = rec.data_ptr<acc_t>();
+  a.weight = param_ref<scalar_t>(weight);
+  a.bias = param_ref<scalar_t>(bias);
+  a.C = sh.C;
+  a.S = sh.S;
+  a.G = sh.G;
+  a.D = sh.D;
+  const bool ptrs_aligned = aligned16(a.x) && aligned16(a.out) && (a.dy == nullptr || aligned16(a.dy)) &&
+                            (epi == nullptr || epi_aligned(*epi));
+  // The EPI kernels' arguments, used only with `epi`.
+  auto with_epi = [&] { return WithEpi<ApplyArgs<scalar_t>, scalar_t>{a, *epi}; };
+  // With S == 1 both layouts are (N, C) rows; the column kernel then keeps whole rows busy.
+  if (layout == Layout::ChannelsFirst && sh.S != 1) {
+    a.rows = sh.N * sh.C;
+    a.len = sh.S;
+    const bool vec = VW > 1 && ptrs_aligned && sh.S % VW == 0;
+    const Tiling t = tile_rows(a.rows, vec ? sh.S / VW : sh.S, std::numeric_limits<int64_t>::max());
+    a.split = t.split;
+    a.chunk = t.chunk;
+    a.tiles = t.tiles;
+    a.log_tx = t.log_tx;
+    if (epi != nullptr) {
+      with_epi_mode(a.dy != nullptr, [&](auto mode) {
+        if (vec) {
+          launch_apply_rows<scalar_t, VW, decltype(mode)::value>(with_epi());
+        } else {
+          launch_apply_rows<scalar_t, 1, decltype(mode)::value>(with_epi());
+        }
+      });
+    } else if (vec) {
+      launch_apply_rows<scalar_t, VW, ApplyMode::Plain>(a);
+    } else {
+      launch_apply_rows<scalar_t, 1, ApplyMode::Plain>(a);
+    }
+  } else {
+    a.rows = sh.N * sh.S;
+    a.len = sh.C;
+    // The EPI backward column kernel keeps six coefficients per lane (a, b, hi, lo, c and the
+    // folded bias): with 8 lanes they do not fit its register cap, so 2-byte types take 4-wide
+    // (8-byte) packs there. The forward, with a compile-time activation, fits 16-byte packs.
+    constexpr int VE = VW > 4 ? 4 : VW;
+    const int width = epi != nullptr && a.dy != nullptr ? VE : VW;
+    const size_t bytes = static_cast<size_t>(width) * sizeof(scalar_t);
+    const bool vec = width > 1 && sh.C % width == 0 &&
+                     (epi == nullptr ? ptrs_aligned
+                                     : aligned_to(a.x, bytes) && aligned_to(a.out, bytes) &&
+                                           aligned_to(a.dy, bytes) && epi_aligned(*epi, bytes));
+    const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / width : sh.C);
+    a.split = t.ncb;
+    a.chunk = t.chunk;
+    a.tiles = t.tiles;
+    a.log_tx = t.log_tx;
+    if (epi != nullptr) {
+      with_epi_mode(a.dy != nullptr, [&](auto mode) {
+        constexpr ApplyMode kMode = decltype(mode)::value;
+        if (vec) {
+          launch_apply_cols<scalar_t, kMode == ApplyMode::EpiForward ? VW : VE, kMode>(with_epi(), cols_act_kernel);
+        } else {
+          launch_apply_cols<scalar_t, 1, decltype(mode)::value>(with_epi(), cols_act_kernel);
+        }
+      });
+    } else if (vec) {
+      launch_apply_cols<scalar_t, VW, ApplyMode::Plain>(a, false);
+    } else {
+      launch_apply_cols<scalar_t, 1, ApplyMode::Plain>(a, false);
+    }
+  }
+}
+
+
+int finalize_grid(int64_t items, int log_iw) {
+  return grid_for(ceil_div(items, kThreads >> log_iw));
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
+  using acc_t = acc_type<scalar_t>;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
+      sh, layout, at::Tensor(), at::Tensor(), nullptr);
+
+  at::Tensor rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+  MomentsFinalizeArgs<scalar_t> f{};
+  f.part = p.part.data_ptr<acc_t>();
+  f.x = x.data_ptr<scalar_t>();
+  f.items = sh.N * sh.G;
+  f.entries = p.entries;
+  f.G = sh.G;
+  f.sample_stride = sh.C * sh.S;
+  f.group_stride = layout == Layout::ChannelsFirst ? sh.D * sh.S : sh.D;
+  f.eps = static_cast<acc_t>(eps);
+  f.mean = mean.data_ptr<acc_t>();
+  f.rstd = rstd.data_ptr<acc_t>();
+  f.rec = rec.data_ptr<acc_t>();
+  f.log_iw = log_item_width(p.entries);
+  finalize_moments_kernel<scalar_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  if (ep.empty()) {
+    apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout);
+  } else {
+    const EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, /*with_residual=*/true);
+    apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout, &e, pl.cols_act_kernel);
+  }
+}
+
+template <typename scalar_t>
+void split_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
+    Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool epi_sums, bool want_params) {
+  using acc_t = acc_type<scalar_t>;
+  at::Tensor rec;
+  if (mask[0] || want_params) {
+    const Partials p = epi_sums
+        ? reduce_pass<scalar_t, true, true>(x, dy, mean, weight, sh, layout, rstd, bias, &ep)
+        : reduce_pass<scalar_t, true, false>(x, dy, mean, weight, sh, layout, rstd, bias, nullptr);
+    TORCH_INTERNAL_ASSERT(p.split == pl.reduce.split, "the split reduce pass left the planned tiling");
+
+    // The (n, g) records are needed by dx and by grad_weight (for delta).
+    rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+    finalize_grad_coefs_pass<acc_t>(p.part, p.entries, mean, rstd, rec, sh);
+
+    if (want_params) param_grads_pass<scalar_t>(p.part_c, p.split, rec, weight, bias, ep, sh, mask, g, pl.param_grad_parts);
+  } else {
+    // Only grad_residual / grad_multiplier: they need p (hi = m, a = rstd * w_eff), not the dx
+    // coefficients, so no reduction at all.
+    const at::Tensor zero = at::zeros_like(mean);
+    rec = at::stack({mean, zero, rstd, zero, zero}, 2).view({-1});
+  }
+
+  if (mask[0] || mask[5] || mask[6]) {
+    scalar_t* dx = mask[0] ? g.input.data_ptr<scalar_t>() : nullptr;
+    if (!epi_sums && !mask[5] && !mask[6]) {
+      apply_pass<scalar_t>(x, dy, dx, rec, weight, at::Tensor(), sh, layout);
+    } else {
+      // p is needed for act'(p) and for grad_multiplier = dz * act(p); only then the residual.
+      EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
+      e.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
+      e.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
+      apply_pass<scalar_t>(x, dy, dx, rec, weight, bias, sh, layout, &e);
+    }
+  }
+}
+
+}  // namespace fusednorm
+
+// The split path of one dtype (split_<dtype>.cu).
+#define FUSEDNORM_INSTANTIATE_SPLIT(T)                                                                        \
+  template void fusednorm::split_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,          \
+      const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
+      at::Tensor&);                                                                                           \
+  template void fusednorm::split_backward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,         \
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const GroupNormShape&,    \
+      Layout, const Epilogue&, const FusedGradMask&, FusedGrads&, bool, bool)
