@@ -915,7 +915,7 @@ void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tenso
 
 }  // namespace
 
-// The one-pass entry points of paths.h, instantiated per dtype in one_pass_forward_<dtype>.cu.
+// The one-pass entry points of paths.h, instantiated per dtype in kernels_<dtype>.cu.
 template <typename scalar_t>
 void one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,

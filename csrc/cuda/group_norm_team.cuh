@@ -685,7 +685,7 @@ bool backward_team(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 
 }  // namespace
 
-// The team entry points of paths.h, instantiated per dtype in team_<dtype>.cu.
+// The team entry points of paths.h, instantiated per dtype in kernels_<dtype>.cu.
 template <typename scalar_t>
 bool team_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,

@@ -498,7 +498,7 @@ void backward_one_pass(const plan::Plan& pl, const at::Tensor& dy, const at::Ten
 
 }  // namespace
 
-// The one-CTA backward entry point of paths.h, instantiated per dtype in one_cta_backward_<dtype>.cu.
+// The one-CTA backward entry point of paths.h, instantiated per dtype in kernels_<dtype>.cu.
 template <typename scalar_t>
 void one_cta_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
     const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,

@@ -1,6 +1,6 @@
 // The split passes' host side (docs/design.md, "Split passes"): tiling and launches of the reduce
 // and apply passes, and the whole split forward and backward as planned (paths.h), instantiated
-// per dtype in split_<dtype>.cu.
+// per dtype in kernels_<dtype>.cu.
 #pragma once
 
 #include "cuda/clusters.cuh"
@@ -352,7 +352,7 @@ void split_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor
 
 }  // namespace fusednorm
 
-// The split path of one dtype (split_<dtype>.cu).
+// The split path of one dtype (kernels_<dtype>.cu).
 #define FUSEDNORM_INSTANTIATE_SPLIT(T)                                                                        \
   template void fusednorm::split_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,          \
       const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \

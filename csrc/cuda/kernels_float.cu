@@ -1,5 +1,10 @@
-// The one-pass forward kernels of float (paths.h; docs/design.md, "Source layout").
+// Every path's kernels of float, as planned (paths.h): one translation unit per dtype, so that the
+// build compiles the dtypes in parallel while each TU's fixed cost (the ATen headers, about half
+// a minute) is paid only a few times (docs/design.md, "Source layout").
 #include "cuda/group_norm_one_pass.cuh"
+#include "cuda/group_norm_team.cuh"
+#include "cuda/one_cta_backward.cuh"
+#include "cuda/split_path.cuh"
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
@@ -32,6 +37,7 @@ bool clusters_of_16(const cudaDeviceProp& prop) {
 
 FUSEDNORM_INSTANTIATE_ONE_PASS_FORWARD(float);
 FUSEDNORM_INSTANTIATE_COLS_ONE_PASS_RESIDENCY(float);
-
-// double has no one-pass kernels (no 16-byte packs of it): its entry only asserts.
-FUSEDNORM_INSTANTIATE_ONE_PASS_FORWARD(double);
+FUSEDNORM_INSTANTIATE_ONE_CTA_BACKWARD(float);
+FUSEDNORM_INSTANTIATE_TEAM(float);
+FUSEDNORM_INSTANTIATE_TEAM_RESIDENCY(float);
+FUSEDNORM_INSTANTIATE_SPLIT(float);

@@ -1,4 +1,0 @@
-// The one-CTA backward kernels of at::Half (paths.h; docs/design.md, "Source layout").
-#include "cuda/one_cta_backward.cuh"
-
-FUSEDNORM_INSTANTIATE_ONE_CTA_BACKWARD(at::Half);

@@ -1,4 +1,0 @@
-// The split-pass kernels of at::Half, both directions (paths.h; docs/design.md, "Split passes").
-#include "cuda/split_path.cuh"
-
-FUSEDNORM_INSTANTIATE_SPLIT(at::Half);
