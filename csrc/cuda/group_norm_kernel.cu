@@ -1,3 +1,7 @@
+// Registration and dispatch of the CUDA kernels: each call is planned (csrc/plan.h) and carried
+// out through the entry points of cuda/paths.h; this file compiles no kernel (docs/design.md,
+// "Source layout"). The algorithm of the split passes, which every shape can fall back to:
+//
 // CUDA kernels of fusednorm::group_norm_forward / group_norm_backward and of their fused variants
 // fused_group_norm_forward / fused_group_norm_backward (the epilogue of epilogue.h).
 //
