@@ -74,8 +74,9 @@ class GroupNorm(torch.nn.GroupNorm):
         eps: added to the variance for numerical stability (default 1e-5).
         affine: learnable per-channel ``weight`` (ones) and ``bias`` (zeros) (default True).
         device, dtype: of the parameters (factory keywords, as torch.nn's).
-        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
-            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
+        activation: ``None`` (default), ``"silu"`` (alias ``"swish"``), ``"gelu"``,
+            ``"gelu_tanh"``, ``"relu"``, ``"leaky_relu"`` or ``"mish"``: applied to the normalized
+            output in the same pass
             (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
         negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
             keyword-only, ignored by the other activations).
@@ -192,8 +193,7 @@ class _InstanceNormMixin:
         return super().extra_repr() + _activation_repr(self.activation, self.negative_slope)
 
 
-class InstanceNorm1d(_InstanceNormMixin, torch.nn.InstanceNorm1d):
-    """Instance Normalization over 1d inputs (as :class:`torch.nn.InstanceNorm1d`), computed
+_INSTANCE_NORM_DOC = """Instance Normalization over {d}d inputs (as :class:`torch.nn.InstanceNorm{d}d`), computed
     by fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
 
     Each channel of each sample is normalized by its own mean and (biased) variance::
@@ -203,13 +203,15 @@ class InstanceNorm1d(_InstanceNormMixin, torch.nn.InstanceNorm1d):
     Args:
         num_features: number of channels C expected in the input.
         eps: added to the variance for numerical stability (default 1e-5).
-        momentum: of the running statistics' update (default 0.1; None: cumulative average).
+        momentum: of the running statistics' update (default 0.1; None leaves them as they
+            are, as torch.nn's InstanceNorm does).
         affine: learnable per-channel ``weight`` and ``bias`` (default False).
         track_running_stats: keep running mean and variance and use them in eval mode (default
             False).
         device, dtype: of the parameters and buffers (factory keywords, as torch.nn's).
-        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
-            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
+        activation: ``None`` (default), ``"silu"`` (alias ``"swish"``), ``"gelu"``,
+            ``"gelu_tanh"``, ``"relu"``, ``"leaky_relu"`` or ``"mish"``: applied to the normalized
+            output in the same pass
             (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
         negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
             keyword-only, ignored by the other activations).
@@ -227,104 +229,30 @@ class InstanceNorm1d(_InstanceNormMixin, torch.nn.InstanceNorm1d):
     input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
 
     Shape:
-        - Input: (N, C, L) or (C, L) (no batch dimension: operands then have none either).
+        - Input: {shape} (no batch dimension: operands then have none either).
         - Output: the input's shape, dtype and memory format.
 
     Everything else (argument checks and their exceptions and warnings, running statistics,
-    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm1d`'s, of which this is a subclass.
+    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm{d}d`'s, of which this is a subclass.
     """
+
+
+class InstanceNorm1d(_InstanceNormMixin, torch.nn.InstanceNorm1d):
+    __doc__ = _INSTANCE_NORM_DOC.format(d=1, shape="(N, C, L) or (C, L)")
 
     __init__ = _init_with_activation(torch.nn.InstanceNorm1d)
     _NO_BATCH_DIM = 2
 
 
 class InstanceNorm2d(_InstanceNormMixin, torch.nn.InstanceNorm2d):
-    """Instance Normalization over 2d inputs (as :class:`torch.nn.InstanceNorm2d`), computed
-    by fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
-
-    Each channel of each sample is normalized by its own mean and (biased) variance::
-
-        y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias
-
-    Args:
-        num_features: number of channels C expected in the input.
-        eps: added to the variance for numerical stability (default 1e-5).
-        momentum: of the running statistics' update (default 0.1; None: cumulative average).
-        affine: learnable per-channel ``weight`` and ``bias`` (default False).
-        track_running_stats: keep running mean and variance and use them in eval mode (default
-            False).
-        device, dtype: of the parameters and buffers (factory keywords, as torch.nn's).
-        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
-            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
-            (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
-        negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
-            keyword-only, ignored by the other activations).
-
-    Epilogue operands of ``forward(input, scale=None, shift=None, residual=None, multiplier=None)``
-    (each optional, fused into the same pass over memory, applied in this order)::
-
-        z = normalize(input) * weight + bias
-        z = z * (1 + scale) + shift    # scale, shift: (N, C) or (N, C, 1, ...) (AdaGN / FiLM)
-        z = z + residual               # residual: input's shape (a skip connection)
-        z = act(z)                     # the module's activation, if any
-        z = z * multiplier             # multiplier: input's shape (a gate)
-
-    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
-    input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
-
-    Shape:
-        - Input: (N, C, H, W) or (C, H, W) (no batch dimension: operands then have none either).
-        - Output: the input's shape, dtype and memory format.
-
-    Everything else (argument checks and their exceptions and warnings, running statistics,
-    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm2d`'s, of which this is a subclass.
-    """
+    __doc__ = _INSTANCE_NORM_DOC.format(d=2, shape="(N, C, H, W) or (C, H, W)")
 
     __init__ = _init_with_activation(torch.nn.InstanceNorm2d)
     _NO_BATCH_DIM = 3
 
 
 class InstanceNorm3d(_InstanceNormMixin, torch.nn.InstanceNorm3d):
-    """Instance Normalization over 3d inputs (as :class:`torch.nn.InstanceNorm3d`), computed
-    by fusednorm's fused kernels, with an optional activation and epilogue in the same pass.
-
-    Each channel of each sample is normalized by its own mean and (biased) variance::
-
-        y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias
-
-    Args:
-        num_features: number of channels C expected in the input.
-        eps: added to the variance for numerical stability (default 1e-5).
-        momentum: of the running statistics' update (default 0.1; None: cumulative average).
-        affine: learnable per-channel ``weight`` and ``bias`` (default False).
-        track_running_stats: keep running mean and variance and use them in eval mode (default
-            False).
-        device, dtype: of the parameters and buffers (factory keywords, as torch.nn's).
-        activation: ``None`` (default), ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``,
-            ``"leaky_relu"`` or ``"mish"``: applied to the normalized output in the same pass
-            (keyword-only; adds no parameter or buffer, so torch.nn checkpoints still load).
-        negative_slope: the slope of ``"leaky_relu"`` for negative inputs (default 0.01;
-            keyword-only, ignored by the other activations).
-
-    Epilogue operands of ``forward(input, scale=None, shift=None, residual=None, multiplier=None)``
-    (each optional, fused into the same pass over memory, applied in this order)::
-
-        z = normalize(input) * weight + bias
-        z = z * (1 + scale) + shift    # scale, shift: (N, C) or (N, C, 1, ...) (AdaGN / FiLM)
-        z = z + residual               # residual: input's shape (a skip connection)
-        z = act(z)                     # the module's activation, if any
-        z = z * multiplier             # multiplier: input's shape (a gate)
-
-    Gradients flow to every tensor operand. ``residual`` and ``multiplier`` are cast to the
-    input's dtype; ``scale`` and ``shift`` are used in float32 (float64 for float64 input).
-
-    Shape:
-        - Input: (N, C, D, H, W) or (C, D, H, W) (no batch dimension: operands then have none either).
-        - Output: the input's shape, dtype and memory format.
-
-    Everything else (argument checks and their exceptions and warnings, running statistics,
-    ``state_dict`` keys) is :class:`torch.nn.InstanceNorm3d`'s, of which this is a subclass.
-    """
+    __doc__ = _INSTANCE_NORM_DOC.format(d=3, shape="(N, C, D, H, W) or (C, D, H, W)")
 
     __init__ = _init_with_activation(torch.nn.InstanceNorm3d)
     _NO_BATCH_DIM = 4
