@@ -13,12 +13,21 @@ from hypothesis import strategies as st
 
 import fusednorm
 import fusednorm.nn as fnn
+import kernel_paths
 from fusednorm import fusion
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
 
-# A kernel change these tests wait for (the op layer cannot make it without a pass of its own).
-PENDING_KERNEL = "pending kernel change: {}"
+# Where a rule concerns the kernels: the CPU, and every CUDA kernel path (tests/kernel_paths.py).
+PLACES = ["cpu"] + [pytest.param(f"cuda:{path}", marks=pytest.mark.cuda) for path in kernel_paths.TEST_PATHS]
+
+
+def device_of(place, monkeypatch):
+    """The device of `place` ("cpu" or "cuda:<path>"), with that CUDA kernel path selected."""
+    if place == "cpu":
+        return "cpu"
+    kernel_paths.set_path(monkeypatch, place.split(":", 1)[1])
+    return "cuda"
 
 
 # -- running statistics in a compiled graph (the fusion backend) --------------------------------------
@@ -210,12 +219,45 @@ def assert_same_non_finite(actual, expected):
     torch.testing.assert_close(actual[finite], expected[finite], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING_KERNEL.format(
-    "kernels fold 1 + scale into the affine coefficients, so an infinite scale meets 0 * inf"))
-def test_infinite_scale_gives_infinities_as_eager():
-    x = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(0))
-    scale = torch.tensor([[float("inf"), 0.0]])
-    assert_same_non_finite(fusednorm.group_norm(x, 1, scale=scale), eager_composition(x, 1, scale=scale))
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["inf", "-inf"])
+def test_infinite_scale_gives_infinities_as_eager(place, channels_last, sign, monkeypatch):
+    """The kernels fold 1 + scale into their per-channel coefficients; a zero bias (or none) and
+    the mean's low part must not meet an infinite scale there (0 * inf would make the channel NaN)."""
+    device = device_of(place, monkeypatch)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)).to(device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    scale = torch.zeros(2, 4, device=device)
+    scale[0, 1] = scale[1, 3] = sign * float("inf")
+    for activation in (None, "relu", "silu"):
+        actual = fusednorm.group_norm(x, 2, scale=scale, activation=activation)
+        expected = eager_composition(x, 2, scale=scale, activation=activation)
+        assert expected.isinf().any()
+        assert_same_non_finite(actual.cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_infinite_scale_with_a_bias_is_never_finite(place, monkeypatch):
+    """With a bias b != 0, u = xhat * w + b meets an infinite gain as two infinite terms, which
+    disagree in sign where xhat * w and b do: NaN there, where eager gives u's infinity
+    (docs/deviations.md, "Non-finite epilogue operands"). Never a finite value, and the channels
+    whose scale is finite are untouched."""
+    device = device_of(place, monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 64, generator=g).to(device)
+    bias = torch.randn(4, generator=g).to(device)
+    scale = torch.zeros(2, 4, device=device)
+    scale[0, 1] = float("inf")
+    actual = fusednorm.group_norm(x, 2, bias=bias, scale=scale).cpu()
+    expected = F.group_norm(x, 2, bias=bias).cpu() * (1 + scale.cpu()[..., None])
+    assert not actual[0, 1].isfinite().any()
+    agree = actual[0, 1].isinf()
+    assert torch.equal(actual[0, 1][agree], expected[0, 1][agree])
+    finite = torch.ones(2, 4, dtype=torch.bool)
+    finite[0, 1] = False
+    torch.testing.assert_close(actual[finite], expected[finite], atol=1e-5, rtol=1e-5)
 
 
 def test_nan_multiplier_where_relu_is_inactive_keeps_the_input_gradient_finite():
@@ -233,7 +275,6 @@ def test_nan_multiplier_where_relu_is_inactive_keeps_the_input_gradient_finite()
 NON_FINITE = st.sampled_from([float("inf"), float("-inf"), float("nan")])
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING_KERNEL.format("non-finite scale / shift (see the tests above)"))
 @settings(max_examples=40)
 @example(operand="scale", value=float("inf"), where=0, activation=None, seed=0)
 @given(operand=st.sampled_from(["scale", "shift", "residual", "multiplier"]), value=NON_FINITE,
@@ -252,6 +293,28 @@ def test_property_non_finite_epilogue_operands_propagate_as_in_eager(operand, va
         ops[operand].view(-1)[where * 8 + 3] = value
     actual = fusednorm.group_norm(x, 2, activation=activation, **ops)
     assert_same_non_finite(actual, eager_composition(x, 2, activation=activation, **ops))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", list(kernel_paths.TEST_PATHS))
+@pytest.mark.parametrize("operand", ["scale", "shift", "residual", "multiplier"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=str)
+def test_non_finite_epilogue_operands_propagate_as_in_eager_cuda(path, operand, value, monkeypatch):
+    """The property above on every CUDA kernel path (float32, 8 x 8 spatial so that each path
+    takes the groups), each activation the kernels specialise."""
+    kernel_paths.set_path(monkeypatch, path)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 8, 8, generator=g).cuda()
+    if operand in ("scale", "shift"):
+        t = torch.randn(2, 4, generator=g) * 0.3
+        t[0, 1] = value
+    else:
+        t = torch.randn(2, 4, 8, 8, generator=g)
+        t[1, 2, 3, 5] = value
+    t = t.cuda()
+    for activation in (None, "relu", "silu"):
+        actual = fusednorm.group_norm(x, 2, activation=activation, **{operand: t})
+        assert_same_non_finite(actual.cpu(), eager_composition(x, 2, activation=activation, **{operand: t}).cpu())
 
 
 @given(operand=st.sampled_from(["residual", "multiplier"]), value=NON_FINITE, where=st.integers(0, 63),
@@ -275,21 +338,25 @@ def test_property_non_finite_elementwise_operands_stay_where_they_are(operand, v
 # -- extreme magnitudes: never a silent zero -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_huge_magnitudes_never_give_zeros(dtype):
-    x = (torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3e19).to(dtype)
-    y = fusednorm.group_norm(x, 2).double()
+def test_huge_magnitudes_never_give_zeros(dtype, place, monkeypatch):
+    device = device_of(place, monkeypatch)
+    x = (torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3e19).to(dtype)
+    y = fusednorm.group_norm(x.to(device), 2).double().cpu()
     # Either the true values (of unit scale) or NaN as eager: never a finite wrong value.
     expected = F.group_norm(x.double(), 2)
     ok = y.isnan() | ((y - expected).abs() < 0.05)
     assert ok.all(), y
 
 
-def test_zero_eps_and_zero_variance_is_not_finite():
+@pytest.mark.parametrize("place", PLACES)
+def test_zero_eps_and_zero_variance_is_not_finite(place, monkeypatch):
     """eps = 0 with a variance that rounds to zero (denormal input): the output is NaN where eager
     gives +-inf or NaN (docs/deviations.md, 'Non-finite results'): never a finite value."""
-    x = torch.full((1, 2, 8), 1e-45) * torch.tensor([1.0, -1.0]).repeat(4)
-    y = fusednorm.group_norm(x, 1, eps=0.0)
+    device = device_of(place, monkeypatch)
+    x = torch.full((1, 2, 64), 1e-45) * torch.tensor([1.0, -1.0]).repeat(32)
+    y = fusednorm.group_norm(x.to(device), 1, eps=0.0).cpu()
     y_t = F.group_norm(x, 1, eps=0.0)
     assert not y_t.isfinite().all()
     assert not y.isfinite().any()

@@ -326,7 +326,8 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
           return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
         },
         [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
-    const acc_t var = m.m2 > acc_t(0) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
+    // !(m2 <= 0): a NaN M2 stays NaN (as finalize_moments_kernel's).
+    const acc_t var = !(m.m2 <= acc_t(0)) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);
     if (rank == 0 && threadIdx.x == 0) {

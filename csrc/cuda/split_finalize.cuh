@@ -56,7 +56,9 @@ __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const Moment
       const int64_t n = div_nn(item, a.G);
       const int64_t g = item - n * a.G;
       const acc_t K = static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]);
-      const acc_t var = st.n > acc_t(0) && st.m2[0] > acc_t(0) ? st.m2[0] / st.n : acc_t(0);
+      // !(m2 <= 0), not m2 > 0: a NaN M2 (chunks whose overflowed M2 met in the merge as inf - inf)
+      // must stay NaN, not become variance 0 and a finite rstd of 1 / sqrt(eps).
+      const acc_t var = st.n > acc_t(0) && !(st.m2[0] <= acc_t(0)) ? st.m2[0] / st.n : acc_t(0);
       // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
       const acc_t rs = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
       a.mean[item] = K + st.mean[0];

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -56,6 +57,17 @@ struct Modulation {
   acc_t gain_at(int64_t nc) const { return gain.empty() ? acc_t(1) : gain[nc]; }
   acc_t shift_at(int64_t nc) const { return shift.empty() ? acc_t(0) : shift[nc]; }
 };
+
+// The constant term of the folded map v = (x - hi) * scale + folded_shift, for
+// u = (x - hi - lo) * rstd * w + b and v = u * gain + shift (scale = rstd * w * gain). With an
+// infinite gain (an infinite `scale` operand) v is +-inf by u's sign: a zero bias and the mean's
+// low part (a rounding remainder) are left out there so that they never meet the gain as
+// 0 * inf or as inf - inf against the x term (docs/deviations.md, "Non-finite epilogue operands").
+template <typename acc_t>
+acc_t folded_shift(acc_t b, acc_t gain, acc_t shift, acc_t lo, acc_t scale) {
+  if (std::isinf(gain)) return (b == acc_t(0) ? b : b * gain) + shift;
+  return b * gain + shift - lo * scale;
+}
 
 }  // namespace
 }  // namespace fusednorm::cpu::CPU_CAPABILITY

@@ -186,13 +186,15 @@ void forward_channels_first(
             const int64_t count = std::min<int64_t>(Vec::size(), sh.D - i);
             Vec scale = rs * Vec::loadu(wg + i, count);
             Vec shift = Vec::loadu(bg + i, count);
-            if (gain) {
+            Vec lo_v = lo;
+            if (gain) {  // lane by lane as folded_shift
               const Vec gv = Vec::loadu(gain + i, count);
               scale = scale * gv;
-              shift = shift * gv;
+              shift = Vec::blendv(shift * gv, shift, shift == Vec(acc_t(0)));
+              lo_v = Vec::blendv(lo, Vec(acc_t(0)), gv.abs() == Vec(std::numeric_limits<acc_t>::infinity()));
             }
             if (tshift) shift = shift + Vec::loadu(tshift + i, count);
-            return at::vec::fmadd(xv - hi, scale, shift - lo * scale);
+            return at::vec::fmadd(xv - hi, scale, shift - lo_v * scale);
           };
           if (!ep.active()) {
             map_row(xg, static_cast<const T*>(nullptr), y + ng * M, sh.D, affine);
@@ -206,7 +208,7 @@ void forward_channels_first(
           const int64_t row = ng * M + d * sh.S;
           const acc_t gain = mod.gain_at(n * sh.C + c);
           const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
-          const Vec scale_v(scale), hi(m.hi), shift(b[c] * gain + mod.shift_at(n * sh.C + c) - m.lo * scale);
+          const Vec scale_v(scale), hi(m.hi), shift(folded_shift(b[c], gain, mod.shift_at(n * sh.C + c), m.lo, scale));
           auto affine = [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); };
           if (!ep.active()) {
             map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S, affine);
@@ -327,7 +329,7 @@ void forward_channels_last(
         const acc_t gain = mod.gain_at(nc);
         mean_hi[nc] = m.hi;
         scale[nc] = static_cast<acc_t>(rstd) * w[c] * gain;
-        shift[nc] = b[c] * gain + mod.shift_at(nc) - m.lo * scale[nc];
+        shift[nc] = folded_shift(b[c], gain, mod.shift_at(nc), m.lo, scale[nc]);
       }
     }
   };

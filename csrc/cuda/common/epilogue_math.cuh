@@ -67,7 +67,10 @@ __device__ __forceinline__ Affine<acc_t> modulate(const EpiArgs<scalar_t>& e, in
   if (e.scale.ptr != nullptr) {
     const acc_t gain = acc_t(1) + load_param(e.scale, nc, acc_t(0));
     m.w = w * gain;
-    m.b = b * gain;
+    // A zero bias adds nothing to u = xhat * w + bias, so it must not meet an infinite gain:
+    // 0 * inf would make the whole channel NaN where eager's u * (1 + scale) is +-inf
+    // (docs/deviations.md, "Non-finite epilogue operands"). For a finite gain b * gain is 0 too.
+    m.b = b == acc_t(0) ? b : b * gain;
   }
   m.b += load_param(e.shift, nc, acc_t(0));
   return m;
