@@ -35,8 +35,10 @@ CUDART_DIR="$("$PROJECT_PY" -c "import nvidia, os; print(os.path.join(nvidia.__p
 mkdir -p "$WORK/link"
 ln -sf "$CUDART_DIR/libcudart.so.13" "$WORK/link/libcudart.so"
 
+# Over the previous copy, with the files' own modification times, so that ninja (whose build
+# folder stays there) recompiles only the translation units whose sources changed.
 echo "== copying the tracked files of $ROOT"
-rm -rf "$WORK/src" && mkdir -p "$WORK/src"
+mkdir -p "$WORK/src"
 git -C "$ROOT" ls-files -z | (cd "$ROOT" && tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
 
 echo "== building against torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
