@@ -25,6 +25,10 @@ class SegBlock(nn.Module):
 
 def main():
     dev = device()
+    # cuDNN runs float32 convolutions in TF32 by default, and the channels_last_3d input and the
+    # reference's contiguous one take different algorithms, whose TF32 roundings differ by ~1e-3
+    # (seen on an H200): the comparison is of the norms, so the convolutions run in full float32.
+    torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     # channels_last_3d activations come from the input alone (a convolution's output takes the
     # input's format); the weights stay contiguous, as torch.export.save warns ("No complete

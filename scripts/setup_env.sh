@@ -67,6 +67,25 @@ if [ -n "$missing" ]; then
   python -m pip install -q $missing
 fi
 
+# torch.compile and AOTInductor compile C++ with $CXX too: it must link the C++ runtime this python
+# runs on, as the library's own compiler must (setup.py, _compiler_matching_the_runtime, which picks
+# the system's otherwise). A package built by the GPU machine's /opt/gcc/bin/g++, which links a
+# static libstdc++, crashed the export examples when loaded. The same choice for the whole job.
+if [ -n "${CXX:-}" ]; then
+  eval "$(cd "$ROOT" && python - <<'PY'
+import contextlib, importlib.util, os, shlex, sys
+spec = importlib.util.spec_from_file_location("fusednorm_setup", "setup.py")
+setup_py = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup_py)
+before = os.environ.get("CXX")
+with contextlib.redirect_stdout(sys.stderr):
+    setup_py._compiler_matching_the_runtime()
+if os.environ.get("CXX") != before:
+    print("export " + " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("CXX", "CC") if k in os.environ))
+PY
+  )"
+fi
+
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && [ "${FUSEDNORM_CUDA:-}" != 0 ] \
     && python -c "import sys, torch; sys.exit(0 if torch.version.cuda and not torch.cuda.is_available() else 1)"; then
