@@ -8,13 +8,8 @@ OUT="${OUT:-$ROOT/results}"
 mkdir -p "$OUT"
 cd "$ROOT"
 export CI=true PYTHONUNBUFFERED=1
-# This machine's CXX (/opt/gcc/bin/g++) finds a static libstdc++ first: setup.py detects that and
-# builds fusednorm with the system compiler, but torch.compile and AOTInductor also compile C++
-# with $CXX, and a package built that way crashed when loaded into Python. Use the system compiler
-# throughout (PROBE_CXX=1 keeps the machine's, to reproduce).
-if [ "${PROBE_CXX:-0}" = 0 ] && [ "${CXX:-}" = /opt/gcc/bin/g++ ] && [ -x /usr/bin/g++ ]; then
-  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-fi
+# setup_env.sh (sourced below) replaces a $CXX that links another C++ runtime than torch's (the
+# GPU machine's /opt/gcc/bin/g++) for the build, torch.compile and AOTInductor alike.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 # shellcheck disable=SC1091
 source scripts/setup_env.sh > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }

@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 cd "$ROOT"
 BUILD="${GPU_BUILD:-gpu_build}"  # another folder of a build: A/B runs in one call
 [ -f "$BUILD/_C.so" ] || { echo "no $BUILD/_C.so: run tools/build_for_gpu_machine.sh and carry $BUILD" >&2; exit 1; }
-export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # see gpu_check.sh
+export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # as scripts/setup_env.sh picks: the machine's CXX links a static libstdc++
 cp "$BUILD/_C.so" gpu_build/_build_info.py ops/
 # fusednorm importable without installing it: a folder whose `fusednorm` is this tree's ops/.
 SHIM="$(mktemp -d)"

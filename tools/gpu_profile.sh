@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
 if [ "${CXX:-}" = /opt/gcc/bin/g++ ] && [ -x /usr/bin/g++ ]; then
-  export CXX=/usr/bin/g++ CC=/usr/bin/gcc  # see gpu_check.sh
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc  # as scripts/setup_env.sh picks: the machine's CXX links a static libstdc++
 fi
 if ! python -c "import fusednorm" 2>/dev/null; then
   # shellcheck disable=SC1091
