@@ -434,6 +434,38 @@ def _cxx_standard(torch):
         return "c++17"
 
 
+def _build_jobs() -> int:
+    """The compile jobs the build runs at once: MAX_JOBS, as torch's build helpers read it, or the
+    cores this process may use."""
+    try:
+        return max(1, int(os.environ.get("MAX_JOBS", "")))
+    except ValueError:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# From this many parallel jobs on, the kernels are compiled one translation unit per path and
+# dtype (csrc/cuda/kernels/<dtype>_<path>.cu); below it, one per dtype (kernels/<dtype>.cu, which
+# includes the same files): each translation unit pays ~20 s of headers, which few cores would
+# pay serially (docs/design.md, "Source layout").
+PER_PATH_UNITS_FROM_JOBS = 8
+
+
+def _cuda_sources(jobs: int) -> list:
+    """The CUDA translation units: the kernels per path and dtype or per dtype, by the number of
+    parallel jobs (both layouts compile the same kernels), then the registration and shared files."""
+    kernels = sorted(glob.glob("csrc/cuda/kernels/*.cu"))
+    per_dtype = [k for k in kernels if "_" not in os.path.basename(k)]  # half.cu, ..., double.cu
+    if jobs >= PER_PATH_UNITS_FROM_JOBS:
+        # Each per-dtype file that has per-path files gives way to them (double.cu has none).
+        split = {os.path.basename(k).split("_")[0] for k in kernels if k not in per_dtype}
+        kernels = [k for k in kernels if k not in per_dtype or os.path.basename(k)[:-3] not in split]
+        # The longest translation units first, as ninja starts them in this order.
+        kernels.sort(key=lambda k: (not k.endswith(("_one_pass.cu", "_team.cu")), k))
+    else:
+        kernels = per_dtype
+    return kernels + sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+
+
 def _extension():
     import torch
     from torch.utils import cpp_extension
@@ -451,8 +483,7 @@ def _extension():
         import importlib
         cpp_extension = importlib.reload(cpp_extension)
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(torch)
-        sources += sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)) + sorted(
-            glob.glob("csrc/cuda/**/*.cpp", recursive=True))
+        sources += _cuda_sources(_build_jobs())
         extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"]
         include_dirs += _pip_cuda_include_dirs()
         ext_cls = cpp_extension.CUDAExtension

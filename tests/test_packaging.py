@@ -406,6 +406,30 @@ def test_arch_coverage():
     assert diagnostics.coverage((9, 0), None).startswith("NOT COVERED")
 
 
+
+@pytest.mark.parametrize("jobs", [1, 2, SETUP.PER_PATH_UNITS_FROM_JOBS - 1, SETUP.PER_PATH_UNITS_FROM_JOBS, 16])
+def test_both_cuda_source_layouts_compile_every_kernel_file_once(jobs, monkeypatch):
+    # Per dtype (few jobs) or per path and dtype (many): either way every file of csrc/cuda/kernels/
+    # is compiled exactly once, on its own or included by its dtype's file, and nothing else is.
+    monkeypatch.chdir(ROOT)
+    kernels = ROOT / "csrc" / "cuda" / "kernels"
+    included = {}
+    units = [u for u in SETUP._cuda_sources(jobs) if "/kernels/" in u]
+    for unit in units:
+        text = (ROOT / unit).read_text()
+        parts = re.findall(r'#include "cuda/kernels/([^"]+)"', text)
+        for name in parts or [pathlib.Path(unit).name]:
+            assert name not in included, f"{name} compiled twice ({included.get(name)}, {unit})"
+            included[name] = unit
+    part_files = {p.name for p in kernels.glob("*.cu") if "_" in p.name or p.name == "double.cu"}
+    assert set(included) == part_files
+    per_dtype_units = [u for u in units if "_" not in pathlib.Path(u).name]
+    if jobs >= SETUP.PER_PATH_UNITS_FROM_JOBS:
+        assert [pathlib.Path(u).name for u in per_dtype_units] == ["double.cu"]
+    else:
+        assert units == per_dtype_units
+
+
 # -- torch.compile(backend="fusednorm") ----------------------------------------------------------
 
 

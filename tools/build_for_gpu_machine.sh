@@ -40,6 +40,8 @@ ln -sf "$CUDART_DIR/libcudart.so.13" "$WORK/link/libcudart.so"
 echo "== copying the tracked files of $ROOT"
 mkdir -p "$WORK/src"
 git -C "$ROOT" ls-files -z | (cd "$ROOT" && tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
+# Sources no longer tracked must not stay behind (setup.py globs csrc/).
+(cd "$WORK/src" && find csrc -type f | grep -vxF -f <(git -C "$ROOT" ls-files csrc) | xargs -r rm -f) || true
 
 echo "== building against torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 (cd "$WORK/src" && LIBRARY_PATH="$WORK/link${LIBRARY_PATH:+:$LIBRARY_PATH}" FUSEDNORM_CUDA=1 \

@@ -67,11 +67,12 @@
 #include "group_norm.h"
 #include "plan.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/DeviceGuard.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -168,11 +169,16 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     prob.team_refused = true;  // another context holds part of the device
     pl = plan::plan_forward(prob, dev, res, plan::overrides());
   }
-  if (pl.path != plan::Path::Split) {
-    one_pass_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
-    return;
+  switch (pl.path) {
+    case plan::Path::Split: return split_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+    case plan::Path::ColsShared:
+      // Not instantiated for double, which has no 16-byte packs (kernels/double.cu).
+      if constexpr (pack_width<scalar_t>() > 1) {
+        return cols_one_pass_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+      }
+      TORCH_INTERNAL_ASSERT(false, "channels-last one-pass forward planned for double");
+    default: return one_pass_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
   }
-  split_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
 }
 
 // Fills the requested entries of `g` (mask in schema order: input, weight, bias, scale, shift,
@@ -250,8 +256,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& in
   const Epilogue ep = make_ep(x, sh, layout);
   at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
   const auto stat_opts = x.options().dtype(stats_dtype(x.scalar_type()));
-  at::Tensor mean = at::empty({sh.N, sh.G}, stat_opts);
-  at::Tensor rstd = at::empty({sh.N, sh.G}, stat_opts);
+  at::Tensor mean = at::detail::empty_cuda({sh.N, sh.G}, stat_opts);
+  at::Tensor rstd = at::detail::empty_cuda({sh.N, sh.G}, stat_opts);
   if (sh.N == 0) return {y, mean, rstd};
   if (x.numel() == 0) {
     // Empty groups (S == 0 or C == 0): mean 0 and variance 0.

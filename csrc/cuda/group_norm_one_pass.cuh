@@ -890,8 +890,10 @@ void launch_cols_one_pass(const OnePassArgs<scalar_t>& a, int64_t groups, const 
   });
 }
 
-// Runs the one-pass forward as planned (path Registers, Shared, Cluster or ColsShared).
-template <typename scalar_t>
+// Runs the one-pass forward as planned: path Registers, Shared or Cluster, or with
+// `channels_last_path` path ColsShared. The two are separate entry points (paths.h), so that each
+// is instantiated in a translation unit of its own (docs/design.md, "Source layout").
+template <typename scalar_t, bool channels_last_path>
 void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
@@ -899,28 +901,41 @@ void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tenso
   if constexpr (V == 1) {
     TORCH_INTERNAL_ASSERT(false, "one-pass forward planned for double");
   } else {
+    TORCH_INTERNAL_ASSERT((pl.path == plan::Path::ColsShared) == channels_last_path,
+        "one-pass forward entry called for another path");
     OnePassArgs<scalar_t> a{};
     const bool made = make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, a);
     TORCH_INTERNAL_ASSERT(made, "one-pass forward planned for arguments it cannot take");
     const int64_t items = sh.N * sh.G;
     a.cluster = 1;
-    if (pl.path == plan::Path::ColsShared) return launch_cols_one_pass<scalar_t>(a, items, pl);
-    if (!a.cols) a.chunk = ceil_div(a.len / V, pl.path == plan::Path::Registers ? 1 : pl.cluster);
-    if (pl.path == plan::Path::Registers) return launch_registers_planned<scalar_t, V>(a, items, pl);
-    a.cluster = pl.cluster;
-    const size_t smem = static_cast<size_t>(pl.smem);
-    dispatch_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
+    if constexpr (channels_last_path) {
+      launch_cols_one_pass<scalar_t>(a, items, pl);
+    } else {
+      if (!a.cols) a.chunk = ceil_div(a.len / V, pl.path == plan::Path::Registers ? 1 : pl.cluster);
+      if (pl.path == plan::Path::Registers) return launch_registers_planned<scalar_t, V>(a, items, pl);
+      a.cluster = pl.cluster;
+      const size_t smem = static_cast<size_t>(pl.smem);
+      dispatch_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
+    }
   }
 }
 
 }  // namespace
 
-// The one-pass entry points of paths.h, instantiated per dtype in kernels_<dtype>.cu.
+// The one-pass entry points of paths.h, instantiated per dtype in kernels/<dtype>_one_pass.cu and
+// kernels/<dtype>_cols_one_pass.cu.
 template <typename scalar_t>
 void one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
-  forward_one_pass<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+  forward_one_pass<scalar_t, false>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+}
+
+template <typename scalar_t>
+void cols_one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight,
+    const at::Tensor& bias, double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y,
+    at::Tensor& mean, at::Tensor& rstd) {
+  forward_one_pass<scalar_t, true>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
 }
 
 template <typename scalar_t>
@@ -934,5 +949,8 @@ int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t
   template void fusednorm::one_pass_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,       \
       const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
       at::Tensor&)
-#define FUSEDNORM_INSTANTIATE_COLS_ONE_PASS_RESIDENCY(T) \
+#define FUSEDNORM_INSTANTIATE_COLS_ONE_PASS(T)                                                                \
+  template void fusednorm::cols_one_pass_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,  \
+      const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
+      at::Tensor&);                                                                                           \
   template int fusednorm::cols_one_pass_residency<T>(Activation, int, int, int64_t)

@@ -37,6 +37,7 @@
 #include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -584,7 +585,7 @@ bool launch_team_grid(Kernel kernel, Args& args, TeamGrid<acc_t>& t, size_t smem
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t ctas = static_cast<int64_t>(t.teams) * t.team_size;
   const int64_t counter_bytes = ceil_div(t.teams * static_cast<int64_t>(sizeof(unsigned)), 16) * 16;
-  at::Tensor buffer = at::empty({counter_bytes + 2 * ctas * t.replicas * kTeamPartials * static_cast<int64_t>(sizeof(acc_t))},
+  at::Tensor buffer = at::detail::empty_cuda({counter_bytes + 2 * ctas * t.replicas * kTeamPartials * static_cast<int64_t>(sizeof(acc_t))},
       like.options().dtype(at::kByte));
   unsigned char* base = static_cast<unsigned char*>(buffer.data_ptr());
   C10_CUDA_CHECK(cudaMemsetAsync(base, 0, static_cast<size_t>(counter_bytes), stream));
@@ -664,9 +665,9 @@ bool backward_team(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
     if (want_params) {
       const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
       const int64_t NC = a.team.groups / o.G * o.C;
-      at::Tensor buffer = at::empty({NC * 2 * (1 + a.split)}, opts);
+      at::Tensor buffer = at::detail::empty_cuda({NC * 2 * (1 + a.split)}, opts);
       part_c = buffer.narrow(0, 0, NC * 2);
-      rec = at::empty({a.team.groups * kRec}, opts);
+      rec = at::detail::empty_cuda({a.team.groups * kRec}, opts);
       o.part_c = part_c.data_ptr<acc_t>();
       o.rec = rec.data_ptr<acc_t>();
       a.channel_parts = o.part_c + NC * 2;

@@ -14,6 +14,7 @@
 #include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 
 #include <cstdint>
 #include <limits>
@@ -480,8 +481,8 @@ void backward_one_pass(const plan::Plan& pl, const at::Tensor& dy, const at::Ten
     TORCH_INTERNAL_ASSERT(made, "one-CTA backward planned for arguments it cannot take");
     if (want_params) {
       const auto opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-      part_c = at::empty({sh.N * sh.C * 2}, opts);
-      rec = at::empty({items * kRec}, opts);
+      part_c = at::detail::empty_cuda({sh.N * sh.C * 2}, opts);
+      rec = at::detail::empty_cuda({items * kRec}, opts);
       a.part_c = part_c.data_ptr<acc_t>();
       a.rec = rec.data_ptr<acc_t>();
     }

@@ -10,7 +10,7 @@
 #include "cuda/split_finalize.cuh"
 #include "group_norm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>

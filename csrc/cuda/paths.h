@@ -8,33 +8,39 @@
 #include "group_norm.h"
 #include "plan.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
 namespace fusednorm {
 
-// One-pass forward: paths Registers, Shared, Cluster, ColsShared (kernels_<dtype>.cu;
+// One-pass forward: paths Registers, Shared and Cluster (kernels/<dtype>_one_pass.cu).
 template <typename scalar_t>
 void one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd);
-// The planner's residency question about the channels-last one-pass kernel of a call.
-template <typename scalar_t>
-int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem);
-// Whether the device schedules clusters of 16 one-pass CTAs (kernels_float.cu, whose
+// Whether the device schedules clusters of 16 one-pass CTAs (kernels/float_one_pass.cu, whose
 // float kernel it asks about).
 bool clusters_of_16(const cudaDeviceProp& prop);
 
-// One-CTA backward: path OneCta (kernels_<dtype>.cu).
+// Channels-last one-pass forward: path ColsShared (kernels/<dtype>_cols_one_pass.cu).
+template <typename scalar_t>
+void cols_one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight,
+    const at::Tensor& bias, double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y,
+    at::Tensor& mean, at::Tensor& rstd);
+// The planner's residency question about the channels-last one-pass kernel of a call.
+template <typename scalar_t>
+int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem);
+
+// One-CTA backward: path OneCta (kernels/<dtype>_team.cu).
 template <typename scalar_t>
 void one_cta_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
     const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
     Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
     at::Tensor& part_c, at::Tensor& rec);
 
-// Team path, both directions (kernels_<dtype>.cu). False where the
+// Team path, both directions (kernels/<dtype>_team.cu). False where the
 // device refuses the grid.
 template <typename scalar_t>
 bool team_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -49,7 +55,7 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 template <typename scalar_t>
 int team_residency(Activation act, bool backward, int keep, int64_t smem);
 
-// Split passes: path Split, both directions (kernels_<dtype>.cu). The backward runs from the
+// Split passes: path Split, both directions (kernels/<dtype>_split.cu). The backward runs from the
 // reduce pass on: dx, grad_residual, grad_multiplier and the parameter gradients `mask` asks for.
 template <typename scalar_t>
 void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,

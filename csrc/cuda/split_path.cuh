@@ -15,8 +15,9 @@
 #include "group_norm.h"
 #include "plan.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <cstdint>
@@ -130,10 +131,10 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
     a.chunk = t.chunk;
     a.tiles = t.tiles;
     a.log_tx = t.log_tx;
-    out.part = at::empty({a.rows * t.split * 3}, acc_opts);
+    out.part = at::detail::empty_cuda({a.rows * t.split * 3}, acc_opts);
     a.part = out.part.data_ptr<acc_t>();
     if (GRADS) {
-      out.part_c = at::empty({sh.N * t.split * sh.C * 2}, acc_opts);
+      out.part_c = at::detail::empty_cuda({sh.N * t.split * sh.C * 2}, acc_opts);
       a.part_c = out.part_c.data_ptr<acc_t>();
       a.mean = mean.data_ptr<acc_t>();
       a.weight = param_ref<scalar_t>(weight);
@@ -169,10 +170,10 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
     a.chunk = t.chunk;
     a.ncb = t.ncb;
     a.tiles = t.tiles;
-    out.part = at::empty({sh.N * (sh.C >> a.log_q) * t.split * 3}, acc_opts);
+    out.part = at::detail::empty_cuda({sh.N * (sh.C >> a.log_q) * t.split * 3}, acc_opts);
     a.part = out.part.data_ptr<acc_t>();
     if (GRADS) {
-      out.part_c = at::empty({sh.N * t.split * sh.C * 2}, acc_opts);
+      out.part_c = at::detail::empty_cuda({sh.N * t.split * sh.C * 2}, acc_opts);
       a.part_c = out.part_c.data_ptr<acc_t>();
       a.mean = mean.data_ptr<acc_t>();
       a.weight = param_ref<scalar_t>(weight);
@@ -287,7 +288,7 @@ void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& 
   const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
       sh, layout, at::Tensor(), at::Tensor(), nullptr);
 
-  at::Tensor rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+  at::Tensor rec = at::detail::empty_cuda({sh.N * sh.G * kRec}, p.part.options());
   MomentsFinalizeArgs<scalar_t> f{};
   f.part = p.part.data_ptr<acc_t>();
   f.x = x.data_ptr<scalar_t>();
@@ -325,15 +326,28 @@ void split_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor
     TORCH_INTERNAL_ASSERT(p.split == pl.reduce.split, "the split reduce pass left the planned tiling");
 
     // The (n, g) records are needed by dx and by grad_weight (for delta).
-    rec = at::empty({sh.N * sh.G * kRec}, p.part.options());
+    rec = at::detail::empty_cuda({sh.N * sh.G * kRec}, p.part.options());
     finalize_grad_coefs_pass<acc_t>(p.part, p.entries, mean, rstd, rec, sh);
 
     if (want_params) param_grads_pass<scalar_t>(p.part_c, p.split, rec, weight, bias, ep, sh, mask, g, pl.param_grad_parts);
   } else {
     // Only grad_residual / grad_multiplier: they need p (hi = m, a = rstd * w_eff), not the dx
     // coefficients, so no reduction at all.
-    const at::Tensor zero = at::zeros_like(mean);
-    rec = at::stack({mean, zero, rstd, zero, zero}, 2).view({-1});
+    // The records (mean, 0, rstd, 0, 0) per (n, g), written by a memset and two strided copies
+    // on the stream (no ATen ops here: the kernel headers stay light, docs/design.md, "Source
+    // layout").
+    TORCH_INTERNAL_ASSERT(mean.scalar_type() == c10::CppTypeToScalarType<acc_t>::value &&
+        rstd.scalar_type() == mean.scalar_type() && mean.is_contiguous() && rstd.is_contiguous());
+    rec = at::detail::empty_cuda({sh.N * sh.G * kRec}, mean.options());
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    const size_t item = sizeof(acc_t);
+    const size_t groups = static_cast<size_t>(sh.N * sh.G);
+    acc_t* r = rec.data_ptr<acc_t>();
+    C10_CUDA_CHECK(cudaMemsetAsync(r, 0, groups * kRec * item, stream));
+    C10_CUDA_CHECK(cudaMemcpy2DAsync(r + 0, kRec * item, mean.data_ptr<acc_t>(), item, item, groups,
+        cudaMemcpyDeviceToDevice, stream));
+    C10_CUDA_CHECK(cudaMemcpy2DAsync(r + 2, kRec * item, rstd.data_ptr<acc_t>(), item, item, groups,
+        cudaMemcpyDeviceToDevice, stream));
   }
 
   if (mask[0] || mask[5] || mask[6]) {

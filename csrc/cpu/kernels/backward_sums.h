@@ -7,7 +7,7 @@
 #endif
 
 #include <ATen/core/Tensor.h>
-#include <ATen/Functions.h>
+#include <ATen/ops/from_blob.h>
 
 #include <array>
 #include <cstdint>

@@ -18,7 +18,7 @@
 #endif
 
 #include <ATen/Dispatch.h>
-#include <ATen/Functions.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -383,8 +383,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_forward(const at::Tensor& x
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& epilogue) {
   at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
-  at::Tensor mean = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
-  at::Tensor rstd = at::empty({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
+  at::Tensor mean = at::detail::empty_cpu({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
+  at::Tensor rstd = at::detail::empty_cpu({sh.N, sh.G}, x.options().dtype(stats_dtype(x.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "group_norm_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto w = param_or<acc_t>(weight, sh.C, acc_t(1));

@@ -6,7 +6,8 @@
 #error "compiled once per CPU capability through setup.py's wrappers, which define CPU_CAPABILITY"
 #endif
 
-#include <ATen/Functions.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -109,7 +110,7 @@ void backward_one_element_per_channel(const T* dy, const T* x, const GroupNormSh
   // shift's) where those differ.
   const auto acc_opts = grads.scale.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
   auto acc_buffer = [&](const at::Tensor& out) {
-    return out.numel() == 0 || out.scalar_type() == acc_opts.dtype() ? out : at::empty(out.sizes(), acc_opts);
+    return out.numel() == 0 || out.scalar_type() == acc_opts.dtype() ? out : at::Tensor(at::detail::empty_cpu(out.sizes(), acc_opts));
   };
   at::Tensor dscale_acc = acc_buffer(grads.scale), dshift_acc = acc_buffer(grads.shift);
   acc_t* dscale = grads.scale.numel() > 0 ? dscale_acc.data_ptr<acc_t>() : nullptr;

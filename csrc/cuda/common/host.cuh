@@ -8,7 +8,7 @@
 #include "group_norm.h"
 #include "plan.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 
 #include <cstdint>

@@ -1,6 +1,5 @@
-// Every path's kernels of double, as planned (paths.h): one translation unit per dtype, so that the
-// build compiles the dtypes in parallel while each TU's fixed cost (the ATen headers, about half
-// a minute) is paid only a few times (docs/design.md, "Source layout").
+// Every path's kernels of double (paths.h), in one translation unit whatever the machine: the split
+// passes are its only kernels (docs/design.md, "Source layout").
 #include "cuda/group_norm_one_pass.cuh"
 #include "cuda/group_norm_team.cuh"
 #include "cuda/one_cta_backward.cuh"

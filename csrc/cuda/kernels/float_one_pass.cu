@@ -1,10 +1,7 @@
-// Every path's kernels of float, as planned (paths.h): one translation unit per dtype, so that the
-// build compiles the dtypes in parallel while each TU's fixed cost (the ATen headers, about half
-// a minute) is paid only a few times (docs/design.md, "Source layout").
+// float: the kernels of the one-pass forward, paths Registers, Shared and Cluster (paths.h). One
+// translation unit per path and dtype, compiled in parallel, or together in kernels/float.cu on
+// machines with few cores (docs/design.md, "Source layout").
 #include "cuda/group_norm_one_pass.cuh"
-#include "cuda/group_norm_team.cuh"
-#include "cuda/one_cta_backward.cuh"
-#include "cuda/split_path.cuh"
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
@@ -36,8 +33,3 @@ bool clusters_of_16(const cudaDeviceProp& prop) {
 }  // namespace fusednorm
 
 FUSEDNORM_INSTANTIATE_ONE_PASS_FORWARD(float);
-FUSEDNORM_INSTANTIATE_COLS_ONE_PASS_RESIDENCY(float);
-FUSEDNORM_INSTANTIATE_ONE_CTA_BACKWARD(float);
-FUSEDNORM_INSTANTIATE_TEAM(float);
-FUSEDNORM_INSTANTIATE_TEAM_RESIDENCY(float);
-FUSEDNORM_INSTANTIATE_SPLIT(float);

@@ -1,0 +1,6 @@
+// at::BFloat16: the kernels of the channels-last one-pass forward, path ColsShared (paths.h). One
+// translation unit per path and dtype, compiled in parallel, or together in kernels/bfloat16.cu on
+// machines with few cores (docs/design.md, "Source layout").
+#include "cuda/group_norm_one_pass.cuh"
+
+FUSEDNORM_INSTANTIATE_COLS_ONE_PASS(at::BFloat16);
