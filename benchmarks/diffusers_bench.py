@@ -1,28 +1,66 @@
-"""End-to-end timings of real diffusers models with fusednorm, for the adoption section of the README:
-a Stable Diffusion (1.x) VAE decode at 512 px and a UNet step at batch 2 (64x64 latents), built
-from their published configs with random weights, each as
+"""End-to-end timings of real diffusers models with fusednorm (the adoption section of the README,
+issue 38's table). The models are built from their published configs with random weights (nothing
+is downloaded); on a GPU, in fp16:
 
-    eager              the model as diffusers builds it
-    eager + convert    fusednorm.convert(model): torch.nn norms swapped for fusednorm's
-    compile            torch.compile(model)
-    compile + fusion   torch.compile(model, backend=fusednorm.fusion.backend()): norms and their
-                       epilogues fused into fusednorm's op, the rest compiled by Inductor
+    VAE decode 512     Stable Diffusion (1.x) VAE decode: latents (1, 4, 64, 64) -> 512 px
+    VAE decode 1024    the same VAE: latents (1, 4, 128, 128) -> 1024 px
+    UNet step b2       one SD1.5 UNet step at batch 2: sample (2, 4, 64, 64), context (2, 77, 768)
+    UNet step b8       the same at batch 8: sample (8, 4, 64, 64), context (8, 77, 768)
+    video VAE decode   HunyuanVideo's VAE (AutoencoderKLHunyuanVideo, its default config) decode:
+                       latents (1, 16, 3, 60, 80) -> 9 frames of 480x640 px, tiling, slicing and
+                       frame-wise decoding off; its decoder's nn.GroupNorms see 5-D inputs
 
-and checks that every variant's output matches eager. On a CPU it runs tiny configs and says so: a
-smoke test of the four variants, since the real models take minutes a call there.
-Needs diffusers; without it, says so and exits 0.
+each as
+
+    eager                          the model as diffusers builds it
+    eager + convert                fusednorm.convert(model): torch.nn norms swapped for fusednorm's
+    compile                        torch.compile(model)
+    compile + fusion               torch.compile(model, backend=fusednorm.fusion.backend()): norms and
+                                   their epilogues fused into fusednorm's op, the rest compiled by Inductor
+    compile (cudagraphs)           torch.compile(model, mode="reduce-overhead")      (GPU only)
+    compile + fusion (cudagraphs)  torch.compile(model, backend=fusednorm.fusion.backend(
+                                   mode="reduce-overhead")): the same with Inductor's CUDA graphs (GPU only)
+
+and checks every variant's output against eager's (max |diff| printed and saved; a CUDA-graph
+variant's is that of a replayed call). Times are medians of benchmarks/bench.py's timer (CUDA
+events after an L2 flush; on the CPU, of 5 calls). A variant that raises is reported, the run goes
+on, and the exit status is 1. Writes DIR/diffusers_<device>.json, rewritten after each workload
+("complete" false until the end): {date, card, torch, diffusers, dtype, complete, rows: [{workload,
+ms: {variant: ms}, max_abs_diff: {variant: diff}, fusions (the norm chains compile + fusion
+rewrote; its CUDA-graph twin's when only that ran), fusions_by_variant, and where any: errors:
+{variant: message}, cudagraph_skips: {variant: graphs Inductor ran without CUDA graphs}}]}. A run
+given --workloads or --variants merges into an existing file of the same card, torch, diffusers and
+dtype (its other workloads and variants kept), so that the table can be measured in parts.
+
+On a CPU it runs tiny configs of every model (2 blocks of 32-64 channels, latents of 8-16 px, in
+fp32) and says so: a smoke test of the variants that can run there (not the CUDA-graph ones), since
+the real models take minutes a call there; those times say nothing about the real models. There,
+VAE decode 1024 and UNet step b8 run eager and eager + convert only unless --workloads is given
+(their compiled variants would compile VAE decode 512's and UNet step b2's graphs again at another
+size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 0.
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
+                                         [--workloads NAMES] [--variants LABELS]
+
+--workloads: comma-separated workload names or parts of them, case-insensitive ("VAE" picks the
+three VAE rows, "b8" the batch-8 UNet); --variants: comma-separated variant labels as above,
+case-insensitive. Default: all. Each compiled variant compiles its model anew, so all of it most
+likely takes more than 10 minutes on a GPU machine (an estimate); for calls of 10 minutes run it
+in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), the same --out.
 """
 
 import argparse
 import copy
+import gc
 import json
 import os
+import statistics
 import sys
 import time
+import traceback
 
 import torch
+from torch._dynamo.utils import counters
 
 import fusednorm
 from bench import timer  # the suite's timer: CUDA events after an L2 flush, medians
@@ -38,11 +76,25 @@ SD_UNET = dict(
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
 )
+VIDEO_VAE = {}  # AutoencoderKLHunyuanVideo's defaults: HunyuanVideo's VAE (16 latent channels, 8x / 4x)
 TINY_VAE = dict(SD_VAE, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
 TINY_UNET = dict(SD_UNET, sample_size=16, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                  cross_attention_dim=32, attention_head_dim=4,
                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+TINY_VIDEO_VAE = dict(block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
+                      spatial_compression_ratio=4,  # (2 blocks: both upsample 2x in space, the first in time)
+                      down_block_types=("HunyuanVideoDownBlock3D",) * 2, up_block_types=("HunyuanVideoUpBlock3D",) * 2)
+
+VARIANTS = ("eager", "eager + convert", "compile", "compile + fusion", "compile (cudagraphs)",
+            "compile + fusion (cudagraphs)")
+COMPILED = VARIANTS[2:]
+CUDA_GRAPHS = ("compile (cudagraphs)", "compile + fusion (cudagraphs)")
+FUSION = ("compile + fusion", "compile + fusion (cudagraphs)")
+# On the CPU, unless --workloads names them, these run eager and eager + convert only: their
+# compiled variants are the graphs of VAE decode 512 / UNet step b2 at another size, and each
+# Inductor compile costs a minute there on 2 cores (cold cache).
+CPU_EAGER_ONLY = ("VAE decode 1024", "UNet step b8")
 
 
 class VAEDecode(torch.nn.Module):
@@ -65,78 +117,295 @@ class UNetStep(torch.nn.Module):
         return self.unet(sample, timestep, encoder_hidden_states=context).sample
 
 
-def workloads(device, dtype):
-    """(name, module, inputs) of each model at its real size on a GPU, tiny on a CPU."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-
-    full = device == "cuda"
+def _build(cls, config, device, dtype):
     torch.manual_seed(0)
-    vae = AutoencoderKL(**(SD_VAE if full else TINY_VAE)).to(device, dtype).eval()
-    latents = torch.randn(1, 4, 64 if full else 8, 64 if full else 8, device=device, dtype=dtype)
-    yield "VAE decode", VAEDecode(vae), (latents,)
+    return cls(**config).to(device, dtype).eval()
 
-    unet = UNet2DConditionModel(**(SD_UNET if full else TINY_UNET)).to(device, dtype).eval()
-    size = 64 if full else 16
-    sample = torch.randn(2, 4, size, size, device=device, dtype=dtype)
-    context = torch.randn(2, 77, 768 if full else 32, device=device, dtype=dtype)
-    t = torch.tensor([500, 500], device=device)
-    yield "UNet step", UNetStep(unet), (sample, t, context)
+
+def sd_vae_decode(size):
+    def build(device, dtype, full):
+        from diffusers import AutoencoderKL
+
+        vae = _build(AutoencoderKL, SD_VAE if full else TINY_VAE, device, dtype)
+        side = size // 8 if full else size // 64  # latents: 64 / 128 px; tiny: 8 / 16 px
+        return VAEDecode(vae), (torch.randn(1, 4, side, side, device=device, dtype=dtype),)
+
+    return build
+
+
+def sd_unet_step(batch):
+    def build(device, dtype, full):
+        from diffusers import UNet2DConditionModel
+
+        unet = _build(UNet2DConditionModel, SD_UNET if full else TINY_UNET, device, dtype)
+        size = 64 if full else 16
+        sample = torch.randn(batch, 4, size, size, device=device, dtype=dtype)
+        context = torch.randn(batch, 77, 768 if full else 32, device=device, dtype=dtype)
+        t = torch.full((batch,), 500, device=device)
+        return UNetStep(unet), (sample, t, context)
+
+    return build
+
+
+def video_vae_decode(device, dtype, full):
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    vae = _build(AutoencoderKLHunyuanVideo, VIDEO_VAE if full else TINY_VIDEO_VAE, device, dtype)
+    # One decoder call over the whole clip, as decode_latents of a short clip does: no spatial
+    # tiles, no batch slices, no frame-wise (temporal tile) decoding.
+    vae.use_tiling = vae.use_slicing = vae.use_framewise_decoding = False
+    # 3 latent frames -> 1 + 4 * 2 = 9 frames; 60x80 latents -> 480x640 px (tiny: 8x8 -> 32x32).
+    shape = (1, 16, 3, 60, 80) if full else (1, 16, 3, 8, 8)
+    return VAEDecode(vae), (torch.randn(*shape, device=device, dtype=dtype),)
+
+
+WORKLOADS = {  # name -> build(device, dtype, full) -> (module, inputs)
+    "VAE decode 512": sd_vae_decode(512),
+    "VAE decode 1024": sd_vae_decode(1024),
+    "UNet step b2": sd_unet_step(2),
+    "UNet step b8": sd_unet_step(8),
+    "video VAE decode": video_vae_decode,
+}
+
+
+def pick(spec, known, what, substrings):
+    """The entries of `known` that comma-separated `spec` names (each an exact name, or with
+    `substrings` a case-insensitive part of names), in `known`'s order; all when spec is None."""
+    if spec is None:
+        return list(known)
+    chosen = set()
+    for token in (t.strip() for t in spec.split(",")):
+        if not token:
+            continue
+        exact = [k for k in known if k.lower() == token.lower()]
+        found = exact or ([k for k in known if token.lower() in k.lower()] if substrings else [])
+        if not found:
+            raise SystemExit(f"unknown {what} {token!r}; known: {', '.join(known)}")
+        chosen.update(found)
+    return [k for k in known if k in chosen]
+
+
+def cpu_timer(fn, reps=5):
+    """Median ms of a few calls: on the CPU the rows are a smoke test, not a measurement."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_variant(label, model):
+    """(callable, fusion backend or None) of one variant of `model`."""
+    if label == "eager":
+        return model, None
+    if label == "eager + convert":
+        return fusednorm.convert(copy.deepcopy(model)), None
+    if label == "compile":
+        return torch.compile(model), None
+    if label == "compile (cudagraphs)":
+        return torch.compile(model, mode="reduce-overhead"), None
+    backend = fusednorm.fusion.backend(mode="reduce-overhead" if label in CUDA_GRAPHS else None)
+    return torch.compile(model, backend=backend), backend
+
+
+def mark_step_begin():
+    """Tell CUDA graph trees that a new call begins: the previous call's outputs may be overwritten."""
+    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+    if mark is None:  # torch < 2.2
+        from torch._inductor.cudagraph_trees import mark_step_begin as mark
+    mark()
+
+
+def free_memory(device):
+    torch._dynamo.reset()  # compiled code, and CUDA graph trees with their memory pools
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_workload(name, model, inputs, labels, measure, device, errors):
+    row = {"workload": name, "ms": {}, "max_abs_diff": {}}
+    fusions = {}
+    want = model(*inputs)
+    for label in labels:
+        m = backend = got = call = timed = None
+        failed = False
+        try:
+            m, backend = make_variant(label, model)
+            cuda_graphs = label in CUDA_GRAPHS
+
+            def call(m=m, cuda_graphs=cuda_graphs):
+                if cuda_graphs:
+                    mark_step_begin()
+                return m(*inputs)
+
+            skips = counters["inductor"]["cudagraph_skips"]
+            start = time.perf_counter()
+            got = call()  # compiles on the first call
+            if cuda_graphs:  # the first call warms up, the second records: compare a replay
+                got = None
+                call()
+                got = call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            skips = counters["inductor"]["cudagraph_skips"] - skips
+            if cuda_graphs and skips:
+                row.setdefault("cudagraph_skips", {})[label] = skips
+                print(f"  {name:16s} {label}: Inductor ran {skips} graph(s) without CUDA graphs "
+                      f"(Inductor's 'skipping cudagraphs due to ...' warning says why)", flush=True)
+            got = got.clone()  # (a CUDA graph's output is overwritten by the next call)
+            row["max_abs_diff"][label] = float((got.float() - want.float()).abs().max())
+            got = None
+
+            def timed(call=call):
+                call()  # keeps no output from one call to the next
+
+            row["ms"][label] = measure(timed)
+            compiling = f", first calls {first:.1f} s" if label in COMPILED else ""
+            print(f"  {name:16s} {label:29s} {row['ms'][label]:10.3f} ms  (max |diff| vs eager "
+                  f"{row['max_abs_diff'][label]:.2e}{compiling})", flush=True)
+            if backend is not None:
+                fusions[label] = sum(backend.fusions)
+                print(f"  {name:16s} {label} rewrote {fusions[label]} norm chains", flush=True)
+        except Exception as e:  # noqa: BLE001 -- report it, and go on with the other variants
+            failed = True
+            traceback.print_exc()
+            errors.append(f"{name} / {label}: {type(e).__name__}: {e}")
+            row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"
+            first_line = (str(e).splitlines() or [""])[0]
+            print(f"  {name:16s} {label:29s} FAILED: {type(e).__name__}: {first_line}", flush=True)
+        del m, backend, got, call, timed  # (the variant's model, e.g. a converted copy, with them)
+        if label in COMPILED or failed:
+            free_memory(device)
+    if fusions:
+        row["fusions"] = fusions.get("compile + fusion", next(iter(fusions.values())))
+        row["fusions_by_variant"] = fusions
+    return row
+
+
+def merge(old_rows, new_rows):
+    """old_rows with new_rows over them: what a new row says of a variant (measured or failed)
+    replaces what the old one said of it; in WORKLOADS order."""
+    merged = {r["workload"]: copy.deepcopy(r) for r in old_rows}
+    for r in new_rows:
+        o = merged.setdefault(r["workload"], {"workload": r["workload"]})
+        ran = set(r["ms"]) | set(r.get("errors", {}))
+        for key in ("ms", "max_abs_diff", "fusions_by_variant", "errors", "cudagraph_skips"):
+            values = {**{v: x for v, x in o.get(key, {}).items() if v not in ran}, **r.get(key, {})}
+            o[key] = dict(sorted(values.items(), key=lambda item: VARIANTS.index(item[0])
+                                 if item[0] in VARIANTS else len(VARIANTS)))
+            if not o[key] and key not in ("ms", "max_abs_diff"):
+                del o[key]
+        if "fusions_by_variant" in o:
+            by_variant = o["fusions_by_variant"]
+            o["fusions"] = by_variant.get("compile + fusion", next(iter(by_variant.values())))
+        elif ran & set(FUSION):  # (an old row's count, of a fusion variant that failed now)
+            o.pop("fusions", None)
+    order = {name: i for i, name in enumerate(WORKLOADS)}
+    return sorted(merged.values(), key=lambda r: order.get(r["workload"], len(order)))
+
+
+def table(rows):
+    labels = [v for v in VARIANTS if any(v in r["ms"] for r in rows)]
+    lines = ["| workload | " + " | ".join(f"{v} ms" for v in labels) + " |", "|---|" + "---|" * len(labels)]
+    for r in rows:
+        cells = [f"{r['ms'][v]:.3f}" if v in r["ms"] else "" for v in labels]
+        lines.append(f"| {r['workload']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="only eager and eager + convert")
+    parser.add_argument("--workloads", help="comma-separated names or parts of names (default: all)")
+    parser.add_argument("--variants", help="comma-separated variant labels (default: all)")
     args = parser.parse_args()
+    names = pick(args.workloads, WORKLOADS, "workload", substrings=True)
+    labels = pick(args.variants, VARIANTS, "variant", substrings=False)
     try:
         import diffusers
     except ImportError:
         print("diffusers is not installed: no end-to-end diffusers timings")
-        return
+        return 0
     device = args.device
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    measure = timer(device)
-    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    full = device == "cuda"
+    dtype = torch.float16 if full else torch.float32
+    measure = timer(device) if full else cpu_timer
+    card = torch.cuda.get_device_name() if full else "cpu"
     print(f"diffusers {diffusers.__version__} models on {card}, torch {torch.__version__}, {dtype}")
-    if device == "cpu":
-        print("  on the CPU these are tiny configs (2 blocks of 32-64 channels, 8x8 latents), not SD's: "
-              "the real models take minutes a call here. The rows check that convert and compile + "
-              "fusion run and match eager; their times say nothing about SD-sized models.")
-    rows = []
-    with torch.no_grad():
-        for name, model, inputs in workloads(device, dtype):
-            converted = fusednorm.convert(copy.deepcopy(model))
-            variants = {"eager": model, "eager + convert": converted}
-            if not args.no_compile:
-                torch._dynamo.reset()
-                variants["compile"] = torch.compile(model)
-                fusion = fusednorm.fusion.backend()
-                variants["compile + fusion"] = torch.compile(model, backend=fusion)
-            want = model(*inputs)
-            row = {"workload": name, "ms": {}, "max_abs_diff": {}}
-            for label, m in variants.items():
-                got = m(*inputs)  # compiles on the first call
-                row["max_abs_diff"][label] = float((got.float() - want.float()).abs().max())
-                row["ms"][label] = measure(lambda: m(*inputs))
-                print(f"  {name:10s} {label:17s} {row['ms'][label]:9.3f} ms  (max |diff| vs eager "
-                      f"{row['max_abs_diff'][label]:.2e})", flush=True)
-            if not args.no_compile:
-                row["fusions"] = sum(fusion.fusions)
-                print(f"  {name:10s} compile + fusion rewrote {row['fusions']} norm chains", flush=True)
-            rows.append(row)
-            del model, converted, variants
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    labels = list(rows[0]["ms"]) if rows else []
-    table = ["| workload | " + " | ".join(f"{l} ms" for l in labels) + " |", "|---|" + "---|" * len(labels)]
-    for r in rows:
-        table.append(f"| {r['workload']} | " + " | ".join(f"{r['ms'][l]:.3f}" for l in labels) + " |")
-    print("\n".join(table))
+    if not full:
+        print("  on the CPU these are tiny configs of each model (2 blocks of 32-64 channels, latents of "
+              "8-16 px), not the real ones, which take minutes a call here. The rows check that convert "
+              "and compile + fusion run and match eager; their times (medians of 5 calls) say nothing "
+              "about the real models.")
+    if args.no_compile:
+        labels = [v for v in labels if v not in COMPILED]
+    if not full and any(v in CUDA_GRAPHS for v in labels):
+        skipped = " and ".join(v for v in labels if v in CUDA_GRAPHS)
+        print(f"  skipped on the CPU: {skipped} (CUDA graphs need a GPU)")
+        labels = [v for v in labels if v not in CUDA_GRAPHS]
+    if not labels:
+        print(f"  no variant to run on the {device}")
+        return 0
+
+    path = os.path.join(args.out, f"diffusers_{device}.json")
+    meta = {"card": card, "torch": torch.__version__, "diffusers": diffusers.__version__, "dtype": str(dtype)}
+    old_rows = []
+    if (args.workloads or args.variants) and os.path.exists(path):
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError):
+            old = {}
+        if all(old.get(k) == v for k, v in meta.items()):
+            old_rows = old.get("rows", [])
+            print(f"  merging into {path} (of {old.get('date')}, {len(old_rows)} rows): what this run measures "
+                  f"replaces the same workloads' same variants there")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"diffusers_{device}.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "card": card, "torch": torch.__version__,
-                   "diffusers": diffusers.__version__, "dtype": str(dtype), "rows": rows}, f, indent=1)
+
+    def save(rows, complete):
+        with open(path, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), **meta, "complete": complete,
+                       "rows": merge(old_rows, rows)}, f, indent=1)
+
+    eager_only = []
+    if not full and not args.workloads and any(v in COMPILED for v in labels):
+        eager_only = [name for name in names if name in CPU_EAGER_ONLY]
+        print(f"  on the CPU, {' and '.join(eager_only)} run without the compiled variants (the graphs "
+              f"of VAE decode 512 and UNet step b2 at another size; a compile costs a minute here): "
+              f"name them in --workloads for those")
+
+    rows, errors = [], []
+    with torch.no_grad():
+        for name in names:
+            try:
+                model, inputs = WORKLOADS[name](device, dtype, full)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                print(f"  {name:16s} FAILED to build: {type(e).__name__}: {e}", flush=True)
+                free_memory(device)
+                continue
+            free_memory(device)
+            these = [v for v in labels if not (name in eager_only and v in COMPILED)]
+            rows.append(run_workload(name, model, inputs, these, measure, device, errors))
+            del model, inputs
+            free_memory(device)
+            save(rows, complete=False)
+    print(table(rows))
+    if old_rows:
+        print(f"merged with the earlier rows of {path}:")
+        print(table(merge(old_rows, rows)))
+    save(rows, complete=True)
+    if errors:
+        print(f"{len(errors)} failed:\n  " + "\n  ".join(errors))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

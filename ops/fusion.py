@@ -3,9 +3,12 @@ elementwise epilogues become one fusednorm op, with no change to the model code:
 
     model = torch.compile(model, backend=fusednorm.fusion.backend())          # then Inductor
     model = torch.compile(model, backend=fusednorm.fusion.backend("aot_eager"))
+    model = torch.compile(model, backend=fusednorm.fusion.backend(mode="reduce-overhead"))  # CUDA graphs
 
 The backend rewrites each graph Dynamo captures (:func:`fuse_graph`) and hands it to the inner
-backend. A chain is rewritten when it starts at ``F.group_norm`` / ``torch.group_norm`` /
+backend. With Inductor as the inner backend, ``mode`` and ``options`` are what ``torch.compile``'s
+own arguments of those names are (``backend(mode="reduce-overhead")``: Inductor with CUDA graphs;
+see :func:`backend`). A chain is rewritten when it starts at ``F.group_norm`` / ``torch.group_norm`` /
 ``F.instance_norm`` / ``torch.instance_norm`` (what ``nn.GroupNorm`` / ``nn.InstanceNorm*d``
 calls become; on torch versions where Dynamo keeps ``nn.GroupNorm`` as a module call, that too)
 and continues through, in this order, each step optional::
@@ -323,36 +326,98 @@ def fuse_graph(gm: fx.GraphModule) -> int:
     return count
 
 
+def _inductor_config_patches(mode: Optional[str], options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The Inductor config patches that ``torch.compile(mode=mode, options=options)`` would apply:
+    the mode's (``torch._inductor.list_mode_options``), then the options over them, their names
+    with ``-`` read as ``_`` as torch.compile reads them. Raises ValueError for an unknown mode or
+    option name (torch.compile raises RuntimeError: this is the constructor's argument check)."""
+    from torch._inductor import config, list_mode_options  # both in torch >= 2.1
+
+    patches: Dict[str, Any] = {}
+    if mode is not None and mode != "default":
+        modes = list_mode_options()
+        if mode not in modes:
+            raise ValueError(f"unknown Inductor mode {mode!r}; known: {', '.join(modes)}")
+        patches.update(modes[mode])
+    for key, value in (options or {}).items():
+        patches[key.replace("-", "_")] = value
+    known = config.get_config_copy()
+    unknown = [key for key in patches if key not in known]
+    if unknown:
+        raise ValueError(f"unknown Inductor option(s) {unknown}: see torch._inductor.list_options()")
+    return patches
+
+
 class FusionBackend:
     """A Dynamo backend: :func:`fuse_graph`, then the inner backend. ``fusions`` lists the number
     of chains rewritten in each graph compiled so far (graphs whose compilation raised, as Dynamo's
-    own restarts do, are not listed)."""
+    own restarts do, are not listed). ``mode`` / ``options`` (only with ``inner="inductor"``): see
+    :func:`backend`; ``config_patches`` holds the Inductor config patches they make (None without
+    them)."""
 
-    def __init__(self, inner: Any = "inductor"):
+    def __init__(self, inner: Any = "inductor", *, mode: Optional[str] = None,
+                 options: Optional[Dict[str, Any]] = None):
         self.inner = inner
         self.fusions: List[int] = []
+        self.config_patches: Optional[Dict[str, Any]] = None
+        if mode is not None or options is not None:
+            if not (isinstance(inner, str) and inner == "inductor"):
+                raise ValueError(f"mode and options are Inductor's: they need inner='inductor', not {inner!r}")
+            self.config_patches = _inductor_config_patches(mode, options)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
         count = fuse_graph(gm)
-        inner = self.inner
-        if isinstance(inner, str):
-            from torch._dynamo.backends.registry import lookup_backend
+        if self.config_patches is not None:  # Inductor with torch.compile's mode / options
+            from torch._inductor.compile_fx import compile_fx
 
-            inner = lookup_backend(inner)
-        compiled = inner(gm, example_inputs)
+            compiled = compile_fx(gm, example_inputs, config_patches=dict(self.config_patches))
+        else:
+            inner = self.inner
+            if isinstance(inner, str):
+                from torch._dynamo.backends.registry import lookup_backend
+
+                inner = lookup_backend(inner)
+            compiled = inner(gm, example_inputs)
         self.fusions.append(count)  # only for graphs compiled (Dynamo may restart an analysis)
         return compiled
 
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: with CUDA graphs, drops Inductor's CUDA graph trees
+        (their memory pools), as torch.compile's own Inductor backend does."""
+        if self.config_patches and self.config_patches.get("triton.cudagraphs"):
+            try:
+                from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+            except ImportError:  # a torch without CUDA graph trees
+                return
+            reset_cudagraph_trees()
 
-def backend(inner: Any = "inductor") -> FusionBackend:
+
+def backend(inner: Any = "inductor", *, mode: Optional[str] = None,
+            options: Optional[Dict[str, Any]] = None) -> FusionBackend:
     """A backend for ``torch.compile(model, backend=fusednorm.fusion.backend())``: fuses norm
     epilogues into fusednorm ops, then compiles with ``inner`` (a registered backend name such as
-    ``"inductor"`` or ``"aot_eager"``, or a backend callable)."""
-    return FusionBackend(inner)
+    ``"inductor"`` or ``"aot_eager"``, or a backend callable).
+
+    ``mode`` and ``options`` mirror ``torch.compile``'s arguments of those names for the Inductor
+    inner backend, which ``torch.compile`` does not pass to a custom backend: ``mode`` is one of
+    ``torch._inductor.list_mode_options()`` (``"default"``, ``"reduce-overhead"`` for CUDA graphs,
+    ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``, ...), ``options`` a dict of Inductor
+    config settings (``torch._inductor.list_options()``; ``{"triton.cudagraphs": True}`` is the
+    same as ``mode="reduce-overhead"``). Given either, each fused graph is compiled by
+    ``torch._inductor.compile_fx.compile_fx(gm, example_inputs, config_patches=...)`` with the
+    mode's settings and the options over them (torch.compile refuses both at once; here options
+    win). They need ``inner="inductor"`` (ValueError otherwise, and for an unknown mode or option).
+    With CUDA graphs the usual rules of ``mode="reduce-overhead"`` hold: a call's outputs are
+    overwritten by a later call (clone what you keep; ``torch.compiler.cudagraph_mark_step_begin()``
+    before a call where Inductor cannot tell a new iteration begins)."""
+    return FusionBackend(inner, mode=mode, options=options)
 
 
-def dynamo_backend(gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
+def dynamo_backend(gm: fx.GraphModule, example_inputs: List[Any], *, mode: Optional[str] = None,
+                   options: Optional[Dict[str, Any]] = None) -> Callable:
     """The backend registered under the name ``"fusednorm"`` (the ``torch_dynamo_backends`` entry
     point in pyproject.toml), so that ``torch.compile(model, backend="fusednorm")`` works once
-    fusednorm is installed: the same as :func:`backend` ``()``, fusion then Inductor."""
-    return FusionBackend()(gm, example_inputs)
+    fusednorm is installed: the same as :func:`backend` ``()``, fusion then Inductor.
+    ``torch.compile`` hands its ``mode`` / ``options`` to a named backend, and they go to
+    :func:`backend`: ``torch.compile(model, backend="fusednorm", mode="reduce-overhead")``."""
+    return FusionBackend(mode=mode, options=options)(gm, example_inputs)

@@ -15,7 +15,10 @@ for example in export_examples/[!_]*.py; do
 done
 echo "== benchmarks/bench.py $*"
 python benchmarks/bench.py --out results "$@"
-# End-to-end diffusers VAE decode and UNet step (eager, convert, compile, compile + fusion); says
-# so and skips when diffusers is not installed, and says so when it runs tiny configs on a CPU.
+# End-to-end diffusers models: SD VAE decode at 512 and 1024 px, SD1.5 UNet step at batch 2 and 8,
+# HunyuanVideo VAE decode (eager, convert, compile, compile + fusion, and on a GPU both compiles
+# with CUDA graphs); says so and skips when diffusers is not installed, and says so when it runs
+# tiny configs on a CPU. All of it takes long on a GPU (every compiled variant compiles anew): its
+# --workloads / --variants run a part (see its docstring); the JSON is rewritten after each workload.
 echo "== benchmarks/diffusers_bench.py"
 python benchmarks/diffusers_bench.py --out results

@@ -203,6 +203,64 @@ def test_backend_accepts_a_callable_and_fuse_graph_counts():
     assert seen == [1]
 
 
+@pytest.mark.parametrize("how", ["backend", "torch.compile"])
+def test_inductor_mode_and_options_reach_compile_fx(how, monkeypatch):
+    # backend(mode=..., options=...) compiles with Inductor's compile_fx under the config patches
+    # torch.compile(mode=..., options=...) would apply (CUDA graphs here), checked without a GPU by
+    # recording what compile_fx is given; torch.compile hands its own mode / options to the
+    # registered "fusednorm" backend (dynamo_backend) the same way.
+    import torch._inductor.compile_fx
+
+    calls = []
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        fused = sum(n.target is torch.ops.fusednorm.group_norm.default for n in gm.graph.nodes)
+        calls.append((config_patches, fused))
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", compile_fx)
+    torch._dynamo.reset()
+    module = Epilogues("scale_shift_silu")
+    x, r = torch.randn(2, 8, 5, 6), torch.randn(2, 8, 5, 6)
+    if how == "backend":  # both: the options over the mode's patches, "-" read as "_"
+        backend = fusion.backend(mode="max-autotune", options={"max-autotune": False, "epilogue_fusion": False})
+        compiled = torch.compile(module, backend=backend)
+        expected = dict(torch._inductor.list_mode_options("max-autotune"), max_autotune=False,
+                        epilogue_fusion=False)
+        assert expected["triton.cudagraphs"] is True
+    else:  # (torch.compile takes a mode or options, not both)
+        compiled = torch.compile(module, backend=fusion.dynamo_backend, mode="reduce-overhead")
+        expected = {"triton.cudagraphs": True}
+    torch.testing.assert_close(compiled(x, r), module(x, r))
+    assert calls == [(expected, 1)]
+    if how == "backend":
+        assert backend.config_patches == expected and backend.fusions == [1]
+        assert fusion.backend(mode="reduce-overhead").config_patches == {"triton.cudagraphs": True}
+        assert fusion.backend(options={"triton.cudagraphs": True}).config_patches == {"triton.cudagraphs": True}
+        assert fusion.backend(mode="default").config_patches == {} and fusion.backend().config_patches is None
+
+
+def test_inductor_mode_errors():
+    with pytest.raises(ValueError, match="inner='inductor'"):
+        fusion.backend("aot_eager", mode="reduce-overhead")
+    with pytest.raises(ValueError, match="unknown Inductor mode"):
+        fusion.backend(mode="fastest")
+    with pytest.raises(ValueError, match="unknown Inductor option"):
+        fusion.backend(options={"no_such_option": True})
+
+
+def test_cudagraph_trees_reset_with_dynamo(monkeypatch):
+    # torch._dynamo.reset() calls a backend's reset(); with CUDA graphs it drops the graph trees.
+    import torch._inductor.cudagraph_trees as trees
+
+    resets = []
+    monkeypatch.setattr(trees, "reset_cudagraph_trees", lambda: resets.append(1))
+    fusion.backend().reset()
+    assert resets == []
+    fusion.backend(mode="reduce-overhead").reset()
+    assert resets == [1]
+
+
 # -- diffusers -----------------------------------------------------------------------------------
 
 
