@@ -179,8 +179,8 @@ def timer(device: str):
 
         return cuda_time
 
-    def cpu_time(fn, reps=30):
-        for _ in range(3):
+    def cpu_time(fn, reps=30, warmup=3):
+        for _ in range(warmup):
             fn()
         times = []
         for _ in range(reps):

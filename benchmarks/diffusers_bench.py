@@ -51,10 +51,10 @@ in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), th
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -183,17 +183,6 @@ def pick(spec, known, what, substrings):
             raise SystemExit(f"unknown {what} {token!r}; known: {', '.join(known)}")
         chosen.update(found)
     return [k for k in known if k in chosen]
-
-
-def cpu_timer(fn, reps=5):
-    """Median ms of a few calls: on the CPU the rows are a smoke test, not a measurement."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def make_variant(label, model):
@@ -335,7 +324,8 @@ def main():
     device = args.device
     full = device == "cuda"
     dtype = torch.float16 if full else torch.float32
-    measure = timer(device) if full else cpu_timer
+    # On the CPU the rows are a smoke test, not a measurement: the median of a few calls.
+    measure = timer(device) if full else functools.partial(timer("cpu"), reps=5, warmup=1)
     card = torch.cuda.get_device_name() if full else "cpu"
     print(f"diffusers {diffusers.__version__} models on {card}, torch {torch.__version__}, {dtype}")
     if not full:
