@@ -28,6 +28,14 @@ the shapes above, read from the fake tensors Dynamo records (``node.meta["exampl
 a node without one is not fused). Steps out of this order end the chain: reordering would change
 the rounding. A norm with no step after it is left as it is.
 
+Before Inductor (the default inner backend), a chain is also left as it is when the norm's input
+is an elementwise op (add, sub, mul, div) that nothing else uses, on less than 8 MiB
+(``INDUCTOR_PROLOGUE_MAX_BYTES``): Inductor computes that op inside its own norm kernels, where
+the fused op would have it written to memory and read back. In the SD1.5 UNet these are the
+``conv(h) + temb`` adds before each ResnetBlock's second norm; measured on an H200 with CUDA
+graphs, fusing them cost 5% at batch 2 and leaving them cost 1% at batch 8, whose larger ones the
+rule fuses (docs/performance.md, "The fusion backend's rule").
+
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
 it reads the running statistics the norm updates (it would see them before the update), or when
 a node between it and the previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
@@ -49,7 +57,7 @@ from torch import fx, nn
 
 from .convert import module_activation
 
-__all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend"]
+__all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
 
 _SCALE, _SHIFT, _RESIDUAL, _ACT, _MULTIPLIER = range(5)
 
@@ -78,6 +86,12 @@ _MUTATING = {operator.setitem, operator.iadd, operator.isub, operator.imul, oper
              operator.irshift, operator.imatmul}
 _MUTATING_METHODS = {f"__{f.__name__}__" for f in _MUTATING}  # __setitem__, __iadd__, ...
 _RUNNING_STATS = {F.batch_norm, F.instance_norm, torch.batch_norm, torch.instance_norm}  # update buffers
+_ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div}
+_ELEMENTWISE_METHODS = {"add", "sub", "mul", "div"}
+# A chain whose input Inductor would compute inside its own norm kernels is left to it below this
+# size (docs/performance.md, "The fusion backend's rule"): at 8 MiB and over, the fused op wins
+# even though the input is then written and read back.
+INDUCTOR_PROLOGUE_MAX_BYTES = 8 * 2**20
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
@@ -262,7 +276,29 @@ def _running_stats_readers(gm: fx.GraphModule, norm: fx.Node, args: Dict[str, An
     return readers
 
 
-def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
+def _numel_hint(t: torch.Tensor) -> Optional[int]:
+    """t.numel(), read without adding a guard: a symbolic size's hint; None without one."""
+    n = t.numel()
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
+
+
+def _inductor_prologue(node: Any, source: torch.Tensor) -> bool:
+    """Whether the norm's input `node` is an out-of-place elementwise op with no other user, on
+    fewer than INDUCTOR_PROLOGUE_MAX_BYTES: Inductor computes such an op inside its own norm
+    kernels, and would have to write it out and read it back for the fused op."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return False
+    if not ((node.op == "call_function" and node.target in _ELEMENTWISE)
+            or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS)):
+        return False
+    numel = _numel_hint(source)
+    return numel is not None and numel * source.element_size() < INDUCTOR_PROLOGUE_MAX_BYTES
+
+
+def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) -> bool:
     norm = _norm(gm, node)
     ref = _value(node)
     if norm is None or ref is None or not ref.is_floating_point():
@@ -270,6 +306,8 @@ def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
     op, args = norm
     source = _value(args["input"])
     if source is None or source.dtype != ref.dtype:
+        return False
+    if leave_to_inductor and _inductor_prologue(args["input"], source):
         return False
     # The running-statistics update moves with the norm to where the chain ends: a read of the
     # statistics in between would see them before the update (the module docstring).
@@ -313,12 +351,15 @@ def _fuse(gm: fx.GraphModule, node: fx.Node) -> bool:
     return True
 
 
-def fuse_graph(gm: fx.GraphModule) -> int:
+def fuse_graph(gm: fx.GraphModule, leave_to_inductor: bool = False) -> int:
     """Rewrite, in place, every norm-plus-epilogue chain of a Dynamo-captured ``gm`` into one
-    fusednorm op (see the module docstring); returns how many were rewritten."""
+    fusednorm op (see the module docstring); returns how many were rewritten. With
+    ``leave_to_inductor``, a chain whose input is an elementwise op that only the norm uses, on
+    less than ``INDUCTOR_PROLOGUE_MAX_BYTES`` (8 MiB), is left as it is: Inductor, compiling the
+    graph next, computes that op inside its own norm kernels."""
     count = 0
     for node in list(gm.graph.nodes):
-        if _fuse(gm, node):  # (nodes erased by an earlier fusion are never norms)
+        if _fuse(gm, node, leave_to_inductor):  # (nodes erased by an earlier fusion are never norms)
             count += 1
     if count:
         gm.graph.lint()
@@ -349,7 +390,8 @@ def _inductor_config_patches(mode: Optional[str], options: Optional[Dict[str, An
 
 
 class FusionBackend:
-    """A Dynamo backend: :func:`fuse_graph`, then the inner backend. ``fusions`` lists the number
+    """A Dynamo backend: :func:`fuse_graph`, then the inner backend (with ``leave_to_inductor``
+    when that is Inductor, named ``"inductor"``). ``fusions`` lists the number
     of chains rewritten in each graph compiled so far (graphs whose compilation raised, as Dynamo's
     own restarts do, are not listed). ``mode`` / ``options`` (only with ``inner="inductor"``): see
     :func:`backend`; ``config_patches`` holds the Inductor config patches they make (None without
@@ -358,6 +400,7 @@ class FusionBackend:
     def __init__(self, inner: Any = "inductor", *, mode: Optional[str] = None,
                  options: Optional[Dict[str, Any]] = None):
         self.inner = inner
+        self.leave_to_inductor = isinstance(inner, str) and inner == "inductor"
         self.fusions: List[int] = []
         self.config_patches: Optional[Dict[str, Any]] = None
         if mode is not None or options is not None:
@@ -366,7 +409,7 @@ class FusionBackend:
             self.config_patches = _inductor_config_patches(mode, options)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
-        count = fuse_graph(gm)
+        count = fuse_graph(gm, leave_to_inductor=self.leave_to_inductor)
         if self.config_patches is not None:  # Inductor with torch.compile's mode / options
             from torch._inductor.compile_fx import compile_fx
 

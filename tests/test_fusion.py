@@ -203,6 +203,46 @@ def test_backend_accepts_a_callable_and_fuse_graph_counts():
     assert seen == [1]
 
 
+class Prologue(nn.Module):
+    """silu(group_norm(x + t)), t per channel: the UNet's conv(h) + temb before its second norm;
+    with `keep`, x + t is also returned (a second user)."""
+
+    def __init__(self, keep=False):
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, x, t):
+        s = x + t
+        y = F.silu(F.group_norm(s, 4, eps=1e-5))
+        return (y, s) if self.keep else y
+
+
+@pytest.mark.parametrize("shape, keep, fused", [
+    ((2, 8, 5, 6), False, 0),                    # small, the add used by the norm alone: Inductor's
+    ((2, 8, 5, 6), True, 1),                     # the add used twice: written out either way
+    ((2, 8, 512, 256), False, 1),                # 8 MiB of float32: the fused op
+])
+def test_leave_to_inductor_small_single_use_prologues(shape, keep, fused):
+    assert 2 * 8 * 512 * 256 * 4 == fusion.INDUCTOR_PROLOGUE_MAX_BYTES
+    counts = []
+
+    def inner(leave):
+        def compile_graph(gm, example_inputs):
+            counts.append((leave, fusion.fuse_graph(gm, leave_to_inductor=leave)))
+            return gm.forward
+        return compile_graph
+
+    module = Prologue(keep)
+    x, t = torch.randn(shape), torch.randn(shape[0], shape[1], 1, 1)
+    for leave in (True, False):
+        torch._dynamo.reset()
+        got = torch.compile(module, backend=inner(leave), dynamic=False)(x, t)
+        torch.testing.assert_close(got, module(x, t))
+    assert counts == [(True, fused), (False, 1)]
+    assert fusion.backend().leave_to_inductor and fusion.backend(mode="default").leave_to_inductor
+    assert not fusion.backend("aot_eager").leave_to_inductor and not fusion.backend(inner(True)).leave_to_inductor
+
+
 @pytest.mark.parametrize("how", ["backend", "torch.compile"])
 def test_inductor_mode_and_options_reach_compile_fx(how, monkeypatch):
     # backend(mode=..., options=...) compiles with Inductor's compile_fx under the config patches
