@@ -70,17 +70,21 @@ constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the dri
 // Team path (docs/design.md, "Team path"): two CTAs of 512 threads an SM (while one computes or
 // waits at its barrier, the other's copies keep the SM's DRAM traffic going), each holding at
 // most kTeamCtaBytes of the group (two in the 227 KB of an SM). By default the team forward takes
-// ChannelsFirst groups of at least kTeamMinBytes of x, or over kOnePassMaxBytes with their
-// operands. Measured on an H100 (benchmarks/compare_paths.py): faster than the one-pass kernels
-// from the UNet's 40 KB groups ((8,640,32,32) float16: 0.0238 against 0.0250 ms) through the
-// attention block's 128 KB (0.082 against 0.107) and the 1 MB of the InstanceNorm problem (6.02
-// against 6.89 ms, clusters of 16); slower where the register kernel takes the group (20-32 KB:
-// (2,1280,16,16) 0.0135 against 0.0099). The team backward takes the groups the one-CTA backward
-// cannot.
+// the ChannelsFirst groups over kOnePassMaxBytes with their operands, and those over kTeamMinBytes
+// of x, except fewer groups than half the SMs under kTeamFewGroupsMaxBytes, which the one-pass
+// clusters spread over the GPU better. Measured on an H200 (docs/design.md, "Team or one-pass"),
+// team against the one-pass kernels: slower on every group of 40-128 KB (UNet (32,640,32,32)
+// float16 0.055 against 0.045 ms, attention (16,512,4096) bfloat16 0.078 against 0.071), and on
+// 160 KB in 32 groups (0.0171 against 0.0156); faster from 160 KB in 128 groups and more
+// ((4,640,64,64) 0.030 against 0.034) and on the VAE's 512 KB - 1 MB groups (0.025 against
+// 0.028). Without clusters (before sm_90) a one-pass group has one CTA, and the team path keeps
+// groups from kTeamMinBytesNoClusters (H100-era measurements in the same section).
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
 constexpr int64_t kTeamCtaBytes = 108 * 1024;
-constexpr int64_t kTeamMinBytes = 36 * 1024;
+constexpr int64_t kTeamMinBytes = 128 * 1024;
+constexpr int64_t kTeamFewGroupsMaxBytes = 512 * 1024;
+constexpr int64_t kTeamMinBytesNoClusters = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
 // docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
 // next chunk into L2, so that the DRAM has work while the team synchronises. On an H100, with
@@ -250,7 +254,15 @@ bool team_forward(const Ctx& c, Plan& pl) {
   if (mode != 1) {
     const int64_t x_bytes = c.len * p.elem_bytes;
     const int64_t bytes = c.forward_streams() * x_bytes;
-    if (c.forced ? bytes <= c.max_bytes : bytes <= kOnePassMaxBytes && x_bytes < kTeamMinBytes) return false;
+    if (c.forced) {
+      if (bytes <= c.max_bytes) return false;
+    } else if (bytes <= kOnePassMaxBytes) {
+      const bool few_groups = 2 * c.items < c.dev.sms;
+      if (c.dev.major < 9 ? x_bytes < kTeamMinBytesNoClusters
+                          : x_bytes <= kTeamMinBytes || (few_groups && x_bytes < kTeamFewGroupsMaxBytes)) {
+        return false;
+      }
+    }
   }
   if (!plan_team(c, c.len / c.V, static_cast<int64_t>(c.V) * p.elem_bytes, /*backward=*/false, pl)) return false;
   pl.path = Path::Team;

@@ -43,13 +43,13 @@ ROWS = [
         forward='path=team teams=26 team_size=10 chunk=6554 smem=104864 prefetch=0 replicas=1 ctas=260',
         backward='path=team teams=13 team_size=20 chunk=3277 smem=104864 prefetch=1638 replicas=16 ctas=260'),
     Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=64 team_size=4 chunk=1280 smem=20480 prefetch=0 replicas=1 ctas=256',
+        forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
         backward='path=team teams=64 team_size=4 chunk=1280 smem=40960 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
     Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
         forward='path=split split=128 tiles=256 cols_act_kernel=1',
         backward='path=split split=128 tiles=256 param_grad_parts=4'),
     Row('SD UNet GN+SiLU b2', (2, 640, 32, 32), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=64 team_size=4 chunk=640 smem=10240 prefetch=0 replicas=1 ctas=256',
+        forward='path=cluster cluster=2 chunk=1280 smem=20480 ctas=128',
         backward='path=team teams=64 team_size=4 chunk=640 smem=20480 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
     Row('SD UNet GN+SiLU b2', (2, 640, 32, 32), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
         forward='path=cols_shared span=1 pack_bytes=8 smem=40960 ctas=64 buffer_packs=0',
@@ -67,13 +67,13 @@ ROWS = [
         forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=64',
         backward='path=split split=8 tiles=16 param_grad_parts=1'),
     Row('SD UNet GN+SiLU b8', (8, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=256 team_size=1 chunk=5120 smem=81920 prefetch=0 replicas=1 ctas=256',
+        forward='path=cluster cluster=2 chunk=2560 smem=40960 ctas=512',
         backward='path=one_cta threads=512 smem=163840 ctas=256 log_seg=8 param_grad_parts=1'),
     Row('SD UNet GN+SiLU b8', (8, 320, 64, 64), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
         forward='path=cols_shared span=2 pack_bytes=4 smem=163840 ctas=128 buffer_packs=0',
         backward='path=split split=64 tiles=512 param_grad_parts=8'),
     Row('SD UNet GN+SiLU b8', (8, 640, 32, 32), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=256 team_size=1 chunk=2560 smem=40960 prefetch=0 replicas=1 ctas=256',
+        forward='path=shared cluster=1 chunk=2560 smem=40960 ctas=256',
         backward='path=one_cta threads=512 smem=81920 ctas=256 log_seg=7 param_grad_parts=1'),
     Row('SD UNet GN+SiLU b8', (8, 640, 32, 32), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
         forward='path=cols_shared span=1 pack_bytes=8 smem=40960 ctas=256 buffer_packs=0',
@@ -103,7 +103,7 @@ ROWS = [
         forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
         backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
     Row('Attention GN', (16, 512, 4096), 32, BF16, channels_last=False, activation=None, operands=(), affine=True,
-        forward='path=team teams=132 team_size=2 chunk=4096 smem=65536 prefetch=0 replicas=1 ctas=264',
+        forward='path=cluster cluster=2 chunk=4096 smem=65536 ctas=1024',
         backward='path=team teams=88 team_size=3 chunk=2731 smem=87392 prefetch=0 replicas=3 ctas=264 param_grad_parts=1'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
@@ -112,7 +112,7 @@ ROWS = [
         forward='path=split split=1056 tiles=2112',
         backward='path=split split=256 tiles=512 param_grad_parts=8'),
     Row('SD AdaGN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
-        forward='path=team teams=64 team_size=4 chunk=1280 smem=20480 prefetch=0 replicas=1 ctas=256',
+        forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
         backward='path=team teams=64 team_size=4 chunk=1280 smem=40960 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
     Row('SD AdaGN+SiLU b2', (2, 1280, 16, 16), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
         forward='path=registers packs=4 extra_streams=0 threads=320 late=0 ctas=64',
@@ -165,7 +165,8 @@ def test_benchmark_shapes_plans(row):
 
 def test_every_path_is_planned_for_some_benchmark_shape():
     paths = {p.split()[0] for row in ROWS for p in (row.forward, row.backward)}
-    assert paths == {"path=" + p for p in ("team", "registers", "one_cta", "split", "cols_shared")}
+    assert paths == {"path=" + p for p in ("team", "registers", "shared", "cluster", "one_cta", "split",
+                                            "cols_shared")}
 
 
 def _set(monkeypatch, env):
@@ -178,17 +179,17 @@ def _path(plan):
     return plan.split()[0][len("path="):]
 
 
-# One shape a path takes by default: (2, 1280, 8, 8) float16 in registers forward and one CTA
-# backward, (8, 320, 64, 64) float16 on the team forward, (2, 32, 128, 128, 128) float32 on teams
-# of 88 CTAs.
+# Two shapes every path can take: (2, 1280, 8, 8) float16, by default in registers forward and one
+# CTA backward, and (8, 320, 64, 64) float16, by default on clusters of 2 CTAs forward and one CTA
+# backward.
 SMALL = ROWS[[r.shape for r in ROWS].index((2, 1280, 8, 8))]
-TEAM = ROWS[[r.shape for r in ROWS].index((8, 320, 64, 64))]
+MEDIUM = ROWS[[r.shape for r in ROWS].index((8, 320, 64, 64))]
 
 
 @pytest.mark.parametrize("path", list(TEST_PATHS))
 def test_overrides_force_each_test_path(path, monkeypatch):
     _set(monkeypatch, TEST_PATHS[path])
-    for row in (SMALL, TEAM):
+    for row in (SMALL, MEDIUM):
         forward, backward = plan_of(row, False), plan_of(row, True)
         if path == "one_pass":
             assert _path(forward) in ("registers", "shared", "cluster"), forward
@@ -218,21 +219,21 @@ def test_overrides_are_read_once_until_reloaded(monkeypatch):
 
 
 def test_selected_sets_and_restores_the_overrides():
-    default = plan_of(TEAM, False)
+    default = plan_of(MEDIUM, False)
     with kernel_paths.selected("split"):
-        assert _path(plan_of(TEAM, False)) == "split"
-    assert plan_of(TEAM, False) == default
+        assert _path(plan_of(MEDIUM, False)) == "split"
+    assert plan_of(MEDIUM, False) == default
 
 
 def test_tuning_knobs_are_ignored_by_a_default_build(monkeypatch):
     if kernel_paths.tuning_knobs_compiled():
         pytest.skip("built with FUSEDNORM_TUNING_KNOBS")
-    default = (plan_of(TEAM, False), plan_of(TEAM, True), plan_of(SMALL, True))
+    default = (plan_of(MEDIUM, False), plan_of(MEDIUM, True), plan_of(SMALL, True))
     _set(monkeypatch, {"FUSEDNORM_TEAM_CTA_KB": "16", "FUSEDNORM_BACKWARD_THREADS": "512",
                        "FUSEDNORM_ONE_PASS_MAX_CLUSTER": "1", "FUSEDNORM_COLS_ACT_KERNEL": "0"})
     assert set(TUNING_KNOBS) == {"FUSEDNORM_TEAM_CTA_KB", "FUSEDNORM_BACKWARD_THREADS",
                                  "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_COLS_ACT_KERNEL"}
-    assert (plan_of(TEAM, False), plan_of(TEAM, True), plan_of(SMALL, True)) == default
+    assert (plan_of(MEDIUM, False), plan_of(MEDIUM, True), plan_of(SMALL, True)) == default
 
 
 def test_team_knobs_size_the_grid(monkeypatch):
@@ -265,7 +266,7 @@ def test_double_takes_the_split_passes():
 def test_plan_without_device_is_an_h200s_where_no_gpu():
     if torch.cuda.is_available():
         pytest.skip("plans for the visible GPU")
-    assert kernel_paths.plan(TEAM.shape, 32, F16, activation="silu") == TEAM.forward
+    assert kernel_paths.plan(MEDIUM.shape, 32, F16, activation="silu") == MEDIUM.forward
 
 
 def test_plan_rejects_bad_arguments():
