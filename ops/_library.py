@@ -2,6 +2,7 @@
 
 import glob
 import os
+import warnings
 
 import torch
 
@@ -20,6 +21,18 @@ def _base_version(v: str) -> str:
     return v.split("+")[0]
 
 
+def _warn_if_compile_check() -> None:
+    try:
+        from ._build_info import CUDA_COMPILE_CHECK as check
+    except ImportError:
+        return
+    if check and torch.cuda.is_available():
+        warnings.warn(
+            "fusednorm was built as a CUDA compile check (FUSEDNORM_CUDA_COMPILE_CHECK=1): its CUDA "
+            "kernels are unoptimised PTX, slow on a GPU; rebuild without it (docs/install.md, "
+            "'Compile check')", RuntimeWarning, stacklevel=3)
+
+
 def load() -> None:
     path = library_path()
     try:
@@ -32,6 +45,7 @@ def load() -> None:
             f"installed; the native library only works with the torch it was built for: rebuild "
             f"it ({_BUILD_HINT})"
         )
+    _warn_if_compile_check()
     try:
         torch.ops.load_library(path)
     except OSError as e:

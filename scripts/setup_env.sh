@@ -14,12 +14,14 @@
 # full log is build/pip-install.log, whose tail is printed if the build fails.
 #
 # On a machine without a GPU, CUDA code is compiled for one architecture (sm_90) unless
-# TORCH_CUDA_ARCH_LIST says otherwise: the kernels cannot run there, so the compile only checks
-# that they build, and each further architecture adds minutes on few cores.
+# TORCH_CUDA_ARCH_LIST says otherwise, and to PTX without optimisation
+# (FUSEDNORM_CUDA_COMPILE_CHECK=1, docs/install.md "Compile check"): the kernels cannot run there,
+# so the compile only checks that they build, and each further architecture adds minutes on few
+# cores.
 #
 # Knobs: FUSEDNORM_PYTHON (default python3), FUSEDNORM_VENV (default .venv), FUSEDNORM_TORCH, FUSEDNORM_EXTRA_PIP (more packages to
 # install beside torch), MAX_JOBS (default: all cores),
-# TORCH_CUDA_ARCH_LIST, FUSEDNORM_CUDA (0: CPU-only build), FUSEDNORM_REBUILD (1: build even if
+# TORCH_CUDA_ARCH_LIST, FUSEDNORM_CUDA (0: CPU-only build), FUSEDNORM_CUDA_COMPILE_CHECK, FUSEDNORM_REBUILD (1: build even if
 # the stamp matches).
 set -euo pipefail
 
@@ -89,8 +91,8 @@ fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && [ "${FUSEDNORM_CUDA:-}" != 0 ] \
     && python -c "import sys, torch; sys.exit(0 if torch.version.cuda and not torch.cuda.is_available() else 1)"; then
-  export TORCH_CUDA_ARCH_LIST=9.0
-  echo "== no GPU visible: CUDA code compiled for sm_90 only, as a compile check (set TORCH_CUDA_ARCH_LIST for others)"
+  export TORCH_CUDA_ARCH_LIST=9.0 FUSEDNORM_CUDA_COMPILE_CHECK="${FUSEDNORM_CUDA_COMPILE_CHECK:-1}"
+  echo "== no GPU visible: CUDA code compiled for sm_90 only, to PTX without optimisation, as a compile check (set TORCH_CUDA_ARCH_LIST for others, FUSEDNORM_CUDA_COMPILE_CHECK=0 for machine code)"
 fi
 
 # What the build depends on: the native sources and build files, the torch it is built against,
@@ -106,7 +108,7 @@ for path in files:
         h.update(path.encode() + b"\0")
         with open(path, "rb") as f:
             h.update(f.read())
-knobs = ("FUSEDNORM_CUDA", "TORCH_CUDA_ARCH_LIST", "FUSEDNORM_CPU_CAPABILITY", "CXX", "CC", "CUDA_HOME")
+knobs = ("FUSEDNORM_CUDA", "FUSEDNORM_CUDA_COMPILE_CHECK", "TORCH_CUDA_ARCH_LIST", "FUSEDNORM_CPU_CAPABILITY", "CXX", "CC", "CUDA_HOME")
 h.update(repr([sys.executable, torch.__version__, torch.version.cuda,
                [(k, os.environ.get(k)) for k in knobs]]).encode())
 print(h.hexdigest())

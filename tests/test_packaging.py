@@ -253,6 +253,18 @@ def test_visible_gpu_arch_list():
     assert SETUP.visible_gpu_arch_list([(8, 9)], set()) == "8.9+PTX"
 
 
+def test_compile_check_gencode():
+    """FUSEDNORM_CUDA_COMPILE_CHECK=1: PTX alone of each listed architecture (no machine code,
+    so no ptxas), whatever the +PTX suffix says; anything but numbers is refused."""
+    assert SETUP.compile_check_gencode("9.0") == ["-gencode=arch=compute_90,code=compute_90"]
+    assert SETUP.compile_check_gencode("7.5;12.0+PTX") == [
+        "-gencode=arch=compute_75,code=compute_75", "-gencode=arch=compute_120,code=compute_120"]
+    assert SETUP.compile_check_gencode(" 8.0 9.0 ") == [
+        "-gencode=arch=compute_80,code=compute_80", "-gencode=arch=compute_90,code=compute_90"]
+    with pytest.raises(SystemExit, match="not 'Hopper'"):
+        SETUP.compile_check_gencode("8.0;Hopper")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or torch.version.cuda is None,
                     reason="needs nvcc and a CUDA torch")
 def test_default_arch_list_of_this_machine_compiles(tmp_path, monkeypatch):
