@@ -1,6 +1,7 @@
 #include "group_norm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 namespace fusednorm {
 namespace {

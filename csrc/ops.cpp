@@ -18,8 +18,17 @@
 //   group_norm     F.group_norm semantics, plus the optional epilogue keywords
 //   instance_norm  F.instance_norm semantics, running statistics updated in place, plus the
 //                  optional epilogue keywords
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/leaky_relu.h>
+#include <ATen/ops/mish.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/var.h>
 #include <torch/library.h>
 
 #include "group_norm.h"

@@ -3,7 +3,7 @@
 // FUSEDNORM_* overrides again. Both take no tensor, so they are registered for
 // CompositeExplicitAutograd, the kernel a call with no dispatch key reaches: they run in every
 // build, CPU-only ones included.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "group_norm.h"
