@@ -78,7 +78,7 @@ constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the dri
 // 160 KB in 32 groups (0.0171 against 0.0156); faster from 160 KB in 128 groups and more
 // ((4,640,64,64) 0.030 against 0.034) and on the VAE's 512 KB - 1 MB groups (0.025 against
 // 0.028). Without clusters (before sm_90) a one-pass group has one CTA, and the team path keeps
-// groups from kTeamMinBytesNoClusters (H100-era measurements in the same section).
+// groups from kTeamMinBytesNoClusters (the earlier threshold, set on an H100: same section).
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
 constexpr int64_t kTeamCtaBytes = 108 * 1024;

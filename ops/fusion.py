@@ -33,7 +33,7 @@ is an elementwise op (add, sub, mul, div) that nothing else uses, on less than 8
 (``INDUCTOR_PROLOGUE_MAX_BYTES``): Inductor computes that op inside its own norm kernels, where
 the fused op would have it written to memory and read back. In the SD1.5 UNet these are the
 ``conv(h) + temb`` adds before each ResnetBlock's second norm; measured on an H200 with CUDA
-graphs, fusing them cost 5% at batch 2 and leaving them cost 1% at batch 8, whose larger ones the
+graphs, fusing them cost 5% at batch 2 and leaving them all cost 1.5% at batch 8, whose larger ones the
 rule fuses (docs/performance.md, "The fusion backend's rule").
 
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
