@@ -86,6 +86,17 @@ constexpr int64_t kTeamMinBytes = 128 * 1024;
 constexpr int64_t kTeamFewGroupsMaxBytes = 512 * 1024;
 constexpr int64_t kTeamMinBytesNoClusters = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
+// Sweep path (docs/design.md, "Sweep path"): tiles of kSweepTileBytes of a group, a CTA each. By
+// default it takes the ChannelsFirst float16 / bfloat16 groups of kSweepMinBytes of x and more.
+// Measured on an H200 against the team path (GN+SiLU unless said): the video VAE's 10 MB groups
+// (1,128,20,256,256) bfloat16 0.266 against 0.318 ms, float16 0.263 against 0.292, its 7 MB ones
+// (1,512,16,90,160) 0.203 against 0.223, the VAE's 8 MB (1,128,1024,1024) bfloat16 0.216 against
+// 0.236 and float16 with GELU and a multiplier 0.288 against 0.334, but float16 with SiLU 0.215
+// against 0.210; 1-2 MB groups lost up to 11% ((2,128,512,512) float16), float32 8 MB groups
+// 1-8% (the GroupNorm problem 5.30 against 5.25 ms, InstanceNorm3d 0.399 against 0.369).
+constexpr int64_t kPackBytes = 16;
+constexpr int64_t kSweepTileBytes = 256 * 1024;
+constexpr int64_t kSweepMinBytes = 4 << 20;
 // docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
 // next chunk into L2, so that the DRAM has work while the team synchronises. On an H100, with
 // three teams of 88 CTAs (the GroupNorm problem) the barrier's wait cost 1.3 ms of 6.9; 3/8 gave
@@ -153,6 +164,7 @@ Overrides read_overrides() {
   o.registers_late = read_int("FUSEDNORM_REGISTERS_LATE");
   o.team_forward = read_int("FUSEDNORM_TEAM_FORWARD");
   o.team_backward = read_int("FUSEDNORM_TEAM_BACKWARD");
+  o.sweep_forward = read_int("FUSEDNORM_SWEEP_FORWARD");
   o.team_prefetch = read_int("FUSEDNORM_TEAM_PREFETCH");
   o.team_replicas = read_int("FUSEDNORM_TEAM_REPLICAS");
   o.param_grad_parts = read_int("FUSEDNORM_PARAM_GRAD_PARTS");
@@ -243,6 +255,31 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
       : backward ? kTeamBackwardPrefetchEighths : kTeamPrefetchEighths;
   pl.prefetch = chunk * eighths / 8;
   pl.grid = teams * team_size;
+  return true;
+}
+
+// The sweep forward (docs/design.md, "Sweep path"): 16-bit ChannelsFirst groups of kSweepMinBytes
+// and more, where the team forward's barriers cost more than the sweeps' second read of x.
+bool sweep_forward(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  const int64_t mode = c.o.sweep_forward;
+  if (c.V == 1 || mode == 0 || p.channels_last || c.items == 0 || c.len == 0) return false;
+  if (c.len % c.V != 0 || !p.aligned) return false;
+  // A pack's elements share their coefficients (the output loop's channel segments), and offsets
+  // within a group are 32-bit.
+  if (!(p.S % c.V == 0 || c.uniform_channels()) || c.len / c.V >= (int64_t(1) << 31)) return false;
+  // A forced one-pass limit (FUSEDNORM_ONE_PASS_MAX_BYTES) keeps the one-pass, team and split
+  // paths it selects for the tests.
+  if (mode != 1 && (c.forced || p.elem_bytes != 2 || c.len * p.elem_bytes < kSweepMinBytes)) return false;
+  const int64_t lenv = c.len / c.V;
+  Tiling t;
+  t.split = ceil_div(lenv, kSweepTileBytes / kPackBytes);
+  t.chunk = ceil_div(lenv, t.split);
+  t.split = ceil_div(lenv, t.chunk);
+  t.tiles = c.items * t.split;
+  if (t.tiles > std::numeric_limits<int32_t>::max()) return false;
+  pl.path = Path::Sweep;
+  pl.reduce = t;
   return true;
 }
 
@@ -502,6 +539,7 @@ std::string Overrides::to_string() const {
   field("registers_late", registers_late);
   field("team_forward", team_forward);
   field("team_backward", team_backward);
+  field("sweep_forward", sweep_forward);
   field("team_prefetch", team_prefetch);
   field("team_replicas", team_replicas);
   field("param_grad_parts", param_grad_parts);
@@ -558,6 +596,7 @@ const char* path_name(Path p) {
     case Path::ColsShared: return "cols_shared";
     case Path::Team: return "team";
     case Path::OneCta: return "one_cta";
+    case Path::Sweep: return "sweep";
   }
   return "?";
 }
@@ -585,6 +624,9 @@ std::string Plan::to_string() const {
     case Path::OneCta:
       s << " threads=" << threads << " smem=" << smem << " ctas=" << grid << " log_seg=" << log_seg;
       break;
+    case Path::Sweep:
+      s << " split=" << reduce.split << " tiles=" << reduce.tiles;
+      break;
     case Path::Split:
       if (reduce.tiles > 1 || reduce.split > 1) s << " split=" << reduce.split << " tiles=" << reduce.tiles;
       if (cols_act_kernel) s << " cols_act_kernel=1";
@@ -597,7 +639,7 @@ std::string Plan::to_string() const {
 Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
   const Ctx c(p, dev, res, o);
   Plan pl;
-  if (team_forward(c, pl) || one_pass_forward(c, pl)) return pl;
+  if (sweep_forward(c, pl) || team_forward(c, pl) || one_pass_forward(c, pl)) return pl;
   pl = Plan{};
   pl.reduce = plan_reduce(p, /*grads=*/false, dev.sms).t;
   // The channels-last (or S == 1) apply pass of an epilogue with neither residual nor multiplier

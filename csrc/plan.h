@@ -35,6 +35,7 @@ struct Overrides {
   int64_t registers_late = kUnset;      // 0: the register forward without parameters loads operands early
   int64_t team_forward = kUnset;        // 0: off, 1: every group the team kernel can take
   int64_t team_backward = kUnset;       // the same for the backward
+  int64_t sweep_forward = kUnset;       // 0: off, 1: every group the sweep kernels can take
   int64_t team_prefetch = kUnset;       // k / 8 of the next chunk prefetched into L2 (0..8)
   int64_t team_replicas = kUnset;       // team backward: copies of each CTA's partials (1..16)
   int64_t param_grad_parts = kUnset;    // CTAs of the parameter-gradient cluster (1..8)
@@ -133,6 +134,7 @@ enum class Path {
   ColsShared,     // forward, channels-last groups in shared memory ("Channels-last one-pass")
   Team,           // either direction, a team of persistent CTAs shares a group ("Team path")
   OneCta,         // backward, one CTA a group in shared memory ("One-CTA backward")
+  Sweep,          // forward, two balanced sweeps of a persistent grid ("Sweep path")
 };
 
 const char* path_name(Path p);

@@ -6,7 +6,7 @@ docs/design.md, "Kernel overrides"); after changing them in ``os.environ``, call
 :func:`reload_overrides` (:func:`selected` does). Unset, each picks the planner's default.
 
 The named paths are the ones the tests run every kernel on (TEST_PATHS: the one-pass kernels with
-a small group in registers or in shared memory, the split passes, the team kernels), the
+a small group in registers or in shared memory, the split passes, the team and the sweep kernels), the
 compute-sanitizer cases run, and tools/compare_paths.py times (PATHS, a superset). One list
 here, so that a new knob reaches all three.
 """
@@ -26,6 +26,7 @@ TEST_KNOBS = (
     "FUSEDNORM_REGISTERS_LATE",        # 0: register forward without parameters holds its operands with x
     "FUSEDNORM_TEAM_FORWARD",          # 0: off, 1: every group
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
+    "FUSEDNORM_SWEEP_FORWARD",         # 0: off, 1: every group
     "FUSEDNORM_TEAM_PREFETCH",         # team kernels: k / 8 of the next chunk into L2 before a barrier wait (0: off)
     "FUSEDNORM_TEAM_REPLICAS",         # team backward: copies of each CTA's partials (1-16)
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
@@ -54,12 +55,14 @@ TEST_PATHS = {
     # where the default takes one.
     "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **_TEAM_OFF, "FUSEDNORM_PARAM_GRAD_PARTS": "8"},
     "team": _TEAM_ON,
+    "sweep": {"FUSEDNORM_SWEEP_FORWARD": "1"},
 }
 
 PATHS = {
     "default": {},
     **TEST_PATHS,
     "noteam": _TEAM_OFF,  # the default without the team kernels
+    "nosweep": {"FUSEDNORM_SWEEP_FORWARD": "0"},  # the default without the sweep kernels
     "team64": {**_TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},  # tuning build only
     "team_prefetch": {**_TEAM_ON, "FUSEDNORM_TEAM_PREFETCH": "8"},  # the team kernels, every chunk prefetched whole
     "prefetch0": {"FUSEDNORM_TEAM_PREFETCH": "0"},  # the default without the team kernels' L2 prefetch

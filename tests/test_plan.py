@@ -100,7 +100,7 @@ ROWS = [
         forward='path=team teams=32 team_size=8 chunk=4096 smem=65536 prefetch=0 replicas=1 ctas=256',
         backward='path=team teams=16 team_size=16 chunk=2048 smem=65536 prefetch=1024 replicas=16 ctas=256 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 1024, 1024), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
+        forward='path=sweep split=32 tiles=1024',
         backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
     Row('Attention GN', (16, 512, 4096), 32, BF16, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=cluster cluster=2 chunk=4096 smem=65536 ctas=1024',
@@ -124,10 +124,10 @@ ROWS = [
         forward='path=registers packs=4 extra_streams=1 threads=512 late=1 ctas=1024',
         backward='path=one_cta threads=512 smem=98304 ctas=1024 log_seg=0'),
     Row('video VAE GN+SiLU', (1, 128, 20, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=2 team_size=132 chunk=4965 smem=79440 prefetch=1861 replicas=1 ctas=264',
+        forward='path=sweep split=40 tiles=1280',
         backward='path=team teams=1 team_size=264 chunk=2483 smem=79456 prefetch=1241 replicas=16 ctas=264 param_grad_parts=1'),
     Row('video VAE GN+SiLU', (1, 512, 16, 90, 160), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5237 smem=83792 prefetch=1963 replicas=1 ctas=264',
+        forward='path=sweep split=29 tiles=928',
         backward='path=team teams=1 team_size=264 chunk=1746 smem=55872 prefetch=873 replicas=16 ctas=264 param_grad_parts=1'),
     Row('rows of 8192', (1024, 1, 1, 8192), 1, F32, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=registers packs=4 extra_streams=0 threads=512 late=0 ctas=1024',
@@ -166,7 +166,32 @@ def test_benchmark_shapes_plans(row):
 def test_every_path_is_planned_for_some_benchmark_shape():
     paths = {p.split()[0] for row in ROWS for p in (row.forward, row.backward)}
     assert paths == {"path=" + p for p in ("team", "registers", "shared", "cluster", "one_cta", "split",
-                                            "cols_shared")}
+                                            "cols_shared", "sweep")}
+
+
+def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeypatch):
+    """docs/design.md, "Sweep path": the planner's rule and its overrides."""
+    def forward(shape, dtype, **kw):
+        return _path(kernel_paths.plan(shape, 32, dtype, activation="silu", **kw))
+    assert forward((1, 128, 64, 32, 256), torch.bfloat16) == "sweep"  # 4 MB groups
+    assert forward((1, 128, 64, 32, 255), torch.bfloat16) == "team"   # just under 4 MB
+    assert forward((1, 128, 64, 32, 256), torch.float32) == "team"    # 8 MB, float32
+    assert forward((1, 128, 20, 256, 256), torch.half, channels_last=True) != "sweep"
+    # Groups of two channels of 2 * 1024 * 1024 + 4 elements: packs of 8 straddle the channels,
+    # which only a group without per-channel parameters allows.
+    assert forward((1, 64, 2, 1024 * 1024 + 2), torch.half) == "team"
+    assert forward((1, 64, 2, 1024 * 1024 + 2), torch.half, affine=False) == "sweep"
+    # The residual and multiplier ride along (the output sweep's operand kernel).
+    assert forward((1, 128, 20, 256, 256), torch.bfloat16, operands=True) == "sweep"
+    _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "0"})
+    assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"
+    _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "1"})
+    assert forward((2, 64, 8, 8), torch.float32) == "sweep"  # any group, forced
+    plan = kernel_paths.plan((2, 64, 8, 8), 32, torch.float32)
+    assert plan == "path=sweep split=1 tiles=64", plan
+    _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "", "FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
+    # A forced one-pass limit keeps the paths the tests select with it.
+    assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"
 
 
 def _set(monkeypatch, env):
@@ -200,6 +225,9 @@ def test_overrides_force_each_test_path(path, monkeypatch):
         elif path == "split":
             assert _path(forward) == "split", forward
             assert _path(backward) == "split" and backward.endswith("param_grad_parts=8"), backward
+        elif path == "sweep":
+            assert _path(forward) == "sweep", forward
+            assert _path(backward) == "one_cta", backward  # the default's: no sweep backward
         else:
             assert _path(forward) == "team" and _path(backward) == "team", (forward, backward)
 

@@ -55,6 +55,12 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 template <typename scalar_t>
 int team_residency(Activation act, bool backward, int keep, int64_t smem);
 
+// Sweep forward: path Sweep (kernels/<dtype>_sweep.cu).
+template <typename scalar_t>
+void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd);
+
 // Split passes: path Split, both directions (kernels/<dtype>_split.cu). The backward runs from the
 // reduce pass on: dx, grad_residual, grad_multiplier and the parameter gradients `mask` asks for.
 template <typename scalar_t>

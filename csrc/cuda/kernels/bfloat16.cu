@@ -5,3 +5,4 @@
 #include "cuda/kernels/bfloat16_cols_one_pass.cu"
 #include "cuda/kernels/bfloat16_team.cu"
 #include "cuda/kernels/bfloat16_split.cu"
+#include "cuda/kernels/bfloat16_sweep.cu"

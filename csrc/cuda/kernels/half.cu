@@ -5,3 +5,4 @@
 #include "cuda/kernels/half_cols_one_pass.cu"
 #include "cuda/kernels/half_team.cu"
 #include "cuda/kernels/half_split.cu"
+#include "cuda/kernels/half_sweep.cu"

@@ -1,0 +1,241 @@
+// The sweep forward, for 16-bit ChannelsFirst groups of 4 MB and more (docs/design.md, "Sweep path"): the
+// split passes' design (x read twice) in two launches of streaming kernels, with no barrier:
+//   1. the moments sweep: each CTA takes one tile (a chunk of a group) and writes its count, mean
+//      and M2 of x - K (K the group's first element; a second pass over the tile where M2 lost its
+//      digits, as the team forward does);
+//   2. the output sweep: each CTA takes one tile, merges its group's tile moments in one fixed
+//      order (every CTA gets the same bits; the group's first tile writes its mean and rstd) and
+//      writes y through OnePassOutput's epilogue, one channel's coefficients at a time.
+// Tiles of kSweepTileBytes, many more than the resident CTAs, so that the block scheduler keeps
+// every SM streaming to the end: one contiguous range a CTA (a persistent grid) ran 10% slower
+// on the video-VAE row, the SMs' unequal shares of the DRAM bandwidth then setting the pace.
+
+#pragma once
+
+#include "cuda/common/base.cuh"
+#include "cuda/common/epilogue_math.cuh"
+#include "cuda/common/host.cuh"
+#include "cuda/group_norm_one_pass.cuh"
+#include "cuda/group_norm_team.cuh"
+#include "cuda/paths.h"
+#include "plan.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <cstring>
+#include <limits>
+
+namespace fusednorm {
+namespace {
+
+// team_fold's CTA width: the output sweep folds a group's tile moments with it.
+constexpr int kSweepThreads = kTeamThreads;
+// Packs each thread loads before using any: with three CTAs an SM (moments) or two (output), 64-96
+// KB in flight an SM.
+constexpr int kSweepUnroll = 4;
+
+template <typename scalar_t>
+struct SweepArgs {
+  using acc_t = acc_type<scalar_t>;
+  OnePassArgs<scalar_t> op;  // op.chunk and op.cluster unused
+  acc_t* part;               // 3 per tile (count, mean, M2), tile g * split + k
+  int64_t lenv;              // packs a group
+  int64_t chunk;             // packs a tile
+  int split;                 // tiles a group
+};
+
+// One 16-byte pack from global memory in one load.
+template <typename P>
+__device__ __forceinline__ P global_pack(const P* p) {
+  const uint4 bits = __ldg(reinterpret_cast<const uint4*>(p));
+  P out;
+  memcpy(&out, &bits, sizeof(P));
+  return out;
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_kernel(const __grid_constant__ SweepArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  __shared__ acc_t red[kSweepThreads / kWarp];
+  const OnePassArgs<scalar_t>& o = a.op;
+  const int64_t t = blockIdx.x;
+  const int64_t g = div_nn(t, a.split);
+  const int64_t k = t - g * a.split;
+  const int64_t v0 = g * a.lenv + k * a.chunk;
+  const int64_t v1 = g * a.lenv + imin(a.lenv, (k + 1) * a.chunk);
+  const P* xg = reinterpret_cast<const P*>(o.x);
+  const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
+  acc_t s1 = acc_t(0), s2 = acc_t(0);
+  for (int64_t v = v0 + threadIdx.x; v < v1; v += kSweepUnroll * kSweepThreads) {
+    uint4 xw[kSweepUnroll];
+#pragma unroll
+    for (int u = 0; u < kSweepUnroll; ++u) {
+      if (v + u * kSweepThreads < v1) xw[u] = __ldg(reinterpret_cast<const uint4*>(xg + v + u * kSweepThreads));
+    }
+#pragma unroll
+    for (int u = 0; u < kSweepUnroll; ++u) {
+      if (v + u * kSweepThreads < v1) {
+        P xp;
+        memcpy(&xp, &xw[u], sizeof(P));
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const acc_t d = static_cast<acc_t>(xp.v[j]) - K;
+          s1 += d;
+          s2 += d * d;
+        }
+      }
+    }
+  }
+  s1 = one_pass_block_sum<kSweepThreads>(s1, red);
+  s2 = one_pass_block_sum<kSweepThreads>(s2, red);
+  const acc_t n = static_cast<acc_t>((v1 - v0) * V);
+  const acc_t mean = s1 / n;
+  acc_t m2 = s2 - s1 * mean;
+  // As the team forward's moments: where M2 = s2 - s1 * mean lost its digits (K far from the
+  // tile), the squared deviations in a second pass (the tile comes back from L2 or DRAM).
+  if (m2 < s2 * acc_t(0.125)) {
+    m2 = acc_t(0);
+    for (int64_t v = v0 + threadIdx.x; v < v1; v += kSweepThreads) {
+      m2 += pack_squared_deviations<acc_t>(global_pack(xg + v), K, mean);
+    }
+    m2 = one_pass_block_sum<kSweepThreads>(m2, red);
+  }
+  if (threadIdx.x == 0) {
+    acc_t* slot = a.part + t * 3;
+    slot[0] = n;
+    slot[1] = mean;
+    slot[2] = m2;
+  }
+}
+
+// OPS: with a residual or a multiplier (a kernel of its own: its three streams need registers the
+// plain loop then lacked, ptxas spilling in both).
+template <typename scalar_t, int V, Activation A, bool OPS>
+__global__ void __launch_bounds__(kSweepThreads, 2) group_norm_sweep_output_kernel(const __grid_constant__ SweepArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  __shared__ ChunkMoments<acc_t> fold[kSweepThreads / kWarp];
+  const OnePassArgs<scalar_t>& o = a.op;
+  const EpiArgs<scalar_t>& e = o.epi;
+  const int64_t t = blockIdx.x;
+  const int64_t g = div_nn(t, a.split);
+  const int64_t k = t - g * a.split;
+  const int64_t g_begin = g * a.lenv;
+  const int64_t v0 = g_begin + k * a.chunk;
+  const int64_t v1 = g_begin + imin(a.lenv, (k + 1) * a.chunk);
+  const acc_t* slots = a.part + g * a.split * 3;  // the group's tiles, written by the moments sweep
+  const ChunkMoments<acc_t> m = team_fold(
+      ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, a.split,
+      [&](int r) { return ChunkMoments<acc_t>{slots[3 * r], slots[3 * r + 1], slots[3 * r + 2]}; },
+      [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+  // As the team forward: a NaN M2 stays NaN, an overflowed one gives NaN, not rstd 0.
+  const acc_t var = !(m.m2 <= acc_t(0)) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
+  const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);
+  const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
+  if (k == 0 && threadIdx.x == 0) {
+    o.mean[g] = K + m.mean;
+    o.rstd[g] = rstd;
+  }
+  const int64_t ng = div_nn(g, o.G);
+  const OnePassOutput<scalar_t, V, A> out(o, ng, g - ng * o.G, K, m.mean, rstd);
+  // The tile in channel segments of `seg` packs, each with one set of coefficients: a channel
+  // (S is a multiple of V, the planner's condition) or, without per-channel parameters, the
+  // whole group. Offsets within a segment are 32-bit (the planner keeps groups under 2^31 packs).
+  const int64_t seg = o.uniform_channels() ? a.lenv : o.S / V;
+  for (int64_t s0 = v0 - g_begin; s0 < v1 - g_begin;) {
+    const int64_t c = div_nn(s0, seg);
+    const int64_t s1 = imin(v1 - g_begin, (c + 1) * seg);
+    const Affine<acc_t> cf = out.channel(out.c_first + c);
+    const int count = static_cast<int>(s1 - s0);
+    const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x) + g_begin + s0);
+    const uint4* rs = reinterpret_cast<const uint4*>(offset_or_null(e.residual, g * o.len + s0 * V));
+    const uint4* ms = reinterpret_cast<const uint4*>(offset_or_null(e.multiplier, g * o.len + s0 * V));
+    uint4* ys = reinterpret_cast<uint4*>(reinterpret_cast<P*>(o.y) + g_begin + s0);
+    const bool has_r = OPS && e.residual != nullptr;
+    const bool has_m = OPS && e.multiplier != nullptr;
+    // Fewer packs in flight with the operands (three streams).
+    constexpr int U = OPS ? kSweepUnroll / 2 : kSweepUnroll;
+    // The packs stay 16-byte words until used: as packs of eight 2-byte elements in flight
+    // they took a register each and spilled.
+    for (int i = static_cast<int>(threadIdx.x); i < count; i += U * kSweepThreads) {
+      uint4 xw[U], rw[U], mw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i + u * kSweepThreads < count) {
+          xw[u] = __ldg(xs + i + u * kSweepThreads);
+          if (has_r) rw[u] = __ldg(rs + i + u * kSweepThreads);
+          if (has_m) mw[u] = __ldg(ms + i + u * kSweepThreads);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i + u * kSweepThreads < count) {
+          P xp, rp, mp;
+          memcpy(&xp, &xw[u], sizeof(P));
+          if (has_r) memcpy(&rp, &rw[u], sizeof(P));
+          if (has_m) memcpy(&mp, &mw[u], sizeof(P));
+          acc_t z[V];
+#pragma unroll
+          for (int j = 0; j < V; ++j) z[j] = out.element_with(cf.w, cf.b, xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+          const P yp = round_pack<scalar_t, V>(z);
+          uint4 yw;
+          memcpy(&yw, &yp, sizeof(P));
+          ys[i + u * kSweepThreads] = yw;
+        }
+      }
+    }
+    s0 = s1;
+  }
+}
+
+}  // namespace
+
+// Runs the sweep forward as planned (plan.path == Sweep; plan.reduce: the tiles).
+template <typename scalar_t>
+void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
+  using acc_t = acc_type<scalar_t>;
+  constexpr int V = pack_width<scalar_t>();
+  if constexpr (V == 1) {
+    TORCH_INTERNAL_ASSERT(false, "sweep forward planned for double");
+  } else {
+    SweepArgs<scalar_t> a{};
+    OnePassArgs<scalar_t>& o = a.op;
+    const bool made = make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o);
+    TORCH_INTERNAL_ASSERT(made && !o.cols, "sweep forward planned for arguments it cannot take");
+    o.cluster = 1;
+    const int64_t groups = sh.N * sh.G;
+    a.lenv = o.len / V;
+    a.chunk = pl.reduce.chunk;
+    a.split = static_cast<int>(pl.reduce.split);
+    const int64_t tiles = groups * a.split;
+    TORCH_INTERNAL_ASSERT(tiles == pl.reduce.tiles && tiles <= std::numeric_limits<int>::max());
+    if (tiles == 0) return;
+    at::Tensor part = at::detail::empty_cuda({tiles * 3}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    a.part = part.data_ptr<acc_t>();
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    group_norm_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), kSweepThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const bool operands = o.epi.residual != nullptr || o.epi.multiplier != nullptr;
+    dispatch_activation(ep.activation, [&](auto act) {
+      constexpr Activation kA = decltype(act)::value;
+      if (operands) {
+        group_norm_sweep_output_kernel<scalar_t, V, kA, true><<<static_cast<unsigned>(tiles), kSweepThreads, 0, stream>>>(a);
+      } else {
+        group_norm_sweep_output_kernel<scalar_t, V, kA, false><<<static_cast<unsigned>(tiles), kSweepThreads, 0, stream>>>(a);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+}
+
+}  // namespace fusednorm
+
+#define FUSEDNORM_INSTANTIATE_SWEEP(T)                                                                        \
+  template void fusednorm::sweep_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,           \
+      const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
+      at::Tensor&)
