@@ -650,6 +650,19 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", [None, "silu", "gelu"])
+def test_fused_sweep_tiles_across_channels_cuda(activation, dtype, monkeypatch):
+    # The sweep forward (docs/design.md, "Sweep path") cuts a group into tiles of 256 KB that need
+    # not end with a channel: groups of 2 channels of 160000 elements are 3 tiles of 13334 packs,
+    # the second holding the channel boundary; each tile merges all three tiles' moments.
+    kernel_paths.set_knob(monkeypatch, "FUSEDNORM_SWEEP_FORWARD", "1")
+    torch.manual_seed(12)
+    for names in (OPERANDS, ["residual", "multiplier"], ["scale", "shift"], []):
+        check_fused((2, 4, 160000), 2, dtype, "contiguous", names, activation, "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("path", ["one_pass", "one_pass_shared", "split"])
 @pytest.mark.parametrize("activation", [None, "silu", "relu", "gelu"])
 def test_fused_channels_last_one_pass_cuda(activation, path, monkeypatch):
