@@ -94,7 +94,6 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // 0.236 and float16 with GELU and a multiplier 0.288 against 0.334, but float16 with SiLU 0.215
 // against 0.210; 1-2 MB groups lost up to 11% ((2,128,512,512) float16), float32 8 MB groups
 // 1-8% (the GroupNorm problem 5.30 against 5.25 ms, InstanceNorm3d 0.399 against 0.369).
-constexpr int64_t kPackBytes = 16;
 constexpr int64_t kSweepTileBytes = 256 * 1024;
 constexpr int64_t kSweepMinBytes = 4 << 20;
 // docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
@@ -273,7 +272,7 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   if (mode != 1 && (c.forced || p.elem_bytes != 2 || c.len * p.elem_bytes < kSweepMinBytes)) return false;
   const int64_t lenv = c.len / c.V;
   Tiling t;
-  t.split = ceil_div(lenv, kSweepTileBytes / kPackBytes);
+  t.split = ceil_div(lenv, kSweepTileBytes / (c.V * p.elem_bytes));
   t.chunk = ceil_div(lenv, t.split);
   t.split = ceil_div(lenv, t.chunk);
   t.tiles = c.items * t.split;

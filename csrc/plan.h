@@ -134,7 +134,7 @@ enum class Path {
   ColsShared,     // forward, channels-last groups in shared memory ("Channels-last one-pass")
   Team,           // either direction, a team of persistent CTAs shares a group ("Team path")
   OneCta,         // backward, one CTA a group in shared memory ("One-CTA backward")
-  Sweep,          // forward, two balanced sweeps of a persistent grid ("Sweep path")
+  Sweep,          // forward, two streaming launches over tiles of a group ("Sweep path")
 };
 
 const char* path_name(Path p);

@@ -6,9 +6,9 @@ docs/design.md, "Kernel overrides"); after changing them in ``os.environ``, call
 :func:`reload_overrides` (:func:`selected` does). Unset, each picks the planner's default.
 
 The named paths are the ones the tests run every kernel on (TEST_PATHS: the one-pass kernels with
-a small group in registers or in shared memory, the split passes, the team and the sweep kernels), the
-compute-sanitizer cases run, and tools/compare_paths.py times (PATHS, a superset). One list
-here, so that a new knob reaches all three.
+a small group in registers or in shared memory, the split passes, the team and the sweep
+kernels), the compute-sanitizer cases run, and tools/compare_paths.py times (PATHS, a superset).
+One list here, so that a new knob reaches all three.
 """
 
 import contextlib

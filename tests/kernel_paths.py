@@ -1,7 +1,8 @@
 """The CUDA kernel paths every test that must cover them runs (fusednorm.kernel_paths.TEST_PATHS):
 one pass (the forward holds a small group in registers, a larger one in shared memory), one pass
-with the register kernel off, the split passes, and the team kernels (a group spread over the
-shared memory of a team of CTAs, forward and backward), and which kernels a call launched.
+with the register kernel off, the split passes, the team kernels (a group spread over the
+shared memory of a team of CTAs, forward and backward) and the sweep forward (two streaming
+launches over tiles of a group), and which kernels a call launched.
 
 The library reads the overrides once (docs/design.md, "Kernel overrides"): every helper here that
 changes them makes it read them again, and conftest.py's autouse `fresh_overrides` does once
