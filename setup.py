@@ -482,6 +482,32 @@ def compile_check_gencode(arch_list):
     return flags
 
 
+def cuda_targets(arch_list):
+    """The code targets nvcc compiles for a TORCH_CUDA_ARCH_LIST: one machine code an entry, PTX
+    besides for an entry with +PTX ("8.0;9.0+PTX": 3)."""
+    entries = [e for e in re.split(r"[;\s]+", arch_list.strip()) if e]
+    return len(entries) + sum(e.endswith("+PTX") for e in entries)
+
+
+# nvcc compiles a translation unit's architectures one after another unless given --threads. With
+# many cores the build ends on its longest units, each compiling for every architecture alone
+# while the other cores idle: from PER_PATH_UNITS_FROM_JOBS jobs on, each unit compiles up to this
+# many targets at once (flash-attention's default; NVCC_THREADS overrides). Few cores have no
+# idle ones to give.
+NVCC_THREADS = 4
+
+
+def nvcc_threads(arch_list, jobs):
+    """nvcc's --threads for a build of TORCH_CUDA_ARCH_LIST `arch_list` running `jobs` compile jobs
+    at once (1: no flag)."""
+    given = os.environ.get("NVCC_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    if jobs < PER_PATH_UNITS_FROM_JOBS:
+        return 1
+    return max(1, min(NVCC_THREADS, cuda_targets(arch_list)))
+
+
 def _compile_check():
     return os.environ.get("FUSEDNORM_CUDA_COMPILE_CHECK", "").strip() == "1"
 
@@ -519,6 +545,9 @@ def _extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(torch)
         sources += _cuda_sources(_build_jobs())
         extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"] + _compile_check_flags()
+        threads = 1 if _compile_check() else nvcc_threads(os.environ["TORCH_CUDA_ARCH_LIST"], _build_jobs())
+        if threads > 1:
+            extra["nvcc"] += ["--threads", str(threads)]
         include_dirs += _pip_cuda_include_dirs()
         ext_cls = cpp_extension.CUDAExtension
         check = ", a compile check: PTX, unoptimised" if _compile_check() else ""

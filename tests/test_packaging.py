@@ -267,6 +267,20 @@ def test_compile_check_gencode():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or torch.version.cuda is None,
                     reason="needs nvcc and a CUDA torch")
+def test_cuda_targets_and_nvcc_threads(monkeypatch):
+    assert SETUP.cuda_targets("9.0") == 1
+    assert SETUP.cuda_targets("7.5;8.0;8.6;9.0;10.0;12.0+PTX") == 7
+    assert SETUP.cuda_targets(" 8.0 9.0+PTX ") == 3
+    monkeypatch.delenv("NVCC_THREADS", raising=False)
+    many = SETUP.PER_PATH_UNITS_FROM_JOBS
+    assert SETUP.nvcc_threads("9.0", 16) == 1  # one target: nothing to run in parallel
+    assert SETUP.nvcc_threads("8.0;9.0+PTX", many) == 3
+    assert SETUP.nvcc_threads("7.5;8.0;8.6;9.0;10.0;12.0+PTX", 16) == SETUP.NVCC_THREADS
+    assert SETUP.nvcc_threads("7.5;8.0;8.6;9.0;10.0;12.0+PTX", many - 1) == 1  # few cores: none idle
+    monkeypatch.setenv("NVCC_THREADS", "2")
+    assert SETUP.nvcc_threads("7.5;8.0;8.6;9.0;10.0;12.0+PTX", 2) == 2
+
+
 def test_default_arch_list_of_this_machine_compiles(tmp_path, monkeypatch):
     """The list this machine's toolkit and torch give, through torch's own parser, accepted by
     nvcc for a small kernel (the full library is compile-tested for one architecture in CI)."""
