@@ -456,6 +456,21 @@ def test_both_cuda_source_layouts_compile_every_kernel_file_once(jobs, monkeypat
         assert units == per_dtype_units
 
 
+def test_compile_check_unit_includes_every_cuda_source_once(tmp_path, monkeypatch):
+    # A compile check (FUSEDNORM_CUDA_COMPILE_CHECK=1) compiles one generated unit that includes
+    # the few-jobs layout's units: every kernel file once, the registration and shared files.
+    monkeypatch.chdir(ROOT)
+    unit = SETUP.compile_check_unit(SETUP._cuda_sources(1), str(tmp_path))
+    included = re.findall(r'#include "([^"]+)"', pathlib.Path(unit).read_text())
+    assert included == [os.path.relpath(u, "csrc") for u in SETUP._cuda_sources(1)]
+    assert "cuda/group_norm_kernel.cu" in included and "cuda/param_grads.cu" in included
+    for name in included:
+        assert (ROOT / "csrc" / name).is_file()
+    mtime = os.stat(unit).st_mtime_ns
+    assert SETUP.compile_check_unit(SETUP._cuda_sources(1), str(tmp_path)) == unit
+    assert os.stat(unit).st_mtime_ns == mtime  # rewritten only when it changes
+
+
 # -- torch.compile(backend="fusednorm") ----------------------------------------------------------
 
 
