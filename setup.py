@@ -487,13 +487,16 @@ def compile_check_unit(sources, folder):
     return path
 
 
+def _arch_entries(arch_list):
+    """The entries of a TORCH_CUDA_ARCH_LIST ("7.5;12.0+PTX", "8.0 9.0"), as written."""
+    return [e for e in re.split(r"[;\s]+", arch_list.strip()) if e]
+
+
 def compile_check_gencode(arch_list):
     """nvcc's -gencode flags for PTX alone of each architecture in a TORCH_CUDA_ARCH_LIST
     ("9.0", "7.5;12.0+PTX"); SystemExit for an entry that is not a number."""
     flags = []
-    for entry in re.split(r"[;\s]+", arch_list.strip()):
-        if not entry:
-            continue
+    for entry in _arch_entries(arch_list):
         m = re.fullmatch(r"(\d+)\.(\d+)(\+PTX)?", entry)
         if not m:
             sys.exit(f"FUSEDNORM_CUDA_COMPILE_CHECK=1 needs TORCH_CUDA_ARCH_LIST of numbers such as "
@@ -506,7 +509,7 @@ def compile_check_gencode(arch_list):
 def cuda_targets(arch_list):
     """The code targets nvcc compiles for a TORCH_CUDA_ARCH_LIST: one machine code an entry, PTX
     besides for an entry with +PTX ("8.0;9.0+PTX": 3)."""
-    entries = [e for e in re.split(r"[;\s]+", arch_list.strip()) if e]
+    entries = _arch_entries(arch_list)
     return len(entries) + sum(e.endswith("+PTX") for e in entries)
 
 
