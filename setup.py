@@ -257,6 +257,22 @@ CPU_CAPABILITY_FLAGS = {
 }
 CPU_KERNEL_SOURCES = "csrc/cpu/kernels/*.cpp"
 
+# Where wider capabilities are built beside it (x86-64), the portable kernels serve only CPUs
+# without AVX2 and ATEN_CPU_CAPABILITY=default, and compile at -O2: their generic at::vec code,
+# a loop over the lanes for every vector operation, made them the build's slowest CPU units at -O3
+# (2 cores: backward 63 -> 42 s, forward 29 -> 21 s) for no speed that matters (docs/design.md,
+# "CPU capabilities"). Results are bitwise the same (no FMA without -mfma, no reassociation at
+# either level). Where they are the only capability (ARM), they keep -O3.
+PORTABLE_BESIDE_WIDER_FLAGS = ["-O2"]
+
+
+def capability_flags(name, capabilities):
+    """The compiler flags of CPU capability `name`'s kernels in a build of `capabilities`."""
+    flags = list(CPU_CAPABILITY_FLAGS[name])
+    if name == "DEFAULT" and len(capabilities) > 1:
+        flags += PORTABLE_BESIDE_WIDER_FLAGS
+    return flags
+
 
 def _cpu_capabilities():
     """The CPU capabilities to build kernels for, portable first.
@@ -355,6 +371,31 @@ def _link_portable_copies_first(obj, capability):
     return out
 
 
+def order_compile_edges(manifest, sources):
+    """`manifest`, a ninja file torch's builder wrote, with its compile edges in the order of
+    `sources` (absolute paths; edges of any other source after them, in their order), the lines
+    between and after the edges after them, in their order. distutils sorts the sources by name before the file is written, and ninja
+    starts the edges it has no past durations for in the file's order: on 2 cores the compile-check
+    unit (~90 s) then started after every CPU kernel unit and ended the build alone on one core
+    for ~50 s (docs/design.md, "Source layout")."""
+    lines = manifest.split("\n")
+    rank = {src: i for i, src in enumerate(sources)}
+    head, edges, rest = [], [], []
+    in_edge = False
+    for line in lines:
+        m = re.match(r"build .*: (?:cuda_)?compile (.*)$", line)
+        if m:
+            edges.append((m.group(1).replace("$ ", " "), [line]))
+            in_edge = True
+        elif in_edge and line.startswith("  "):
+            edges[-1][1].append(line)  # the edge's own variables
+        else:
+            in_edge = False
+            (rest if edges else head).append(line)
+    order = sorted(range(len(edges)), key=lambda i: (rank.get(edges[i][0], len(rank)), i))
+    return "\n".join(head + [line for i in order for line in edges[i][1]] + rest)
+
+
 def _build_ext_class(cpp_extension):
     """torch's BuildExtension, plus csrc/cpu/kernels/ compiled once per CPU capability.
 
@@ -366,7 +407,8 @@ def _build_ext_class(cpp_extension):
     class BuildExtension(cpp_extension.BuildExtension):
         def build_extension(self, ext):
             wrappers = _capability_wrappers(self.build_temp)
-            flags = {path: CPU_CAPABILITY_FLAGS[name] for path, name in wrappers.items()}
+            capabilities = _cpu_capabilities()
+            flags = {path: capability_flags(name, capabilities) for path, name in wrappers.items()}
             ext.sources = [s for s in ext.sources if s not in wrappers] + list(wrappers)
 
             write_ninja_file = cpp_extension._write_ninja_file
@@ -383,8 +425,9 @@ def _build_ext_class(cpp_extension):
                     src = m.group(1).replace("$ ", " ") if m else None
                     if src in flags and flags[src]:
                         out.append("  post_cflags = $post_cflags " + " ".join(flags[src]))
+                text = order_compile_edges("\n".join(out), [os.path.abspath(src) for src in ext.sources])
                 with open(path, "w") as f:
-                    f.write("\n".join(out))
+                    f.write(text)
 
             compile_one = self.compiler._compile
 
@@ -444,9 +487,10 @@ def _build_jobs() -> int:
 
 
 # From this many parallel jobs on, the kernels are compiled one translation unit per path and
-# dtype (csrc/cuda/kernels/<dtype>_<path>.cu); below it, one per dtype (kernels/<dtype>.cu, which
-# includes the same files): each translation unit pays ~20 s of headers, which few cores would
-# pay serially (docs/design.md, "Source layout").
+# dtype (csrc/cuda/kernels/<dtype>_<path>.cu) and the host sources one unit each; below it, the
+# kernels one unit per dtype (kernels/<dtype>.cu, which includes the same files) and the host
+# sources one unit in all: each translation unit pays ~20 s of headers, which few cores would pay
+# serially (docs/design.md, "Source layout").
 PER_PATH_UNITS_FROM_JOBS = 8
 
 
@@ -469,22 +513,52 @@ def _cuda_sources(jobs: int, compile_check: bool = False) -> list:
     return kernels + sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
 
 
+def _write_unit(path, comment, sources):
+    """Writes the translation unit `path`: `comment`, then an #include of each of `sources` (paths
+    under csrc/, which is on the include path); rewritten only when that changes, so that ninja
+    need not rebuild it. Returns `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lines = [comment] + [f'#include "{os.path.relpath(src, "csrc")}"' for src in sources]
+    text = "\n".join(lines) + "\n"
+    old = open(path).read() if os.path.exists(path) else None
+    if old != text:
+        with open(path, "w") as f:
+            f.write(text)
+    return path
+
+
 def compile_check_unit(sources, folder):
     """The one translation unit of a compile check (FUSEDNORM_CUDA_COMPILE_CHECK=1), written in
     `folder`: an #include of each of `sources` (paths under csrc/). Each unit pays ~20 s of headers
     on the host and device front ends, while the unoptimised kernels themselves take little: on 2
     cores the six units took 205 s of compile time, the one unit 99 s (docs/install.md, "Compile
     check"). Returns its path."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "cuda_sources.cu")
-    lines = ["// Generated by setup.py for a compile check: every CUDA source in one translation unit."]
-    lines += [f'#include "{os.path.relpath(src, "csrc")}"' for src in sources]
-    text = "\n".join(lines) + "\n"
-    old = open(path).read() if os.path.exists(path) else None
-    if old != text:  # unchanged: keep its timestamp, so that ninja need not rebuild it
-        with open(path, "w") as f:
-            f.write(text)
-    return path
+    return _write_unit(os.path.join(folder, "cuda_sources.cu"),
+                       "// Generated by setup.py for a compile check: every CUDA source in one translation unit.",
+                       sources)
+
+
+def _host_sources(jobs: int) -> list:
+    """The C++ translation units besides the CPU kernels: the schemas, autograd, argument checks,
+    planner and CPU registration (csrc/*.cpp, csrc/cpu/*.cpp), one unit each from
+    PER_PATH_UNITS_FROM_JOBS parallel jobs on; below, one generated unit that includes them all
+    (host_sources_unit)."""
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    if jobs >= PER_PATH_UNITS_FROM_JOBS:
+        return sources
+    return [host_sources_unit(sources, os.path.join(HERE, "build", "host_sources"))]
+
+
+def host_sources_unit(sources, folder):
+    """The one translation unit of the host sources on few cores, written in `folder`: an #include
+    of each of `sources`. Each of the seven files parses torch's headers again, which is most of
+    their work: on 2 cores they took 89 s of compile time as seven units, 29 s as one (the CI build
+    186 -> ~160 s; docs/design.md, "Source layout"). The files keep their own names in anonymous
+    namespaces, and their registrations (TORCH_LIBRARY_IMPL blocks) take unique names in one unit
+    as in several. Returns its path."""
+    return _write_unit(os.path.join(folder, "host_sources.cpp"),
+                       "// Generated by setup.py for a build with few cores: every host source in one translation unit.",
+                       sources)
 
 
 def _arch_entries(arch_list):
@@ -553,7 +627,7 @@ def _extension():
     from torch.utils import cpp_extension
 
     with_cuda = _want_cuda(torch)
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = _host_sources(_build_jobs())
     std = "-std=" + _cxx_standard(torch)
     # ATen's at::parallel_for is an OpenMP region inlined into the caller: without -fopenmp the
     # CPU kernels would silently run on one thread.
@@ -568,8 +642,11 @@ def _extension():
         import importlib
         cpp_extension = importlib.reload(cpp_extension)
         os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list(torch)
-        sources += _cuda_sources(_build_jobs(), _compile_check())
-        extra["nvcc"] = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr"] + _compile_check_flags()
+        # The CUDA units first, the longest of the build (ninja starts them first: order_compile_edges).
+        sources = _cuda_sources(_build_jobs(), _compile_check()) + sources
+        # -lineinfo: source lines for profilers (Nsight Compute), not in a compile check's PTX.
+        lineinfo = [] if _compile_check() else ["-lineinfo"]
+        extra["nvcc"] = ["-O3", std, *lineinfo, "--expt-relaxed-constexpr"] + _compile_check_flags()
         threads = 1 if _compile_check() else nvcc_threads(os.environ["TORCH_CUDA_ARCH_LIST"], _build_jobs())
         if threads > 1:
             extra["nvcc"] += ["--threads", str(threads)]

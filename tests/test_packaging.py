@@ -279,6 +279,17 @@ def test_cuda_targets_and_nvcc_threads(monkeypatch):
     assert SETUP.nvcc_threads("7.5;8.0;8.6;9.0;10.0;12.0+PTX", 2) == 2
 
 
+def test_portable_cpu_kernels_at_o2_only_beside_wider_ones():
+    """The portable kernels compile at -O2 where AVX2 / AVX512 kernels are built beside them (x86),
+    after the build's -O3, so that theirs wins; alone (ARM) they keep -O3."""
+    assert SETUP.capability_flags("DEFAULT", ["DEFAULT"]) == []
+    assert SETUP.capability_flags("DEFAULT", ["DEFAULT", "AVX2", "AVX512"]) == ["-O2"]
+    assert SETUP.capability_flags("DEFAULT", ["DEFAULT", "AVX2"]) == ["-O2"]
+    for name in ("AVX2", "AVX512"):
+        assert SETUP.capability_flags(name, list(SETUP.CPU_CAPABILITY_FLAGS)) == SETUP.CPU_CAPABILITY_FLAGS[name]
+        assert "-O2" not in SETUP.capability_flags(name, list(SETUP.CPU_CAPABILITY_FLAGS))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or torch.version.cuda is None,
                     reason="needs nvcc and a CUDA torch")
 def test_default_arch_list_of_this_machine_compiles(tmp_path, monkeypatch):
@@ -468,6 +479,50 @@ def test_compile_check_unit_includes_every_cuda_source_once(tmp_path, monkeypatc
         assert (ROOT / "csrc" / name).is_file()
     mtime = os.stat(unit).st_mtime_ns
     assert SETUP.compile_check_unit(SETUP._cuda_sources(1), str(tmp_path)) == unit
+    assert os.stat(unit).st_mtime_ns == mtime  # rewritten only when it changes
+
+
+def test_ninja_compile_edges_follow_the_source_order():
+    # distutils sorts the sources by name; the build file's compile edges are put back in the
+    # order setup.py gives (the longest units first), each with its own variables, and the other
+    # lines kept in their order.
+    manifest = "\n".join([
+        "ninja_required_version = 1.3",
+        "rule compile",
+        "  command = $cxx -c $in -o $out",
+        "",
+        "build /t/a.o: compile /s/a.cpp",
+        "build /t/b.DEFAULT.o: compile /s/b.DEFAULT.cpp",
+        "  post_cflags = $post_cflags -O2",
+        "build /t/k$ x.o: cuda_compile /s/k$ x.cu",
+        "",
+        "",
+    ])
+    out = SETUP.order_compile_edges(manifest, ["/s/k x.cu", "/s/b.DEFAULT.cpp"]).split("\n")
+    assert out[:4] == manifest.split("\n")[:4]
+    assert out[4:] == ["build /t/k$ x.o: cuda_compile /s/k$ x.cu",
+                       "build /t/b.DEFAULT.o: compile /s/b.DEFAULT.cpp",
+                       "  post_cflags = $post_cflags -O2",
+                       "build /t/a.o: compile /s/a.cpp",  # not listed: after the listed ones
+                       "", ""]
+    assert sorted(out) == sorted(manifest.split("\n"))
+
+
+def test_host_sources_are_one_unit_on_few_cores(tmp_path, monkeypatch):
+    # Below PER_PATH_UNITS_FROM_JOBS jobs the host sources compile as one generated unit that
+    # includes each once; from there on, one unit each. Neither has the CPU kernels, which
+    # compile once per capability through their own wrappers.
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(SETUP, "HERE", str(tmp_path))
+    separate = SETUP._host_sources(SETUP.PER_PATH_UNITS_FROM_JOBS)
+    assert "csrc/ops.cpp" in separate and "csrc/autograd.cpp" in separate and "csrc/cpu/registration.cpp" in separate
+    assert not any("kernels" in src for src in separate)
+    [unit] = SETUP._host_sources(SETUP.PER_PATH_UNITS_FROM_JOBS - 1)
+    assert pathlib.Path(unit).parent.parent == tmp_path / "build"
+    included = re.findall(r'#include "([^"]+)"', pathlib.Path(unit).read_text())
+    assert included == [os.path.relpath(src, "csrc") for src in separate]
+    mtime = os.stat(unit).st_mtime_ns
+    assert SETUP._host_sources(1) == [unit]
     assert os.stat(unit).st_mtime_ns == mtime  # rewritten only when it changes
 
 
