@@ -62,14 +62,13 @@ def main():
     cxx = os.environ.get("CXX", "c++")
     flags = compiler_flags()
     jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    failed = []
+    todo, failed = units(), []
     with tempfile.TemporaryDirectory() as folder, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for label, rc, err in pool.map(lambda u: check(cxx, flags, folder, u), units()):
+        for label, rc, err in pool.map(lambda u: check(cxx, flags, folder, u), todo):
             if rc != 0:
                 failed.append(label)
                 print(f"compile_alone: {label} does not compile on its own:\n{err[-4000:]}")
-    checked = len(units())
-    print(f"compile_alone: {checked - len(failed)} of {checked} host sources and headers compile on their own")
+    print(f"compile_alone: {len(todo) - len(failed)} of {len(todo)} host sources and headers compile on their own")
     return 1 if failed else 0
 
 
