@@ -23,10 +23,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compiler_flags():
+def load_setup_py():
     spec = importlib.util.spec_from_file_location("fusednorm_setup", os.path.join(ROOT, "setup.py"))
     setup_py = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup_py)
+    return setup_py
+
+
+def compiler_flags(setup_py):
     # torch's C++ include folders, as torch.utils.cpp_extension.include_paths() gives them for a
     # CPU build (importing that module warns on machines without CUDA).
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
@@ -37,16 +41,11 @@ def compiler_flags():
 
 def units():
     """(label, source text, extra flags) for each host source and header."""
-    csrc = os.path.join(ROOT, "csrc")
-    out = []
-    for path in sorted(glob.glob(os.path.join(csrc, "*.cpp")) + glob.glob(os.path.join(csrc, "cpu", "*.cpp"))):
-        out.append((os.path.relpath(path, ROOT), f'#include "{path}"\n', []))
-    for path in sorted(glob.glob(os.path.join(csrc, "*.h")) + glob.glob(os.path.join(csrc, "cpu", "*.h"))):
-        out.append((os.path.relpath(path, ROOT), f'#include "{path}"\n', []))
-    for path in sorted(glob.glob(os.path.join(csrc, "cpu", "kernels", "*.h"))):
-        out.append((os.path.relpath(path, ROOT), f'#include "{path}"\n',
-                    ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]))
-    return out
+    portable = ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]
+    groups = [("*.cpp", []), ("cpu/*.cpp", []), ("*.h", []), ("cpu/*.h", []), ("cpu/kernels/*.h", portable)]
+    return [(os.path.relpath(path, ROOT), f'#include "{path}"\n', extra)
+            for pattern, extra in groups
+            for path in sorted(glob.glob(os.path.join(ROOT, "csrc", pattern)))]
 
 
 def check(cxx, flags, folder, unit):
@@ -60,8 +59,9 @@ def check(cxx, flags, folder, unit):
 
 def main():
     cxx = os.environ.get("CXX", "c++")
-    flags = compiler_flags()
-    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    setup_py = load_setup_py()
+    flags = compiler_flags(setup_py)
+    jobs = setup_py._build_jobs()  # MAX_JOBS, else the cores, as the build itself
     todo, failed = units(), []
     with tempfile.TemporaryDirectory() as folder, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         for label, rc, err in pool.map(lambda u: check(cxx, flags, folder, u), todo):
