@@ -482,6 +482,12 @@ struct RegisterGroup {
   P extra[kHeld][kLate ? 1 : R];  // extra[0]: the residual if given, else the multiplier; [1]: the multiplier
   scalar_t first;                 // x's first element, K
   ColsPlace<V> place;             // kCols
+  // ChannelsFirst with at most two packs a thread: each pack's channel parameters (weight, bias,
+  // scale, shift), loaded beside x so that their latency passes during the moments instead of
+  // after them (docs/design.md, "Register kernel"); the output multiplies in rstd as
+  // OnePassOutput::channel does, so the bits are the same.
+  static constexpr bool kEarlyParams = !kCols && !kLate && R <= 2;
+  Affine<acc_type<scalar_t>> params[kEarlyParams ? R : 1];
 
   // Group (n, g)'s first element.
   __device__ __forceinline__ int64_t group_offset(const OnePassArgs<scalar_t>& a, int64_t item) const {
@@ -547,6 +553,18 @@ struct RegisterGroup {
         if constexpr (!kLate) load_operands(a, e, &extra[0][k], &extra[kHeld - 1][k]);
       }
     }
+    if constexpr (kEarlyParams) {
+      using acc_t = acc_type<scalar_t>;
+      const int64_t n = div_nn(item, a.G);
+      const int64_t c_first = (item - n * a.G) * a.D;
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        if (valid(a, k)) {
+          const int64_t c = c_first + div_nn(pack_offset(a, k), a.S);
+          params[k] = modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+        }
+      }
+    }
   }
 
   // Moments (two-pass, from registers), the statistics, and y of group `item`, once its loads
@@ -609,6 +627,10 @@ struct RegisterGroup {
           if constexpr (kCols) {
             y = out.lane_pack(lane_a, lane_b, x[k], r, has_r, m, has_m);
           } else if constexpr (kLate) {
+            y = out.constant_pack(x[k], r, has_r, m, has_m);
+          } else if constexpr (kEarlyParams) {
+            out.ca = out.rstd * params[k].w;
+            out.cb = params[k].b;
             y = out.constant_pack(x[k], r, has_r, m, has_m);
           } else {
             y = out.uniform_pack(pack_index(k), x[k], r, has_r, m, has_m);
