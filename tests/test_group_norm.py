@@ -107,6 +107,22 @@ def test_large_offset(device, layout, dtype):
     run_and_check((2, 12, 17, 9), 3, dtype, layout, "both", 1e-5, device, offset=1e4)
 
 
+# The CPU's channels-last moments sum x - K and (x - K)^2 in one pass, K the mean of a chunk's
+# first 8 rows, and take a second pass over a block of channels where M2 = sum (x - K)^2 -
+# (sum (x - K))^2 / n cancelled (docs/design.md, "Shifted moments and Chan merges"). Here the
+# first 8 rows lie 64 standard deviations of the whole below the other 4088: without the second
+# pass rstd came out 1.8e-5 off (measured), with it within float32's rounding.
+def test_channels_last_moments_whose_shift_is_far_from_the_mean():
+    shape, G = (2, 4, 64, 64), 1  # one chunk of 4096 rows
+    x = 64.0 + 0.01 * torch.randn(shape, dtype=torch.float64)
+    x[:, :, 0, :8] = 0.0
+    x = to_layout(x.to(torch.float32), "channels_last")
+    y, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, G, None, None, 1e-5)
+    xg = x.double().reshape(shape[0], G, -1)
+    torch.testing.assert_close(rstd.double(), (xg.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(mean.double(), xg.mean(-1), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_constant_groups(device, layout, dtype):

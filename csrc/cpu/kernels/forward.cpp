@@ -221,11 +221,13 @@ void forward_channels_first(
   });
 }
 
-// Moments of every group over one chunk of rows of a channels-last sample. Per block of channels
-// (a few KB: the second read comes from L1), each channel's moments are taken exactly in two
-// passes, the sum of x - x[r0] and then the sums of d and d^2 for d = x - m' (m' the channel mean
-// rounded to opmath, corrected by sum d); the channels are then merged into their groups with
-// Chan's formula in double.
+// Moments of every group over one chunk of rows of a channels-last sample. Per block of channels,
+// one pass down the rows sums d = x - K and d^2 for each channel, K the mean of its first rows
+// (lanes of opmath, added into double every kLaneRows rows), and M2 = sum d^2 - (sum d)^2 / rows.
+// Where that lost its digits (M2 under an eighth of sum d^2: K far from the channel's mean; at
+// most 3 bits lost above that), a second pass takes the block's squared deviations from the mean
+// exactly, as the GPU's team and sweep moments do (docs/design.md, "Shifted moments and Chan
+// merges"). The channels are then merged into their groups with Chan's formula in double.
 template <typename T>
 void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh, Moments* out) {
   using IO = VecIO<T>;
@@ -234,53 +236,78 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
   constexpr int64_t kSize = IO::kSize;
   const int64_t C = sh.C, rows = r1 - r0;
   std::vector<Moments> channel(C);
-  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
-    std::array<Vec, kChannelVecs> first, sum, dsum, d2sum;
-    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-      first[u] = IO::load(xn + r0 * C + c0, count);
-      sum[u] = Vec(0);
-    });
-    for (int64_t r = r0; r < r1; ++r) {
-      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-        sum[u] += IO::load(xn + r * C + c0, count) - first[u];
-      });
-    }
-    std::array<Vec, kChannelVecs> mean;
-    const Vec inv(acc_t(1) / static_cast<acc_t>(rows));
-    for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { mean[u] = first[u] + sum[u] * inv; });
-    // The sums of d and d^2 go from opmath lanes to double every kLaneRows rows: a lane summing
-    // all of a chunk's rows (up to kBlock values) rounds ~10x more than a ChannelsFirst lane,
-    // which sums kBlock / (kUnroll * kSize) values; at |mean| >> std that was 10x the error
-    // (docs/design.md, 'Numerics').
-    constexpr int64_t kLaneRows = 64;
-    std::array<std::array<double, kSize>, kChannelVecs> dsum_total{}, d2sum_total{};
+  // The lane sums go from opmath to double every kLaneRows rows: a lane summing all of a chunk's
+  // rows (up to kBlock values) rounds ~10x more than a ChannelsFirst lane, which sums
+  // kBlock / (kUnroll * kSize) values; at |mean| >> std that was 10x the error (docs/design.md,
+  // 'Numerics').
+  constexpr int64_t kLaneRows = 64;
+  using LaneTotals = std::array<std::array<double, kSize>, kChannelVecs>;
+  // Sums of (x - shift) and its square over the block's rows, per lane, in double.
+  const auto shifted_sums = [&](int64_t cb, const std::array<Vec, kChannelVecs>& shift, LaneTotals& s1_total,
+                                LaneTotals& s2_total) {
+    std::array<Vec, kChannelVecs> s1, s2;
+    s1_total = LaneTotals{};
+    s2_total = LaneTotals{};
     for (int64_t rb = r0; rb < r1; rb += kLaneRows) {
       const int64_t re = std::min(r1, rb + kLaneRows);
-      for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { dsum[u] = d2sum[u] = Vec(0); });
+      for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { s1[u] = s2[u] = Vec(0); });
       for (int64_t r = rb; r < re; ++r) {
         for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-          const Vec d = IO::load(xn + r * C + c0, count) - mean[u];
-          dsum[u] += d;
-          d2sum[u] = at::vec::fmadd(d, d, d2sum[u]);
+          const Vec d = IO::load(xn + r * C + c0, count) - shift[u];
+          s1[u] += d;
+          s2[u] = at::vec::fmadd(d, d, s2[u]);
         });
       }
       for_block_vectors(cb, C, kSize, [&](int64_t, int64_t count, int u) {
-        acc_t ds[kSize], d2[kSize];
-        dsum[u].store(ds);
-        d2sum[u].store(d2);
+        acc_t a[kSize], b[kSize];
+        s1[u].store(a);
+        s2[u].store(b);
         for (int64_t i = 0; i < count; ++i) {
-          dsum_total[u][i] += ds[i];
-          d2sum_total[u][i] += d2[i];
+          s1_total[u][i] += a[i];
+          s2_total[u][i] += b[i];
         }
       });
     }
+  };
+  // The shift: the mean of the chunk's first 2^k <= 8 rows (exact for a constant channel, so
+  // that it keeps M2 = 0), which lies far enough from the channel's mean to need the second pass
+  // far more rarely than one row: a row 2.65 standard deviations out (one channel in 120 of
+  // Gaussian data) would send its whole block of up to 64 channels there.
+  int64_t shift_rows = 1;
+  while (shift_rows < 8 && 2 * shift_rows <= rows) shift_rows *= 2;
+  const Vec shift_scale(acc_t(1) / static_cast<acc_t>(shift_rows));
+  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+    std::array<Vec, kChannelVecs> shift;
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      Vec sum = IO::load(xn + r0 * C + c0, count);
+      for (int64_t r = r0 + 1; r < r0 + shift_rows; ++r) sum += IO::load(xn + r * C + c0, count);
+      shift[u] = sum * shift_scale;
+    });
+    LaneTotals s1, s2;
+    shifted_sums(cb, shift, s1, s2);
+    bool exact = true;
+    std::array<Vec, kChannelVecs> mean;
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      acc_t f[kSize], m[kSize] = {};
+      shift[u].store(f);
+      for (int64_t i = 0; i < count; ++i) {
+        const double shift = s1[u][i] / rows;
+        const double m2 = s2[u][i] - s1[u][i] * shift;
+        exact = exact && m2 >= s2[u][i] * 0.125;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(f[i]) + shift, std::max(m2, 0.0)};
+        m[i] = static_cast<acc_t>(channel[c0 + i].mean);
+      }
+      mean[u] = Vec::loadu(m);
+    });
+    if (exact) continue;
+    // The second pass, around each channel's mean rounded to opmath, corrected by sum d.
+    shifted_sums(cb, mean, s1, s2);
     for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
       acc_t m[kSize];
       mean[u].store(m);
       for (int64_t i = 0; i < count; ++i) {
-        const double ds = dsum_total[u][i], d2 = d2sum_total[u][i];
-        const double shift = ds / rows;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift, std::max(d2 - ds * shift, 0.0)};
+        const double shift = s1[u][i] / rows;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift, std::max(s2[u][i] - s1[u][i] * shift, 0.0)};
       }
     });
   }
