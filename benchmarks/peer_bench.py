@@ -54,7 +54,10 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("peer_bench.py needs a CUDA device")
-    from triton.testing import do_bench
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        sys.exit("peer_bench.py needs Triton")
 
     import fusednorm
     from fusednorm.kernel_paths import plan

@@ -291,10 +291,10 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
       acc_t f[kSize], m[kSize] = {};
       shift[u].store(f);
       for (int64_t i = 0; i < count; ++i) {
-        const double shift = s1[u][i] / rows;
-        const double m2 = s2[u][i] - s1[u][i] * shift;
+        const double offset = s1[u][i] / rows;  // the channel's mean less K
+        const double m2 = s2[u][i] - s1[u][i] * offset;
         exact = exact && m2 >= s2[u][i] * 0.125;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(f[i]) + shift, std::max(m2, 0.0)};
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(f[i]) + offset, std::max(m2, 0.0)};
         m[i] = static_cast<acc_t>(channel[c0 + i].mean);
       }
       mean[u] = Vec::loadu(m);
@@ -306,8 +306,8 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
       acc_t m[kSize];
       mean[u].store(m);
       for (int64_t i = 0; i < count; ++i) {
-        const double shift = s1[u][i] / rows;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + shift, std::max(s2[u][i] - s1[u][i] * shift, 0.0)};
+        const double offset = s1[u][i] / rows;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + offset, std::max(s2[u][i] - s1[u][i] * offset, 0.0)};
       }
     });
   }
