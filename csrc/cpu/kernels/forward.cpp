@@ -241,19 +241,18 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
   // kBlock / (kUnroll * kSize) values; at |mean| >> std that was 10x the error (docs/design.md,
   // 'Numerics').
   constexpr int64_t kLaneRows = 64;
-  using LaneTotals = std::array<std::array<double, kSize>, kChannelVecs>;
-  // Sums of (x - shift) and its square over the block's rows, per lane, in double.
-  const auto shifted_sums = [&](int64_t cb, const std::array<Vec, kChannelVecs>& shift, LaneTotals& s1_total,
-                                LaneTotals& s2_total) {
+  // Writes the moments of the block's channels from their sums of d = x - center and d^2 (per
+  // lane, in double) and says whether every channel's M2 kept its digits (not under an eighth of
+  // its sum of d^2).
+  const auto block_moments = [&](int64_t cb, const std::array<Vec, kChannelVecs>& center) {
     std::array<Vec, kChannelVecs> s1, s2;
-    s1_total = LaneTotals{};
-    s2_total = LaneTotals{};
+    std::array<std::array<double, kSize>, kChannelVecs> s1_total{}, s2_total{};
     for (int64_t rb = r0; rb < r1; rb += kLaneRows) {
       const int64_t re = std::min(r1, rb + kLaneRows);
       for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { s1[u] = s2[u] = Vec(0); });
       for (int64_t r = rb; r < re; ++r) {
         for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-          const Vec d = IO::load(xn + r * C + c0, count) - shift[u];
+          const Vec d = IO::load(xn + r * C + c0, count) - center[u];
           s1[u] += d;
           s2[u] = at::vec::fmadd(d, d, s2[u]);
         });
@@ -268,6 +267,18 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
         }
       });
     }
+    bool kept = true;
+    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
+      acc_t k[kSize];
+      center[u].store(k);
+      for (int64_t i = 0; i < count; ++i) {
+        const double offset = s1_total[u][i] / rows;  // the channel's mean less its center
+        const double m2 = s2_total[u][i] - s1_total[u][i] * offset;
+        kept = kept && m2 >= s2_total[u][i] * 0.125;
+        channel[c0 + i] = Moments{static_cast<double>(rows), double(k[i]) + offset, std::max(m2, 0.0)};
+      }
+    });
+    return kept;
   };
   // The shift: the mean of the chunk's first 2^k <= 8 rows (exact for a constant channel, so
   // that it keeps M2 = 0), which lies far enough from the channel's mean to need the second pass
@@ -283,33 +294,16 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
       for (int64_t r = r0 + 1; r < r0 + shift_rows; ++r) sum += IO::load(xn + r * C + c0, count);
       shift[u] = sum * shift_scale;
     });
-    LaneTotals s1, s2;
-    shifted_sums(cb, shift, s1, s2);
-    bool exact = true;
+    if (block_moments(cb, shift)) continue;
+    // The second pass, around each channel's mean from the first rounded to opmath, corrected by
+    // the sum of d.
     std::array<Vec, kChannelVecs> mean;
     for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-      acc_t f[kSize], m[kSize] = {};
-      shift[u].store(f);
-      for (int64_t i = 0; i < count; ++i) {
-        const double offset = s1[u][i] / rows;  // the channel's mean less K
-        const double m2 = s2[u][i] - s1[u][i] * offset;
-        exact = exact && m2 >= s2[u][i] * 0.125;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(f[i]) + offset, std::max(m2, 0.0)};
-        m[i] = static_cast<acc_t>(channel[c0 + i].mean);
-      }
+      acc_t m[kSize] = {};
+      for (int64_t i = 0; i < count; ++i) m[i] = static_cast<acc_t>(channel[c0 + i].mean);
       mean[u] = Vec::loadu(m);
     });
-    if (exact) continue;
-    // The second pass, around each channel's mean rounded to opmath, corrected by sum d.
-    shifted_sums(cb, mean, s1, s2);
-    for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-      acc_t m[kSize];
-      mean[u].store(m);
-      for (int64_t i = 0; i < count; ++i) {
-        const double offset = s1[u][i] / rows;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(m[i]) + offset, std::max(s2[u][i] - s1[u][i] * offset, 0.0)};
-      }
-    });
+    block_moments(cb, mean);
   }
   // Every channel counts `rows` values: the group's mean is the channels' mean, and its M2 their
   // M2s plus rows times the squared deviations of their means (Chan's formula for equal counts,
