@@ -152,6 +152,25 @@ def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
     return impls
 
 
+def kernel_ms(fn, flush, iters=20):
+    """Milliseconds of GPU kernel time an iteration of fn() (torch.profiler's CUDA events, host
+    time not counted), flush.bitwise_not_() (an L2 flush) before each iteration and excluded."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name)
+    return total_us / iters / 1000.0
+
+
 def timer(device: str):
     """Median milliseconds of fn(); on CUDA with CUDA events after an L2 flush."""
     if device == "cuda":

@@ -32,21 +32,6 @@ ROWS = [  # label, shape, dtype, groups
 ]
 
 
-def kernel_ms(fn, flush, iters=20):
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            flush.bitwise_not_()
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name) / iters / 1e3
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--filter", default="", help="only the rows whose label or shape matches this regex")
@@ -63,6 +48,7 @@ def main():
     from fusednorm.kernel_paths import plan
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import triton_two_pass
+    from bench import kernel_ms
 
     flush = torch.empty(512 * 2**20, dtype=torch.int8, device="cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; GN+SiLU inference, ms")

@@ -12,11 +12,15 @@ shapes), the channels-last split path, problem 3's tail and the GroupNorm proble
 and a residual alone (dp = dz, its gradient written by the dx loop) as controls.
 """
 import argparse
+import os
 import re
+import sys
 
 import torch
 import fusednorm
-from torch.profiler import profile, ProfilerActivity
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench import kernel_ms  # noqa: E402
 
 CASES = [  # label, shape, groups, dtype, activation, operands, channels_last
     ("resnet bf16 res+relu", (16, 256, 56, 56), 32, torch.bfloat16, "relu", ("residual",), False),
@@ -41,24 +45,6 @@ CASES = [  # label, shape, groups, dtype, activation, operands, channels_last
     ("p3 tail fp32 (h+y)*y", (1024, 8192), 1, torch.float32, None, ("same",), False),
     ("GN problem fp32 silu", (112, 64, 512, 512), 8, torch.float32, "silu", (), False),
 ]
-
-
-def kernel_ms(fn, flush, iters=20):
-    """Milliseconds of GPU kernel time an iteration of fn(), flush.bitwise_not_() (an L2 flush)
-    before each iteration and excluded."""
-    from torch.autograd import DeviceType
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            flush.bitwise_not_()
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name)
-    return total_us / iters / 1000.0
 
 
 def main():
