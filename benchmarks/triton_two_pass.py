@@ -19,6 +19,25 @@ LARGE_GROUP = 1 << 18
 
 
 @triton.jit
+def _block_sums(x_ptr, base, i, gsize):
+    """Sum and sum of squares of the elements i (< gsize) of the group starting at base."""
+    v = tl.load(x_ptr + base + i, mask=i < gsize, other=0.0).to(tl.float32)
+    return tl.sum(v, 0), tl.sum(v * v, 0)
+
+
+@triton.jit
+def _write_block(x_ptr, w_ptr, b_ptr, y_ptr, base, i, gsize, c_first, HW, mean, rstd):
+    """y = silu((x - mean) * rstd * w + b) at the elements i (< gsize) of the group starting at
+    base, whose first channel is c_first."""
+    m = i < gsize
+    v = tl.load(x_ptr + base + i, mask=m, other=0.0).to(tl.float32)
+    c = c_first + i // HW
+    h = (v - mean) * rstd * tl.load(w_ptr + c, mask=m, other=1.0).to(tl.float32) \
+        + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + base + i, h * tl.sigmoid(h), mask=m)
+
+
+@triton.jit
 def _group_program(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, cpg, gsize, eps, BLOCK: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1).to(tl.int64)
@@ -27,20 +46,13 @@ def _group_program(x_ptr, w_ptr, b_ptr, y_ptr, C, HW, cpg, gsize, eps, BLOCK: tl
     s = tl.zeros((), tl.float32)
     q = tl.zeros((), tl.float32)
     for start in range(0, gsize, BLOCK):
-        i = start + offs
-        v = tl.load(x_ptr + base + i, mask=i < gsize, other=0.0).to(tl.float32)
-        s += tl.sum(v, 0)
-        q += tl.sum(v * v, 0)
+        bs, bq = _block_sums(x_ptr, base, start + offs, gsize)
+        s += bs
+        q += bq
     mean = s / gsize
     rstd = tl.rsqrt(q / gsize - mean * mean + eps)
     for start in range(0, gsize, BLOCK):
-        i = start + offs
-        m = i < gsize
-        v = tl.load(x_ptr + base + i, mask=m, other=0.0).to(tl.float32)
-        c = g * cpg + i // HW
-        h = (v - mean) * rstd * tl.load(w_ptr + c, mask=m, other=1.0).to(tl.float32) \
-            + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + base + i, h * tl.sigmoid(h), mask=m)
+        _write_block(x_ptr, w_ptr, b_ptr, y_ptr, base, start + offs, gsize, g * cpg, HW, mean, rstd)
 
 
 @triton.jit
@@ -53,10 +65,9 @@ def _chunk_sums(x_ptr, ps_ptr, pq_ptr, C, HW, G, gsize, nchunks, BLOCK: tl.const
     s = tl.zeros((), tl.float32)
     q = tl.zeros((), tl.float32)
     for j in range(NB):
-        i = (k * NB + j) * BLOCK + offs
-        v = tl.load(x_ptr + base + i, mask=i < gsize, other=0.0).to(tl.float32)
-        s += tl.sum(v, 0)
-        q += tl.sum(v * v, 0)
+        bs, bq = _block_sums(x_ptr, base, (k * NB + j) * BLOCK + offs, gsize)
+        s += bs
+        q += bq
     tl.store(ps_ptr + row * nchunks + k, s)
     tl.store(pq_ptr + row * nchunks + k, q)
 
@@ -87,13 +98,7 @@ def _apply(x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, C, HW, G, cpg, gsize, BLOCK: t
     rstd = tl.load(stats_ptr + row * 2 + 1)
     offs = tl.arange(0, BLOCK)
     for j in range(NB):
-        i = (k * NB + j) * BLOCK + offs
-        m = i < gsize
-        v = tl.load(x_ptr + base + i, mask=m, other=0.0).to(tl.float32)
-        c = g * cpg + i // HW
-        h = (v - mean) * rstd * tl.load(w_ptr + c, mask=m, other=1.0).to(tl.float32) \
-            + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + base + i, h * tl.sigmoid(h), mask=m)
+        _write_block(x_ptr, w_ptr, b_ptr, y_ptr, base, (k * NB + j) * BLOCK + offs, gsize, g * cpg, HW, mean, rstd)
 
 
 def group_norm_silu(x, num_groups, weight, bias, eps=1e-5):
