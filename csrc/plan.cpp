@@ -455,11 +455,10 @@ bool team_backward(const Ctx& c, Plan& pl) {
   Plan t = pl;
   const int64_t pack_bytes = static_cast<int64_t>(c.backward_streams()) * c.V * p.elem_bytes;
   if (!plan_team(c, c.len / c.V, pack_bytes, /*backward=*/true, t)) return false;
-  // One team on the whole grid, every CTA waiting at every round's barrier: without the L2
-  // prefetch the split passes were faster on the plain backward (H100: GroupNorm problem 13.1
-  // against 12.6 ms, InstanceNorm3d 0.95 against 0.92), unlike with an activation, whose split
-  // backward costs more (the VAE's 8 MB float16 groups with SiLU: 0.66 against 0.74).
-  if (mode != 1 && t.teams == 1 && t.prefetch == 0 && p.act == Act::None && !p.multiplier && !p.scale) return false;
+  // One team on the whole grid, every CTA waiting at every round's barrier: the split passes are
+  // faster on the plain backward, unlike with an activation, whose split backward costs more
+  // (docs/design.md, "Team or split backward").
+  if (mode != 1 && t.teams == 1 && p.act == Act::None && !p.multiplier && !p.scale) return false;
   const int64_t chunk = t.chunk;
   const int64_t spv = p.S / c.V;
   t.channel_split = ceil_div(spv - 1, chunk) + 1;  // chunks a channel's packs overlap
@@ -656,7 +655,15 @@ Plan plan_backward(const Problem& p, const DeviceInfo& dev, const Residency& res
   const bool team_first = o.team_backward == 1;
   Plan pl;
   int64_t split = 1;
-  const bool fused = (team_first && team_backward(c, pl)) || one_cta_backward(c, pl) || (!team_first && team_backward(c, pl));
+  bool fused = team_first && team_backward(c, pl);
+  if (!fused && one_cta_backward(c, pl)) {
+    fused = true;
+    // A group whose shared memory leaves its SM no second CTA goes to the team kernel where it
+    // can take it: its CTAs, two an SM, hide more latency (docs/design.md, "One-CTA backward").
+    Plan t;
+    if (!team_first && !c.forced && 2 * pl.smem > dev.smem_per_sm && team_backward(c, t)) pl = t;
+  }
+  fused = fused || (!team_first && team_backward(c, pl));
   if (!fused) {
     pl = Plan{};
     if (p.mask[0] || want_params) {
