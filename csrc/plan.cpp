@@ -258,18 +258,19 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
 }
 
 // The sweep forward (docs/design.md, "Sweep path"): 16-bit ChannelsFirst groups of kSweepMinBytes
-// and more, where the team forward's barriers cost more than the sweeps' second read of x.
+// and more, where the team forward's barriers cost more than the sweeps' second read of x. Its
+// kernels exist for the 16-bit types alone, forced or not.
 bool sweep_forward(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
   const int64_t mode = c.o.sweep_forward;
-  if (c.V == 1 || mode == 0 || p.channels_last || c.items == 0 || c.len == 0) return false;
+  if (p.elem_bytes != 2 || mode == 0 || p.channels_last || c.items == 0 || c.len == 0) return false;
   if (c.len % c.V != 0 || !p.aligned) return false;
   // A pack's elements share their coefficients (the output loop's channel segments), and offsets
   // within a group are 32-bit.
   if (!(p.S % c.V == 0 || c.uniform_channels()) || c.len / c.V >= (int64_t(1) << 31)) return false;
   // A forced one-pass limit (FUSEDNORM_ONE_PASS_MAX_BYTES) keeps the one-pass, team and split
   // paths it selects for the tests.
-  if (mode != 1 && (c.forced || p.elem_bytes != 2 || c.len * p.elem_bytes < kSweepMinBytes)) return false;
+  if (mode != 1 && (c.forced || c.len * p.elem_bytes < kSweepMinBytes)) return false;
   const int64_t lenv = c.len / c.V;
   Tiling t;
   t.split = ceil_div(lenv, kSweepTileBytes / (c.V * p.elem_bytes));

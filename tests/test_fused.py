@@ -53,14 +53,18 @@ def reference_with_grads(x, G, w, b, eps, operands, activation, slope, grad_out)
 
 
 def check_fused(shape, G, dtype, layout, names, activation, device, affine=True, slope=0.2, eps=1e-5,
-                per_sample_shape="flat", param_dtype=None):
+                per_sample_shape="flat", param_dtype=None, operand_grads=True):
+    """fusednorm.group_norm with the epilogue operands `names` against the composed float64
+    reference: its output and the gradients of x, weight, bias and (with operand_grads) of the
+    operands."""
     x = to_layout(torch.randn(shape, dtype=torch.float64).to(dtype).to(device), layout).requires_grad_()
     C = shape[1]
     param_dtype = param_dtype or dtype
     w = torch.randn(C, dtype=param_dtype, device=device).requires_grad_() if affine else None
     b = torch.randn(C, dtype=param_dtype, device=device).requires_grad_() if affine else None
     ops = make_operands(x, names, device, dtype, per_sample_shape)
-    ops = {k: (to_layout(v, layout) if v.shape == x.shape else v).requires_grad_() for k, v in ops.items()}
+    ops = {k: (to_layout(v, layout) if v.shape == x.shape else v).requires_grad_(operand_grads)
+           for k, v in ops.items()}
 
     z = fusednorm.group_norm(x, G, w, b, eps, activation=activation, negative_slope=slope, **ops)
     assert z.dtype == dtype and z.shape == x.shape
@@ -73,7 +77,7 @@ def check_fused(shape, G, dtype, layout, names, activation, device, affine=True,
     assert_close(z, z_ref, dtype, scale=magnitude, msg=f"output ({activation}, {names})")
 
     leaves = {"input": x, "weight": w, "bias": b, **ops}
-    leaves = {k: v for k, v in leaves.items() if v is not None}
+    leaves = {k: v for k, v in leaves.items() if v is not None and v.requires_grad}
     grads = dict(zip(leaves, torch.autograd.grad(z, list(leaves.values()), grad_out)))
     M = x.numel() // (shape[0] * G)
     for name, g in grads.items():

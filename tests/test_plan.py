@@ -188,9 +188,10 @@ def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeyp
     _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "0"})
     assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"
     _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "1"})
-    assert forward((2, 64, 8, 8), torch.float32) == "sweep"  # any group, forced
-    plan = kernel_paths.plan((2, 64, 8, 8), 32, torch.float32)
+    assert forward((2, 64, 8, 8), torch.float16) == "sweep"  # any 16-bit group, forced
+    plan = kernel_paths.plan((2, 64, 8, 8), 32, torch.float16)
     assert plan == "path=sweep split=1 tiles=64", plan
+    assert forward((2, 64, 8, 8), torch.float32) == "registers"  # its kernels are 16-bit only
     _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "", "FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
     # A forced one-pass limit keeps the paths the tests select with it.
     assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"

@@ -171,7 +171,12 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
   switch (pl.path) {
     case plan::Path::Split: return split_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
-    case plan::Path::Sweep: return sweep_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+    case plan::Path::Sweep:
+      // Instantiated for the 16-bit types alone, the only ones the planner gives it.
+      if constexpr (sizeof(scalar_t) == 2) {
+        return sweep_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+      }
+      TORCH_INTERNAL_ASSERT(false, "sweep forward planned for a type of more than 16 bits");
     case plan::Path::ColsShared:
       // Not instantiated for double, which has no 16-byte packs (kernels/double.cu).
       if constexpr (pack_width<scalar_t>() > 1) {

@@ -55,7 +55,7 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 template <typename scalar_t>
 int team_residency(Activation act, bool backward, int keep, int64_t smem);
 
-// Sweep forward: path Sweep (kernels/<dtype>_sweep.cu).
+// Sweep forward: path Sweep, 16-bit types only (kernels/<dtype>_sweep.cu).
 template <typename scalar_t>
 void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,

@@ -218,60 +218,58 @@ void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& 
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
   using acc_t = acc_type<scalar_t>;
+  // The planner gives it the 16-bit types alone (plan.cpp, sweep_forward).
+  static_assert(sizeof(scalar_t) == 2, "the sweep kernels are instantiated for 16-bit types only");
   constexpr int V = pack_width<scalar_t>();
-  if constexpr (V == 1) {
-    TORCH_INTERNAL_ASSERT(false, "sweep forward planned for double");
-  } else {
-    SweepArgs<scalar_t> a{};
-    OnePassArgs<scalar_t>& o = a.op;
-    const bool made = make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o);
-    TORCH_INTERNAL_ASSERT(made && !o.cols, "sweep forward planned for arguments it cannot take");
-    o.cluster = 1;
-    const int64_t groups = sh.N * sh.G;
-    a.lenv = o.len / V;
-    a.chunk = pl.reduce.chunk;
-    a.split = static_cast<int>(pl.reduce.split);
-    const int64_t tiles = groups * a.split;
-    TORCH_INTERNAL_ASSERT(tiles == pl.reduce.tiles && tiles <= std::numeric_limits<int>::max());
-    if (tiles == 0) return;
-    at::Tensor part = at::detail::empty_cuda({tiles * 3}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    a.part = part.data_ptr<acc_t>();
-    const auto stream = at::cuda::getCurrentCUDAStream();
-    group_norm_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), kSweepThreads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const bool operands = o.epi.residual != nullptr || o.epi.multiplier != nullptr;
-    // The output sweep as a programmatic dependent of the moments sweep where the device has
-    // programmatic dependent launch and the kernel waits for it (its code built for sm_90 on: PTX of
-    // an older architecture, compiled for this device at load time, has no wait).
-    const bool dependent_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
-    dispatch_activation(ep.activation, [&](auto act) {
-      constexpr Activation kA = decltype(act)::value;
-      auto launch = [&](auto kernel) {
-        bool dependent = false;
-        if (dependent_launch) {
-          cudaFuncAttributes attrs{};
-          C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));
-          dependent = attrs.ptxVersion >= 90;
-        }
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(static_cast<unsigned>(tiles));
-        cfg.blockDim = dim3(kSweepThreads);
-        cfg.dynamicSmemBytes = 0;
-        cfg.stream = stream;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = dependent ? 1 : 0;
-        C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-      };
-      if (operands) {
-        launch(group_norm_sweep_output_kernel<scalar_t, V, kA, true>);
-      } else {
-        launch(group_norm_sweep_output_kernel<scalar_t, V, kA, false>);
+  SweepArgs<scalar_t> a{};
+  OnePassArgs<scalar_t>& o = a.op;
+  const bool made = make_one_pass_args<scalar_t, V>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o);
+  TORCH_INTERNAL_ASSERT(made && !o.cols, "sweep forward planned for arguments it cannot take");
+  o.cluster = 1;
+  const int64_t groups = sh.N * sh.G;
+  a.lenv = o.len / V;
+  a.chunk = pl.reduce.chunk;
+  a.split = static_cast<int>(pl.reduce.split);
+  const int64_t tiles = groups * a.split;
+  TORCH_INTERNAL_ASSERT(tiles == pl.reduce.tiles && tiles <= std::numeric_limits<int>::max());
+  if (tiles == 0) return;
+  at::Tensor part = at::detail::empty_cuda({tiles * 3}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+  a.part = part.data_ptr<acc_t>();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  group_norm_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), kSweepThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool operands = o.epi.residual != nullptr || o.epi.multiplier != nullptr;
+  // The output sweep as a programmatic dependent of the moments sweep where the device has
+  // programmatic dependent launch and the kernel waits for it (its code built for sm_90 on: PTX of
+  // an older architecture, compiled for this device at load time, has no wait).
+  const bool dependent_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  dispatch_activation(ep.activation, [&](auto act) {
+    constexpr Activation kA = decltype(act)::value;
+    auto launch = [&](auto kernel) {
+      bool dependent = false;
+      if (dependent_launch) {
+        cudaFuncAttributes attrs{};
+        C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));
+        dependent = attrs.ptxVersion >= 90;
       }
-    });
-  }
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>(tiles));
+      cfg.blockDim = dim3(kSweepThreads);
+      cfg.dynamicSmemBytes = 0;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = dependent ? 1 : 0;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+    };
+    if (operands) {
+      launch(group_norm_sweep_output_kernel<scalar_t, V, kA, true>);
+    } else {
+      launch(group_norm_sweep_output_kernel<scalar_t, V, kA, false>);
+    }
+  });
 }
 
 }  // namespace fusednorm

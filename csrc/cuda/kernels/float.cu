@@ -5,4 +5,3 @@
 #include "cuda/kernels/float_cols_one_pass.cu"
 #include "cuda/kernels/float_team.cu"
 #include "cuda/kernels/float_split.cu"
-#include "cuda/kernels/float_sweep.cu"

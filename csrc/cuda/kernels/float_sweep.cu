@@ -1,6 +1,0 @@
-// float: the kernels of the sweep forward, path Sweep (paths.h). One translation unit per path and
-// dtype, compiled in parallel, or together in kernels/float.cu on machines with few cores
-// (docs/design.md, "Source layout").
-#include "cuda/sweep_path.cuh"
-
-FUSEDNORM_INSTANTIATE_SWEEP(float);
