@@ -322,6 +322,17 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
   }
 }
 
+// The channels-last output map of a 16-bit output folds into y = x * scale + (shift - hi * scale)
+// where the mean is at most kFoldMaxOffset standard deviations from zero and the coefficients are
+// finite: the float32 rounding of x * scale against hi * scale, ~2^-24 of that offset in units of
+// the output's scale, stays under 2^-15 of it, far below a 16-bit output's own rounding (ATen
+// folds every channels-last map so), and the map costs one FMA and two coefficient loads a
+// vector instead of a subtraction more and three (docs/design.md, "CPU kernels"). Float32
+// outputs keep the shifted map.
+template <typename T>
+constexpr bool kFoldsOutputMap = sizeof(T) == 2;
+constexpr double kFoldMaxOffset = 256;
+
 template <typename T>
 void forward_channels_last(
     const T* x, T* y, const GroupNormShape& sh, const std::vector<at::opmath_type<T>>& w,
@@ -333,10 +344,13 @@ void forward_channels_last(
 
   std::vector<Moments> partial(sh.N * chunks * sh.G);
   std::vector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
+  // Samples whose map folds into y = x * scale + shift (mean_hi unused), see output_chunk.
+  std::vector<char> folded(sh.N, 0);
 
   // Sample n's statistics, merged in chunk order, then each group's copied per channel so that
   // the output pass is a vector loop over channels.
   auto sample_coefficients = [&](int64_t n) {
+    bool fold = kFoldsOutputMap<T>;
     for (int64_t g = 0; g < sh.G; ++g) {
       Moments stats;
       for (int64_t k = 0; k < chunks; ++k) stats.merge(partial[(n * chunks + k) * sh.G + g]);
@@ -351,8 +365,15 @@ void forward_channels_last(
         mean_hi[nc] = m.hi;
         scale[nc] = static_cast<acc_t>(rstd) * w[c] * gain;
         shift[nc] = folded_shift(b[c], gain, mod.shift_at(nc), m.lo, scale[nc]);
+        fold = fold && std::abs(m.hi * rstd) <= kFoldMaxOffset && std::isfinite(scale[nc]) && std::isfinite(shift[nc]);
       }
     }
+    if (fold) {
+      for (int64_t nc = n * C; nc < (n + 1) * C; ++nc) {
+        shift[nc] = static_cast<acc_t>(shift[nc] - static_cast<double>(mean_hi[nc]) * scale[nc]);
+      }
+    }
+    folded[n] = fold;
   };
 
   // y = (x - hi) * scale + (bias - lo * scale) over rows [r0, r1) of sample n, see SplitMean,
@@ -363,17 +384,26 @@ void forward_channels_last(
     const acc_t* hi = mean_hi.data() + n * C;
     const acc_t* sc = scale.data() + n * C;
     const acc_t* sf = shift.data() + n * C;
-    auto affine = [&](const Vec& xv, const Vec&, int64_t c0) {
-      const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
-      return at::vec::fmadd(xv - Vec::loadu(hi + c0, count), Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
-    };
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t off = (n * sh.S + r) * C;
-      if (!ep.active()) {
-        map_row(x + off, static_cast<const T*>(nullptr), y + off, C, affine);
-      } else {
-        map_through_buffer(x + off, y + off, off, C, affine, ep);
+    auto rows = [&](auto affine) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t off = (n * sh.S + r) * C;
+        if (!ep.active()) {
+          map_row(x + off, static_cast<const T*>(nullptr), y + off, C, affine);
+        } else {
+          map_through_buffer(x + off, y + off, off, C, affine, ep);
+        }
       }
+    };
+    if (folded[n]) {
+      rows([&](const Vec& xv, const Vec&, int64_t c0) {
+        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+        return at::vec::fmadd(xv, Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
+      });
+    } else {
+      rows([&](const Vec& xv, const Vec&, int64_t c0) {
+        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+        return at::vec::fmadd(xv - Vec::loadu(hi + c0, count), Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
+      });
     }
   };
 
