@@ -14,17 +14,11 @@ mkdir -p "$WORK/log" "$OUTDIR"
 gcc -shared -fPIC -O2 -o "$WORK/kernel_launches.so" "$ROOT/tools/kernel_launches.c" -ldl -lpthread || exit 1
 KERNEL_LAUNCH_DIR="$WORK/log" LD_PRELOAD="$WORK/kernel_launches.so" "$@"
 rc=$?
-read -r LIB CUOBJDUMP < <(python - <<'PY'
-import glob, os, shutil
-import fusednorm
-lib = sorted(glob.glob(os.path.join(os.path.dirname(fusednorm.__file__), "_C*.so")))[0]
-tool = shutil.which("cuobjdump")
-if tool is None:
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-print(lib, tool)
-PY
-)
+# The library fusednorm loads, and cuobjdump as tools/compare_sass.py finds it.
+read -r LIB CUOBJDUMP < <(PYTHONPATH="$ROOT/tools${PYTHONPATH:+:$PYTHONPATH}" python -c '
+from compare_sass import cuobjdump
+from fusednorm._library import library_path
+print(library_path(), cuobjdump())')
 "$CUOBJDUMP" -res-usage "$LIB" 2>/dev/null | sed -n 's/.*Function \([^:]*\):.*/\1/p' | sort -u > "$OUTDIR/all.txt"
 cat "$WORK"/log/kernels.* 2>/dev/null | sort -u | comm -12 - "$OUTDIR/all.txt" > "$OUTDIR/launched.txt"
 comm -23 "$OUTDIR/all.txt" "$OUTDIR/launched.txt" > "$OUTDIR/never.txt"
