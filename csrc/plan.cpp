@@ -693,6 +693,13 @@ int ceil_log2(int64_t v) {
 // Two waves of full-occupancy CTAs, so that even N * G = 8 fills the GPU.
 int64_t target_tiles(int sms) { return static_cast<int64_t>(sms) * kSplitBlocksPerSM * 2; }
 
+// The channels-last forward's reduce and apply kernels keep two CTAs an SM resident (their
+// registers: 86-108 a thread on sm_90), not eight, so target_tiles() made eight waves of short
+// tiles, each paying its fixed cost (the group shifts or coefficients, the tree over its rows,
+// the partials) on few rows: four waves of the CTAs that are resident instead (docs/design.md,
+// "Split passes").
+int64_t cols_forward_target_tiles(int sms) { return static_cast<int64_t>(sms) * kSplitMinBlocks * 4; }
+
 int grid_for(int64_t tiles, int sms) {
   return static_cast<int>(imax(1, imin(tiles, static_cast<int64_t>(sms) * kSplitBlocksPerSM * 4)));
 }
@@ -716,12 +723,13 @@ Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms) {
 
 // ChannelsLast reduction over N samples of S rows of `cvn` packs: tiles (n, chunk of rows, block
 // of 2^log_tx packs), rows chunked as in tile_rows.
-Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms) {
+Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms, bool forward) {
   Tiling t;
   t.log_tx = ceil_log2(imin(cvn, kSplitThreads));
   const int64_t ty = kSplitThreads >> t.log_tx;
   t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
-  int64_t split = ceil_div(target_tiles(sms), N * t.ncb);
+  const int64_t target = forward ? cols_forward_target_tiles(sms) : target_tiles(sms);
+  int64_t split = ceil_div(target, N * t.ncb);
   split = imin(split, imax(1, S / (ty * kSplitUnroll * 2)));
   split = imax(1, imin(split, max_split));
   t.chunk = ceil_div(S, split);
@@ -732,12 +740,13 @@ Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms) 
 
 // ChannelsLast elementwise pass over `rows` rows of `cvn` packs: tiles of `chunk` rows x one block
 // of 2^log_tx packs.
-Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms) {
+Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms, bool forward) {
   Tiling t;
   t.log_tx = ceil_log2(imin(cvn, kSplitThreads));
   const int64_t ty = kSplitThreads >> t.log_tx;
   t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
-  t.chunk = imax(ty * kSplitUnroll * 2, ceil_div(rows, ceil_div(target_tiles(sms), t.ncb)));
+  const int64_t target = forward ? cols_forward_target_tiles(sms) : target_tiles(sms);
+  t.chunk = imax(ty * kSplitUnroll * 2, ceil_div(rows, ceil_div(target, t.ncb)));
   t.split = ceil_div(rows, t.chunk);
   t.tiles = t.split * t.ncb;
   return t;
@@ -770,7 +779,7 @@ ReduceTiling plan_reduce(const Problem& p, bool grads, int sms) {
     const int64_t pieces = D >> r.log_q;
     const int64_t max_split = grads ? imax(1, imin(kMaxEntries / pieces, kMaxParamEntries / p.N))
                                     : imax(1, kMaxEntries / pieces);
-    r.t = tile_cols(p.N, p.S, cvn, max_split, sms);
+    r.t = tile_cols(p.N, p.S, cvn, max_split, sms, /*forward=*/!grads);
     r.entries = pieces * r.t.split;
   }
   return r;

@@ -186,6 +186,7 @@ inline Plan plan_call(const Problem& p, const DeviceInfo& dev, const Residency& 
 constexpr int kSplitThreads = 256;  // the split kernels' CTA (group_norm_kernel.cu's kThreads)
 constexpr int kSplitUnroll = 4;     // packs a thread loads before using any
 constexpr int kSplitBlocksPerSM = 2048 / kSplitThreads;
+constexpr int kSplitMinBlocks = 2;  // CTAs an SM the kernels' register cap guarantees (kMinBlocks)
 constexpr int64_t kMaxEntries = 4096;      // partials one finalize item merges
 constexpr int64_t kMaxParamEntries = 512;  // the same for the per-channel parameter gradients
 
@@ -194,8 +195,9 @@ int ceil_log2(int64_t v);
 int64_t target_tiles(int sms);
 int grid_for(int64_t tiles, int sms);
 Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms);
-Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms);
-Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms);
+// ChannelsLast tiling; `forward`: the forward's passes (tiles counted in resident CTAs, below).
+Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms, bool forward);
+Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms, bool forward);
 int log_piece(int64_t D, int log_tx, int V);
 
 // The split passes' reduction tiling for problem `p` (pieces a group in `entries`).

@@ -111,7 +111,7 @@ ROWS = [
         forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
         backward='path=split split=33 tiles=2112 param_grad_parts=2'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=True, activation=None, operands=(), affine=True,
-        forward='path=split split=1056 tiles=2112',
+        forward='path=split split=528 tiles=1056',
         backward='path=split split=256 tiles=512 param_grad_parts=8'),
     Row('SD AdaGN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
         forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',

@@ -164,7 +164,7 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
     const int64_t max_split =
         GRADS ? imax(1, imin(kMaxEntries / pieces_per_group, kMaxParamEntries / sh.N))
               : imax(1, kMaxEntries / pieces_per_group);
-    const Tiling t = tile_cols(sh.N, sh.S, cvn, max_split);
+    const Tiling t = tile_cols(sh.N, sh.S, cvn, max_split, /*forward=*/!GRADS);
     TORCH_INTERNAL_ASSERT(t.log_tx == a.log_tx);
     a.split = t.split;
     a.chunk = t.chunk;
@@ -250,7 +250,7 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
                      (epi == nullptr ? ptrs_aligned
                                      : aligned_to(a.x, bytes) && aligned_to(a.out, bytes) &&
                                            aligned_to(a.dy, bytes) && epi_aligned(*epi, bytes));
-    const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / width : sh.C);
+    const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / width : sh.C, /*forward=*/a.dy == nullptr);
     a.split = t.ncb;
     a.chunk = t.chunk;
     a.tiles = t.tiles;

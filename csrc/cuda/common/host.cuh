@@ -24,7 +24,8 @@ int num_sms() {
 // The split passes' tiling is the planner's (plan.cpp; docs/design.md, "Split passes"), on this
 // device.
 static_assert(kThreads == plan::kSplitThreads && kUnroll == plan::kSplitUnroll && kMaxEntries == plan::kMaxEntries &&
-                  kMaxParamEntries == plan::kMaxParamEntries && kBlocksPerSM == plan::kSplitBlocksPerSM,
+                  kMaxParamEntries == plan::kMaxParamEntries && kBlocksPerSM == plan::kSplitBlocksPerSM &&
+                  kMinBlocks == plan::kSplitMinBlocks,
     "the planner's split-pass constants are the kernels'");
 using plan::ceil_log2;
 using plan::log_piece;
@@ -36,11 +37,13 @@ Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split) {
   return plan::tile_rows(rows, lenv, max_split, num_sms());
 }
 
-Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split) {
-  return plan::tile_cols(N, S, cvn, max_split, num_sms());
+Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, bool forward) {
+  return plan::tile_cols(N, S, cvn, max_split, num_sms(), forward);
 }
 
-Tiling tile_apply_cols(int64_t rows, int64_t cvn) { return plan::tile_apply_cols(rows, cvn, num_sms()); }
+Tiling tile_apply_cols(int64_t rows, int64_t cvn, bool forward) {
+  return plan::tile_apply_cols(rows, cvn, num_sms(), forward);
+}
 
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;

@@ -1,0 +1,81 @@
+"""Channels-last GN32+SiLU float16 forward on the SD VAE decoder's shapes (what its norms receive
+under torch.compile, whose convolutions output channels-last), and on the video VAE's: GPU kernel
+time of fusednorm (by kernel), torch.compile and fusednorm on the same input made contiguous, L2
+flushed before each call, overlapping kernels counted once; % of a device copy of the bytes read
+and written, the copy measured in the same run. Prints a line a shape, then the rows as JSON.
+
+    python tools/channels_last_rows.py [N]    # N: only the first N shapes
+"""
+
+import collections
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+import fusednorm
+
+SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
+          (1, 128, 512, 512), (1, 128, 1024, 1024), (8, 320, 64, 64), (2, 320, 64, 64), (1, 128, 20, 256, 256)]
+
+
+def kernel_time(fn, flush, iters=10):
+    """(ms of GPU kernel time a call, {kernel name: ms a call})."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(iters):
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in p.events() if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name]
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    by_name = collections.Counter()
+    for e in events:
+        by_name[e.name.split("<")[0].split("::")[-1]] += (e.time_range.end - e.time_range.start) / iters / 1000
+    return total / iters / 1000, by_name
+
+
+def main():
+    shapes = SHAPES[:int(sys.argv[1])] if len(sys.argv) > 1 else SHAPES
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    src = torch.empty(1 << 28, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
+    bandwidth = 2 * src.numel() * 2 / copy_ms / 1e9  # TB/s
+    del src, dst
+    print(f"copy {bandwidth:.2f} TB/s")
+    rows = []
+    for shape in shapes:
+        torch._dynamo.reset()
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        x = torch.randn(shape, device="cuda", dtype=torch.float16).to(memory_format=fmt)
+        w = torch.randn(shape[1], device="cuda", dtype=torch.float16)
+        b = torch.randn_like(w)
+        compiled = torch.compile(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b)))
+        ideal = 2 * x.numel() * 2 / bandwidth / 1e9
+        with torch.no_grad():
+            f_ms, f_kernels = kernel_time(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush)
+            c_ms, c_kernels = kernel_time(lambda: compiled(x, w, b), flush)
+            xc = x.contiguous()
+            fc_ms, _ = kernel_time(lambda: fusednorm.group_norm(xc, 32, w, b, activation="silu"), flush)
+        row = dict(shape=shape, fusednorm=f_ms, compile=c_ms, contiguous=fc_ms, ideal=ideal,
+                   fusednorm_kernels={k: round(v, 4) for k, v in f_kernels.items()},
+                   compile_kernels={k: round(v, 4) for k, v in c_kernels.items()})
+        rows.append(row)
+        print(f"{str(shape):22s} fusednorm {f_ms:.4f} ({ideal / f_ms:4.0%})  compile {c_ms:.4f} ({ideal / c_ms:4.0%})  "
+              f"fusednorm contiguous {fc_ms:.4f} ({ideal / fc_ms:4.0%})  {row['fusednorm_kernels']}", flush=True)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
