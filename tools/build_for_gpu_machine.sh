@@ -24,8 +24,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "== torch==$TORCH_VERSION into $VENV"
   "$("$PROJECT_PY" -c 'import sys; print(sys.executable)')" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --no-deps "torch==$TORCH_VERSION"
-  # torch's own requirements from the project's venv, searched after this venv's torch.
-  "$PROJECT_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+  # torch's own requirements from the project's venv (and the system site-packages that venv
+  # sees, where they may be), searched after this venv's torch.
+  "$PROJECT_PY" -c "import sys; print('\n'.join(p for p in sys.path if p.endswith('site-packages')))" \
     > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_project.pth"
 fi
 
