@@ -152,11 +152,18 @@ def implementations(case: Case, with_compile: bool) -> Dict[str, Callable]:
     return impls
 
 
-def kernel_ms(fn, flush, iters=20):
-    """Milliseconds of GPU kernel time an iteration of fn() (torch.profiler's CUDA events, host
-    time not counted), flush.bitwise_not_() (an L2 flush) before each iteration and excluded.
-    Kernels that overlap (a programmatic dependent launch starts before its primary ends) count
-    once: the time is the union of the kernels' intervals, not the sum of their durations."""
+def kernel_name(event_name: str) -> str:
+    """A CUDA kernel's name as the profiler reports it, templates and arguments left out."""
+    m = re.search(r"(\w+_kernel)\b", event_name)
+    return m.group(1) if m else event_name.split("(")[0].split("<")[0]
+
+
+def kernel_profile(fn, flush, iters=20):
+    """(milliseconds of GPU kernel time an iteration of fn(), {kernel name: milliseconds an
+    iteration}), by torch.profiler's CUDA events, host time not counted, flush.bitwise_not_() (an
+    L2 flush) before each iteration and excluded. Kernels that overlap (a programmatic dependent
+    launch starts before its primary ends) count once in the total: it is the union of the
+    kernels' intervals, not the sum of their durations (the per-kernel times are durations)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -168,14 +175,22 @@ def kernel_ms(fn, flush, iters=20):
             flush.bitwise_not_()
             fn()
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name)
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name]
     total_us, end = 0.0, float("-inf")
-    for start, stop in spans:
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events):
         if stop > end:
             total_us += stop - max(start, end)
             end = stop
-    return total_us / iters / 1000.0
+    by_kernel: Dict[str, float] = {}
+    for e in events:
+        name = kernel_name(e.name)
+        by_kernel[name] = by_kernel.get(name, 0.0) + (e.time_range.end - e.time_range.start) / iters / 1000.0
+    return total_us / iters / 1000.0, by_kernel
+
+
+def kernel_ms(fn, flush, iters=20):
+    """Milliseconds of GPU kernel time an iteration of fn() (kernel_profile's total)."""
+    return kernel_profile(fn, flush, iters)[0]
 
 
 def timer(device: str):

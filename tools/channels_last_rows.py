@@ -7,42 +7,21 @@ and written, the copy measured in the same run. Prints a line a shape, then the 
     python tools/channels_last_rows.py [N]    # N: only the first N shapes
 """
 
-import collections
 import json
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import fusednorm
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench import kernel_profile  # noqa: E402
+
 SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
           (1, 128, 512, 512), (1, 128, 1024, 1024), (8, 320, 64, 64), (2, 320, 64, 64), (1, 128, 20, 256, 256)]
-
-
-def kernel_time(fn, flush, iters=10):
-    """(ms of GPU kernel time a call, {kernel name: ms a call})."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(iters):
-            flush.bitwise_not_()
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in p.events() if e.device_type == DeviceType.CUDA and "bitwise_not" not in e.name]
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    by_name = collections.Counter()
-    for e in events:
-        by_name[e.name.split("<")[0].split("::")[-1]] += (e.time_range.end - e.time_range.start) / iters / 1000
-    return total / iters / 1000, by_name
 
 
 def main():
@@ -64,10 +43,11 @@ def main():
         compiled = torch.compile(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b)))
         ideal = 2 * x.numel() * 2 / bandwidth / 1e9
         with torch.no_grad():
-            f_ms, f_kernels = kernel_time(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush)
-            c_ms, c_kernels = kernel_time(lambda: compiled(x, w, b), flush)
+            f_ms, f_kernels = kernel_profile(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush,
+                                             iters=10)
+            c_ms, c_kernels = kernel_profile(lambda: compiled(x, w, b), flush, iters=10)
             xc = x.contiguous()
-            fc_ms, _ = kernel_time(lambda: fusednorm.group_norm(xc, 32, w, b, activation="silu"), flush)
+            fc_ms, _ = kernel_profile(lambda: fusednorm.group_norm(xc, 32, w, b, activation="silu"), flush, iters=10)
         row = dict(shape=shape, fusednorm=f_ms, compile=c_ms, contiguous=fc_ms, ideal=ideal,
                    fusednorm_kernels={k: round(v, 4) for k, v in f_kernels.items()},
                    compile_kernels={k: round(v, 4) for k, v in c_kernels.items()})

@@ -24,7 +24,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
-from bench import gpu_suite, grad_inputs, implementations, kernel_ms, make_inputs  # noqa: E402
+from bench import gpu_suite, grad_inputs, implementations, kernel_ms, kernel_name, make_inputs  # noqa: E402
 from fusednorm.kernel_paths import plan, selected  # noqa: E402
 
 FORWARD_PATHS = ("default", "split", "one_pass", "one_pass_shared", "team", "sweep", "noteam", "nosweep", "shared")
@@ -39,12 +39,7 @@ def kernels_launched(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = set()
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            m = re.search(r"(\w+_kernel)\b", e.name)
-            names.add(m.group(1) if m else e.name.split("(")[0].split("<")[0])
-    return sorted(names)
+    return sorted({kernel_name(e.name) for e in prof.events() if e.device_type == DeviceType.CUDA})
 
 
 def plan_args(case, backward):
