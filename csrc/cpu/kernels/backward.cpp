@@ -285,11 +285,19 @@ void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
   });
 }
 
-// The ChannelsFirst sums and dx group by group, for an epilogue whose dp is worth computing once:
-// a group's dp (D * S values, at most kMaxGroupDpBytes) goes into a per-thread buffer in the sums'
-// pass and is read back by the dx pass, the group's coefficients computed in between (with the
-// same arithmetic as the two-pass path, so the results are the same bits).
+// The ChannelsFirst sums and dx group by group (sums, the group's coefficients, dx), with the
+// same arithmetic as the two-pass path, so the results are the same bits. With an epilogue whose
+// dp is worth computing once, a group's dp (D * S values, at most kMaxGroupDpBytes) goes into a
+// per-thread buffer in the sums' pass and is read back by the dx pass. Without one (dp = dy), the
+// order alone pays where a group's x and dy (at most kMaxPlainGroupBytes, which leaves room for
+// dx in a 1-2 MB L2) are still in L1 / L2 for the dx pass, as ATen's batch-norm backward keeps a
+// channel: the two-pass path reads the whole batch's x and dy a second time from L3
+// (docs/design.md, "CPU kernels"). Only with several groups a thread (the two-pass path spreads
+// rows, not groups), and not for short rows, whose sums go L rows a block across groups
+// (short_rows_grad_sums).
 constexpr int64_t kMaxGroupDpBytes = 512 * 1024;
+constexpr int64_t kMaxPlainGroupBytes = 512 * 1024;
+constexpr int64_t kMinPlainGroupsPerThread = 4;
 
 template <typename T>
 void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
@@ -298,7 +306,7 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
   using acc_t = at::opmath_type<T>;
   const int64_t M = sh.D * sh.S;
   at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> group_dp(M);
+    std::vector<acc_t> group_dp(ep.active() ? M : 0);  // (without an epilogue dp = dy: no buffer)
     for (int64_t ng = begin; ng < end; ++ng) {
       const int64_t rows_end = (ng + 1) * sh.D;
       if (short_rows<T>(sh)) {
@@ -428,8 +436,13 @@ FusedGrads fused_backward(const at::Tensor& grad_out, const at::Tensor& x, const
       for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
 
     GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
-    if (layout == Layout::ChannelsFirst && ep.active() && mask[0] &&
-        sh.D * sh.S * static_cast<int64_t>(sizeof(acc_t)) <= kMaxGroupDpBytes) {
+    const int64_t group_elems = sh.D * sh.S;
+    const bool group_by_group = ep.active()
+        ? group_elems * static_cast<int64_t>(sizeof(acc_t)) <= kMaxGroupDpBytes
+        : !short_rows<scalar_t>(sh) &&
+            2 * group_elems * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxPlainGroupBytes &&
+            sh.N * sh.G >= kMinPlainGroupsPerThread * at::get_num_threads();
+    if (layout == Layout::ChannelsFirst && mask[0] && group_by_group) {
       backward_groups_channels_first(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);
       param_grads<acc_t>(sh, sums, rp, w, b, mod, grads);
       return;
