@@ -61,6 +61,9 @@ def gpu_suite() -> List[Case]:
     for c, hw in ((128, 512), (256, 256), (512, 128)):
         cases.append(Case("VAE GN+SiLU", (1, c, hw, hw), torch.bfloat16, "group", activation="silu"))
     cases.append(Case("VAE GN+SiLU", (1, 128, 1024, 1024), torch.float16, "group", activation="silu"))
+    # What a VAE's norms receive under torch.compile, whose convolutions output channels-last.
+    cases.append(Case("VAE GN+SiLU", (1, 128, 512, 512), torch.float16, "group", activation="silu",
+                      channels_last=True))
     # Video VAEs (HunyuanVideo / CogVideoX-style decoders): GroupNorm over (C, T, H, W) groups.
     for shape in ((1, 128, 20, 256, 256), (1, 512, 16, 90, 160)):
         cases.append(Case("Video VAE GN+SiLU", shape, torch.bfloat16, "group", activation="silu"))

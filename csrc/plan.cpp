@@ -96,6 +96,17 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // 1-8% (the GroupNorm problem 5.30 against 5.25 ms, InstanceNorm3d 0.399 against 0.369).
 constexpr int64_t kSweepTileBytes = 256 * 1024;
 constexpr int64_t kSweepMinBytes = 4 << 20;
+// Channels-last sweep (docs/design.md, "Channels-last sweep"): by default for inputs of
+// kColsSweepMinBytes and more, the moments and the output kernels' tiles in this many waves of
+// their resident CTAs, each thread taking at least kColsSweepUnroll rows (plan.h). Measured on an
+// H200 (fp16 GN+SiLU, kernel time): below 32 MB the split passes were as fast or faster
+// ((2,320,64,64) 0.0197 against 0.0207-0.0250 ms, (1,512,128,128) 0.0332 against 0.0348), from
+// 32 MB on the sweep ((1,256,256,256) 0.054 against 0.063, (1,128,512,512) 0.077 against 0.097,
+// the video VAE's (1,128,20,256,256) 0.273 against 0.355). One wave of moments tiles against two
+// and four: 0.897, 0.949 and 0.994 of the split passes' time (geometric mean of ten rows).
+constexpr int64_t kColsSweepMinBytes = 32 << 20;
+constexpr int64_t kColsSweepWaves = 1;
+constexpr int64_t kColsSweepOutputWaves = 4;
 // docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
 // next chunk into L2, so that the DRAM has work while the team synchronises. On an H100, with
 // three teams of 88 CTAs (the GroupNorm problem) the barrier's wait cost 1.3 ms of 6.9; 3/8 gave
@@ -169,11 +180,14 @@ Overrides read_overrides() {
   o.param_grad_parts = read_int("FUSEDNORM_PARAM_GRAD_PARTS");
   o.cols_pipeline = read_int("FUSEDNORM_COLS_PIPELINE");
   o.cols_span = read_int("FUSEDNORM_COLS_SPAN");
+  o.cols_sweep = read_int("FUSEDNORM_COLS_SWEEP");
 #ifdef FUSEDNORM_TUNING_KNOBS
   o.one_pass_max_cluster = read_int("FUSEDNORM_ONE_PASS_MAX_CLUSTER");
   o.team_cta_kb = read_int("FUSEDNORM_TEAM_CTA_KB", /*wide=*/true);
   o.cols_act_kernel = read_int("FUSEDNORM_COLS_ACT_KERNEL");
   o.backward_threads = read_int("FUSEDNORM_BACKWARD_THREADS");
+  o.cols_sweep_waves = read_int("FUSEDNORM_COLS_SWEEP_WAVES");
+  o.cols_sweep_output_waves = read_int("FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES");
 #endif
   return o;
 }
@@ -280,6 +294,45 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   if (t.tiles > std::numeric_limits<int32_t>::max()) return false;
   pl.path = Path::Sweep;
   pl.reduce = t;
+  return true;
+}
+
+// The channels-last sweep's tiles of rows: about `target` over N samples of S rows, a CTA reading
+// `rows` rows at once, each thread at least kColsSweepUnroll of them, at most kMaxEntries a sample
+// (the finalize's limit).
+Tiling cols_sweep_tiling(int64_t N, int64_t S, int64_t rows, int64_t target) {
+  int64_t split = ceil_div(target, N);
+  split = imin(split, imax(1, S / (rows * kColsSweepUnroll)));
+  split = imax(1, imin(split, kMaxEntries));
+  Tiling t;
+  t.chunk = ceil_div(S, split);
+  t.split = ceil_div(S, t.chunk);
+  t.tiles = N * t.split;
+  return t;
+}
+
+// The channels-last sweep (docs/design.md, "Channels-last sweep"): the channels-last groups the
+// one-pass kernels do not hold, in inputs of kColsSweepMinBytes and more, in 2- and 4-byte types
+// whose rows are whole 16-byte packs, at most kColsSweepOutputThreads packs a row (a moments CTA
+// then reads two rows at once or more).
+bool cols_sweep_forward(const Ctx& c, Plan& pl) {
+  const Problem& p = c.p;
+  const int64_t mode = c.o.cols_sweep;
+  if (mode == 0 || !p.channels_last || p.elem_bytes > 4 || c.V == 1 || c.items == 0 || c.len == 0) return false;
+  if (p.C % c.V != 0 || !p.aligned) return false;
+  const int64_t cpr = p.C / c.V;
+  if (cpr > kColsSweepOutputThreads) return false;
+  // A forced one-pass limit (FUSEDNORM_ONE_PASS_MAX_BYTES) keeps the paths it selects for the tests.
+  if (mode != 1 && (c.forced || p.N * p.C * p.S * p.elem_bytes < kColsSweepMinBytes)) return false;
+  const auto waves = [](int64_t knob, int64_t fallback) { return set(knob) ? imax(1, knob) : fallback; };
+  const int64_t sms = c.dev.sms;
+  pl.reduce = cols_sweep_tiling(p.N, p.S, kColsSweepThreads / cpr,
+      sms * kColsSweepBlocksPerSM * waves(c.o.cols_sweep_waves, kColsSweepWaves));
+  pl.output = cols_sweep_tiling(p.N, p.S, kColsSweepOutputThreads / cpr,
+      sms * kColsSweepOutputBlocksPerSM * waves(c.o.cols_sweep_output_waves, kColsSweepOutputWaves));
+  if (imax(pl.reduce.tiles, pl.output.tiles) > std::numeric_limits<int32_t>::max()) return false;
+  pl.path = Path::ColsSweep;
+  pl.threads = cols_sweep_threads(kColsSweepThreads, cpr);
   return true;
 }
 
@@ -544,10 +597,13 @@ std::string Overrides::to_string() const {
   field("param_grad_parts", param_grad_parts);
   field("cols_pipeline", cols_pipeline);
   field("cols_span", cols_span);
+  field("cols_sweep", cols_sweep);
   field("one_pass_max_cluster", one_pass_max_cluster);
   field("team_cta_kb", team_cta_kb);
   field("cols_act_kernel", cols_act_kernel);
   field("backward_threads", backward_threads);
+  field("cols_sweep_waves", cols_sweep_waves);
+  field("cols_sweep_output_waves", cols_sweep_output_waves);
   return s.str();
 }
 
@@ -596,6 +652,7 @@ const char* path_name(Path p) {
     case Path::Team: return "team";
     case Path::OneCta: return "one_cta";
     case Path::Sweep: return "sweep";
+    case Path::ColsSweep: return "cols_sweep";
   }
   return "?";
 }
@@ -626,6 +683,10 @@ std::string Plan::to_string() const {
     case Path::Sweep:
       s << " split=" << reduce.split << " tiles=" << reduce.tiles;
       break;
+    case Path::ColsSweep:
+      s << " threads=" << threads << " split=" << reduce.split << " tiles=" << reduce.tiles
+        << " output_tiles=" << output.tiles;
+      break;
     case Path::Split:
       if (reduce.tiles > 1 || reduce.split > 1) s << " split=" << reduce.split << " tiles=" << reduce.tiles;
       if (cols_act_kernel) s << " cols_act_kernel=1";
@@ -638,8 +699,13 @@ std::string Plan::to_string() const {
 Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
   const Ctx c(p, dev, res, o);
   Plan pl;
-  if (sweep_forward(c, pl) || team_forward(c, pl) || one_pass_forward(c, pl)) return pl;
+  const bool cols_sweep_first = o.cols_sweep == 1;
+  if (sweep_forward(c, pl) || (cols_sweep_first && cols_sweep_forward(c, pl)) || team_forward(c, pl) ||
+      one_pass_forward(c, pl)) {
+    return pl;
+  }
   pl = Plan{};
+  if (!cols_sweep_first && cols_sweep_forward(c, pl)) return pl;
   pl.reduce = plan_reduce(p, /*grads=*/false, dev.sms).t;
   // The channels-last (or S == 1) apply pass of an epilogue with neither residual nor multiplier
   // and a common activation has a kernel of its own (docs/design.md, "Split passes").

@@ -41,11 +41,14 @@ struct Overrides {
   int64_t param_grad_parts = kUnset;    // CTAs of the parameter-gradient cluster (1..8)
   int64_t cols_pipeline = kUnset;       // channels-last shared forward: 0 one buffer, 1 two with operands too
   int64_t cols_span = kUnset;           // channels-last shared forward: at most this many groups a CTA
+  int64_t cols_sweep = kUnset;          // 0: off, 1: every channels-last group the channels-last sweep can take
   // Tuning only (FUSEDNORM_TUNING_KNOBS builds).
   int64_t one_pass_max_cluster = kUnset;  // most CTAs of a one-pass cluster
   int64_t team_cta_kb = kUnset;           // shared memory a team CTA holds, in KB
   int64_t cols_act_kernel = kUnset;       // 0: channels-last activation-only forward in the shared EPI kernel
   int64_t backward_threads = kUnset;      // one-CTA backward: threads a CTA (256 or 512)
+  int64_t cols_sweep_waves = kUnset;         // channels-last sweep: moments tiles in waves of resident CTAs
+  int64_t cols_sweep_output_waves = kUnset;  // the same for its output tiles
 
   std::string to_string() const;
 };
@@ -135,6 +138,7 @@ enum class Path {
   Team,           // either direction, a team of persistent CTAs shares a group ("Team path")
   OneCta,         // backward, one CTA a group in shared memory ("One-CTA backward")
   Sweep,          // forward, two streaming launches over tiles of a group ("Sweep path")
+  ColsSweep,      // forward, channels-last: streaming launches over tiles of rows ("Channels-last sweep")
 };
 
 const char* path_name(Path p);
@@ -148,7 +152,7 @@ struct Tiling {
 struct Plan {
   Path path = Path::Split;
   // Registers: R packs a thread, E extra operand streams held, `threads` a CTA, the late
-  // variant (operands loaded after the moments).
+  // variant (operands loaded after the moments). ColsSweep: `threads` a CTA.
   int reg_packs = 0, reg_streams = 0, threads = 0;
   bool late = false;
   // Shared / Cluster: CTAs a group, packs a CTA, dynamic shared memory a CTA.
@@ -167,8 +171,9 @@ struct Plan {
   // Split forward, channels-last apply with an activation alone: its own kernel.
   bool cols_act_kernel = false;
   // Backward: the split passes' reduce tiling (path Split), and CTAs summing each block of 32
-  // channels' parameter gradients (0: no parameter gradient wanted).
-  Tiling reduce;
+  // channels' parameter gradients (0: no parameter gradient wanted). Sweep: the tiles. ColsSweep:
+  // the moments kernel's tiles (`reduce`) and the output kernel's (`output`).
+  Tiling reduce, output;
   int param_grad_parts = 0;
 
   std::string to_string() const;
@@ -188,6 +193,19 @@ constexpr int kSplitUnroll = 4;     // packs a thread loads before using any
 constexpr int kSplitBlocksPerSM = 2048 / kSplitThreads;
 constexpr int kSplitMinBlocks = 2;  // CTAs an SM the kernels' register cap guarantees (kMinBlocks)
 constexpr int64_t kMaxEntries = 4096;      // partials one finalize item merges
+// The channels-last sweep's CTAs (at most; whole rows of C / V packs) and the CTAs an SM their
+// register caps guarantee (cols_sweep_path.cuh's launch bounds), for the moments and the output
+// kernels, and the rows a thread loads before using any. The output kernel keeps four
+// coefficients a channel: in CTAs of 512 threads (64 registers) ptxas spilled them.
+constexpr int kColsSweepThreads = 512;
+constexpr int kColsSweepBlocksPerSM = 2;
+constexpr int kColsSweepOutputThreads = 256;
+constexpr int kColsSweepOutputBlocksPerSM = 3;
+constexpr int kColsSweepUnroll = 4;
+// Threads of a channels-last sweep CTA of at most `max_threads` over rows of `cpr` packs.
+constexpr int cols_sweep_threads(int max_threads, int64_t cpr) {
+  return static_cast<int>((max_threads / cpr) * cpr);
+}
 constexpr int64_t kMaxParamEntries = 512;  // the same for the per-channel parameter gradients
 
 int ceil_log2(int64_t v);

@@ -6,8 +6,8 @@ docs/design.md, "Kernel overrides"); after changing them in ``os.environ``, call
 :func:`reload_overrides` (:func:`selected` does). Unset, each picks the planner's default.
 
 The named paths are the ones the tests run every kernel on (TEST_PATHS: the one-pass kernels with
-a small group in registers or in shared memory, the split passes, the team and the sweep
-kernels), the compute-sanitizer cases run, and tools/compare_paths.py times (PATHS, a superset).
+a small group in registers or in shared memory, the split passes, the team, the sweep and the
+channels-last sweep kernels), the compute-sanitizer cases run, and tools/compare_paths.py times (PATHS, a superset).
 One list here, so that a new knob reaches all three.
 """
 
@@ -32,6 +32,7 @@ TEST_KNOBS = (
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
     "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too
     "FUSEDNORM_COLS_SPAN",             # channels-last shared-memory forward: at most this many groups a CTA
+    "FUSEDNORM_COLS_SWEEP",            # 0: off, 1: every channels-last group the channels-last sweep can take
 )
 
 # Read only by a build compiled with -DFUSEDNORM_TUNING_KNOBS (timing experiments).
@@ -40,6 +41,8 @@ TUNING_KNOBS = (
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only forward in the shared EPI kernel
     "FUSEDNORM_BACKWARD_THREADS",      # one-pass backward: threads a CTA (256 or 512)
+    "FUSEDNORM_COLS_SWEEP_WAVES",      # channels-last sweep: moments tiles in this many waves of resident CTAs
+    "FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES",  # the same for its output tiles
 )
 
 KNOBS = TEST_KNOBS + TUNING_KNOBS
@@ -56,6 +59,7 @@ TEST_PATHS = {
     "split": {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0", **_TEAM_OFF, "FUSEDNORM_PARAM_GRAD_PARTS": "8"},
     "team": _TEAM_ON,
     "sweep": {"FUSEDNORM_SWEEP_FORWARD": "1"},
+    "cols_sweep": {"FUSEDNORM_COLS_SWEEP": "1"},
 }
 
 PATHS = {
@@ -63,6 +67,7 @@ PATHS = {
     **TEST_PATHS,
     "noteam": _TEAM_OFF,  # the default without the team kernels
     "nosweep": {"FUSEDNORM_SWEEP_FORWARD": "0"},  # the default without the sweep kernels
+    "nocolssweep": {"FUSEDNORM_COLS_SWEEP": "0"},  # the default without the channels-last sweep
     "team64": {**_TEAM_ON, "FUSEDNORM_TEAM_CTA_KB": "64"},  # tuning build only
     "team_prefetch": {**_TEAM_ON, "FUSEDNORM_TEAM_PREFETCH": "8"},  # the team kernels, every chunk prefetched whole
     "prefetch0": {"FUSEDNORM_TEAM_PREFETCH": "0"},  # the default without the team kernels' L2 prefetch

@@ -738,6 +738,51 @@ def test_channels_last_forward_in_one_pass(case, dtype, path, monkeypatch):
     assert torch.all(y[0, : shape[1] // G] == b[: shape[1] // G].view(-1, *([1] * (x.dim() - 2))))
 
 
+# The channels-last sweep (docs/design.md, "Channels-last sweep") takes channels-last groups in
+# tiles of whole rows, every thread on one pack of channels: packs holding two groups (D = 4) or
+# eight (D = 1), groups across packs (D = 10, D = C), an odd S whose last tile and last unrolled
+# step are short, and rows of 256 packs (one output row a CTA). Rows of more than 256 packs, and
+# double, take the split passes.
+CL_SWEEP_CASES = [
+    ((2, 128, 64, 64), 32),    # D = 4, 32 tiles a sample
+    ((2, 320, 17, 19), 32),    # D = 10, S = 323: moments CTAs of 480 threads
+    ((3, 64, 33, 35), 64),     # D = 1 (InstanceNorm)
+    ((1, 16, 300, 301), 4),    # 88 (float16) / 176 (float32) tiles, the last one short
+    ((1, 2048, 9, 9), 1),      # D = C; 256 packs a row in float16, 512 (the split passes) in float32
+    ((2, 32, 5, 3, 7), 4),     # channels_last_3d, D = 8
+    ((2, 4096, 3, 3), 32),     # 512 packs a row in float16: the split passes
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CL_SWEEP_CASES, ids=_id)
+def test_channels_last_sweep(case, dtype, monkeypatch):
+    shape, G = case
+    kernel_paths.set_path(monkeypatch, "cols_sweep")
+    x = make(shape, dtype, layout="channels_last", seed=9, offset=2.0)
+    w, b = make_params(shape[1], dtype)
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    cpr = shape[1] * dtype.itemsize // 16
+    assert ("cols_sweep_moments_kernel" in names) == (cpr <= 256), names
+    check_forward(x, G, w, b)
+    # Deterministic: the same bits again.
+    y, mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)
+    y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
+    assert torch.equal(y, y2) and torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
+    # A first element far from the rest: the tiles of its group take the second pass (M2 lost its
+    # digits against the shift K); the variance must keep them.
+    D = shape[1] // G
+    x[(0, 0) + (0,) * (x.dim() - 2)] = 1e3
+    y, mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)
+    y_ref, mean_ref, rstd_ref = ref_forward(x, G, w, b)
+    assert_close(rstd, rstd_ref, dtype, "rstd", STATS_TOL)
+    # A constant group: variance exactly 0, y exactly the bias.
+    x[0, :D] = 1.5
+    y, mean, _ = OPS.group_norm_forward(x, G, w, b, EPS)
+    assert mean[0, 0] == 1.5
+    assert torch.all(y[0, :D] == b[:D].view(-1, *([1] * (x.dim() - 2))))
+
+
 def test_team_edges(monkeypatch):
     # The team kernels on rounds fewer and more than one a team, teams of one CTA and of many
     # (channels split over several CTAs, and CTAs holding several channels), and a constant group

@@ -667,6 +667,19 @@ def test_fused_sweep_tiles_across_channels_cuda(activation, dtype, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("activation", [None, "silu", "gelu", "mish"])
+def test_fused_channels_last_sweep_cuda(activation, monkeypatch):
+    # The channels-last sweep (docs/design.md, "Channels-last sweep"): each thread's channels'
+    # coefficients (w_eff, b_eff per sample) computed once; the operands in the same tiles of rows.
+    kernel_paths.set_path(monkeypatch, "cols_sweep")
+    torch.manual_seed(15)
+    for shape, G, dtype in (((2, 128, 40, 40), 32, torch.float16), ((2, 320, 9, 11), 32, torch.bfloat16),
+                            ((2, 64, 20, 30), 64, torch.float32), ((1, 256, 3, 5, 7), 8, torch.float16)):
+        for names in (OPERANDS, ["residual", "multiplier"], ["scale", "shift"], ["residual"], []):
+            check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("path", ["one_pass", "one_pass_shared", "split"])
 @pytest.mark.parametrize("activation", [None, "silu", "relu", "gelu"])
 def test_fused_channels_last_one_pass_cuda(activation, path, monkeypatch):

@@ -104,6 +104,9 @@ ROWS = [
     Row('VAE GN+SiLU', (1, 128, 1024, 1024), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=sweep split=32 tiles=1024',
         backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
+    Row('VAE GN+SiLU', (1, 128, 512, 512), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
+        forward='path=cols_sweep threads=512 split=264 tiles=264 output_tiles=1580',
+        backward='path=split split=512 tiles=512 param_grad_parts=8'),
     Row('Attention GN', (16, 512, 4096), 32, BF16, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=cluster cluster=2 chunk=4096 smem=65536 ctas=1024',
         backward='path=team teams=88 team_size=3 chunk=2731 smem=87392 prefetch=0 replicas=3 ctas=264 param_grad_parts=1'),
@@ -111,7 +114,7 @@ ROWS = [
         forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
         backward='path=split split=33 tiles=2112 param_grad_parts=2'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=True, activation=None, operands=(), affine=True,
-        forward='path=split split=528 tiles=1056',
+        forward='path=cols_sweep threads=512 split=132 tiles=264 output_tiles=1584',
         backward='path=split split=256 tiles=512 param_grad_parts=8'),
     Row('SD AdaGN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
         forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
@@ -168,7 +171,7 @@ def test_benchmark_shapes_plans(row):
 def test_every_path_is_planned_for_some_benchmark_shape():
     paths = {p.split()[0] for row in ROWS for p in (row.forward, row.backward)}
     assert paths == {"path=" + p for p in ("team", "registers", "shared", "cluster", "one_cta", "split",
-                                            "cols_shared", "sweep")}
+                                            "cols_shared", "sweep", "cols_sweep")}
 
 
 def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeypatch):
@@ -197,6 +200,36 @@ def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeyp
     assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"
 
 
+def test_cols_sweep_takes_the_channels_last_groups_the_one_pass_kernels_do_not(monkeypatch):
+    """docs/design.md, "Channels-last sweep": the planner's rule and its overrides."""
+    def forward(shape, dtype, G=32, **kw):
+        return kernel_paths.plan(shape, G, dtype, activation="silu", channels_last=True, **kw)
+    # The VAE's channels-last groups of 2 MB: moments tiles of whole rows in one wave of two CTAs
+    # an SM, output tiles in four waves of three.
+    assert forward((1, 128, 512, 512), torch.half) == \
+        "path=cols_sweep threads=512 split=264 tiles=264 output_tiles=1580"
+    # 80 packs a row: CTAs of 6 rows (480 threads) for the moments.
+    assert forward((2, 320, 128, 128), torch.float32) == \
+        "path=cols_sweep threads=480 split=132 tiles=264 output_tiles=1562"
+    assert _path(forward((1, 128, 512, 512), torch.bfloat16, operands=True)) == "cols_sweep"
+    # Small groups stay with the one-pass kernels, inputs under 32 MB with the split passes; rows
+    # of more than 256 packs, double and contiguous inputs never take it.
+    assert _path(forward((8, 1280, 8, 8), torch.half)) == "registers"
+    assert _path(forward((1, 512, 128, 128), torch.half)) == "split"
+    assert _path(forward((1, 4096, 128, 128), torch.half)) == "split"
+    assert _path(forward((1, 2048, 128, 128), torch.float32)) == "split"
+    assert _path(forward((1, 128, 512, 512), torch.float64)) == "split"
+    _set(monkeypatch, {"FUSEDNORM_COLS_SWEEP": "0"})
+    assert _path(forward((1, 128, 512, 512), torch.half)) == "split"
+    _set(monkeypatch, {"FUSEDNORM_COLS_SWEEP": "1"})
+    assert _path(forward((8, 1280, 8, 8), torch.half)) == "cols_sweep"  # forced: any group it can take
+    assert _path(forward((1, 512, 128, 128), torch.half)) == "cols_sweep"
+    assert _path(forward((1, 4096, 128, 128), torch.half)) == "split"
+    _set(monkeypatch, {"FUSEDNORM_COLS_SWEEP": "", "FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
+    # A forced one-pass limit keeps the paths the tests select with it.
+    assert _path(forward((1, 128, 512, 512), torch.half)) == "split"
+
+
 def _set(monkeypatch, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -212,6 +245,7 @@ def _path(plan):
 # kernel backward.
 SMALL = ROWS[[r.shape for r in ROWS].index((2, 1280, 8, 8))]
 MEDIUM = ROWS[[r.shape for r in ROWS].index((8, 320, 64, 64))]
+VAE_CL = next(r for r in ROWS if r.shape == (1, 128, 512, 512) and r.channels_last)  # the channels-last sweep
 
 
 @pytest.mark.parametrize("path", list(TEST_PATHS))
@@ -231,6 +265,9 @@ def test_overrides_force_each_test_path(path, monkeypatch):
         elif path == "sweep":
             assert _path(forward) == "sweep", forward
             assert backward == row.backward, backward  # the default's: no sweep backward
+        elif path == "cols_sweep":
+            # Contiguous rows: the default's (test_cols_sweep_takes_the_channels_last_groups_...).
+            assert (forward, backward) == (row.forward, row.backward), (forward, backward)
         else:
             assert _path(forward) == "team" and _path(backward) == "team", (forward, backward)
 
@@ -259,12 +296,16 @@ def test_selected_sets_and_restores_the_overrides():
 def test_tuning_knobs_are_ignored_by_a_default_build(monkeypatch):
     if kernel_paths.tuning_knobs_compiled():
         pytest.skip("built with FUSEDNORM_TUNING_KNOBS")
-    default = (plan_of(MEDIUM, False), plan_of(MEDIUM, True), plan_of(SMALL, True))
+    def plans():
+        return plan_of(MEDIUM, False), plan_of(MEDIUM, True), plan_of(SMALL, True), plan_of(VAE_CL, False)
+    default = plans()
     _set(monkeypatch, {"FUSEDNORM_TEAM_CTA_KB": "16", "FUSEDNORM_BACKWARD_THREADS": "512",
-                       "FUSEDNORM_ONE_PASS_MAX_CLUSTER": "1", "FUSEDNORM_COLS_ACT_KERNEL": "0"})
+                       "FUSEDNORM_ONE_PASS_MAX_CLUSTER": "1", "FUSEDNORM_COLS_ACT_KERNEL": "0",
+                       "FUSEDNORM_COLS_SWEEP_WAVES": "4", "FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES": "8"})
     assert set(TUNING_KNOBS) == {"FUSEDNORM_TEAM_CTA_KB", "FUSEDNORM_BACKWARD_THREADS",
-                                 "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_COLS_ACT_KERNEL"}
-    assert (plan_of(MEDIUM, False), plan_of(MEDIUM, True), plan_of(SMALL, True)) == default
+                                 "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_COLS_ACT_KERNEL",
+                                 "FUSEDNORM_COLS_SWEEP_WAVES", "FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES"}
+    assert plans() == default
 
 
 def test_team_knobs_size_the_grid(monkeypatch):
@@ -335,6 +376,7 @@ PATH_KERNELS = {
     "team": {"group_norm_team_kernel", "group_norm_team_backward_kernel"},
     "one_cta": {"group_norm_backward_one_pass_kernel"},
     "sweep": {"group_norm_sweep_moments_kernel"},
+    "cols_sweep": {"cols_sweep_moments_kernel"},
     "split": {"reduce_rows_kernel", "reduce_cols_kernel"},
 }
 

@@ -1,10 +1,11 @@
 """Channels-last GN32+SiLU float16 forward on the SD VAE decoder's shapes (what its norms receive
 under torch.compile, whose convolutions output channels-last), and on the video VAE's: GPU kernel
-time of fusednorm (by kernel), torch.compile and fusednorm on the same input made contiguous, L2
+time of fusednorm (by kernel), fusednorm without the channels-last sweep (the split passes),
+torch.compile and fusednorm on the same input made contiguous, L2
 flushed before each call, overlapping kernels counted once; % of a device copy of the bytes read
 and written, the copy measured in the same run. Prints a line a shape, then the rows as JSON.
 
-    python tools/channels_last_rows.py [N]    # N: only the first N shapes
+    python tools/channels_last_rows.py [N] [--fusednorm-only]    # N: only the first N shapes
 """
 
 import json
@@ -16,16 +17,20 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import fusednorm
+from fusednorm import kernel_paths
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import kernel_profile  # noqa: E402
 
 SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
-          (1, 128, 512, 512), (1, 128, 1024, 1024), (8, 320, 64, 64), (2, 320, 64, 64), (1, 128, 20, 256, 256)]
+          (1, 128, 512, 512), (1, 128, 1024, 1024), (8, 320, 64, 64), (2, 320, 64, 64), (1, 128, 20, 256, 256),
+          (2, 32, 128, 128, 128)]
 
 
 def main():
-    shapes = SHAPES[:int(sys.argv[1])] if len(sys.argv) > 1 else SHAPES
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    only = "--fusednorm-only" in sys.argv[1:]
+    shapes = SHAPES[:int(args[0])] if args else SHAPES
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     src = torch.empty(1 << 28, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
@@ -45,14 +50,21 @@ def main():
         with torch.no_grad():
             f_ms, f_kernels = kernel_profile(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush,
                                              iters=10)
+            if only:
+                print(f"{str(shape):22s} fusednorm {f_ms:.4f} ({ideal / f_ms:4.0%})  "
+                      f"{ {k: round(v, 4) for k, v in f_kernels.items()} }", flush=True)
+                continue
+            with kernel_paths.selected("nocolssweep"):
+                s_ms, _ = kernel_profile(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush,
+                                         iters=10)
             c_ms, c_kernels = kernel_profile(lambda: compiled(x, w, b), flush, iters=10)
             xc = x.contiguous()
             fc_ms, _ = kernel_profile(lambda: fusednorm.group_norm(xc, 32, w, b, activation="silu"), flush, iters=10)
-        row = dict(shape=shape, fusednorm=f_ms, compile=c_ms, contiguous=fc_ms, ideal=ideal,
+        row = dict(shape=shape, fusednorm=f_ms, split=s_ms, compile=c_ms, contiguous=fc_ms, ideal=ideal,
                    fusednorm_kernels={k: round(v, 4) for k, v in f_kernels.items()},
                    compile_kernels={k: round(v, 4) for k, v in c_kernels.items()})
         rows.append(row)
-        print(f"{str(shape):22s} fusednorm {f_ms:.4f} ({ideal / f_ms:4.0%})  compile {c_ms:.4f} ({ideal / c_ms:4.0%})  "
+        print(f"{str(shape):22s} fusednorm {f_ms:.4f} ({ideal / f_ms:4.0%})  split {s_ms:.4f}  compile {c_ms:.4f} ({ideal / c_ms:4.0%})  "
               f"fusednorm contiguous {fc_ms:.4f} ({ideal / fc_ms:4.0%})  {row['fusednorm_kernels']}", flush=True)
     print(json.dumps(rows))
 

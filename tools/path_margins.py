@@ -24,22 +24,18 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
-from bench import gpu_suite, grad_inputs, implementations, kernel_ms, kernel_name, make_inputs  # noqa: E402
+from bench import gpu_suite, grad_inputs, implementations, kernel_ms, kernel_profile, make_inputs  # noqa: E402
 from fusednorm.kernel_paths import plan, selected  # noqa: E402
 
-FORWARD_PATHS = ("default", "split", "one_pass", "one_pass_shared", "team", "sweep", "noteam", "nosweep", "shared")
+FORWARD_PATHS = ("default", "split", "one_pass", "one_pass_shared", "team", "sweep", "cols_sweep", "noteam", "nosweep",
+                 "nocolssweep", "shared")
 BACKWARD_PATHS = ("default", "split", "one_pass", "team", "noteam")
 
 
-def kernels_launched(fn):
-    """The names of the CUDA kernels fn() launches, templates and arguments left out."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sorted({kernel_name(e.name) for e in prof.events() if e.device_type == DeviceType.CUDA})
+def profiled(fn, flush):
+    """(GPU kernel time a call of fn(), the names of the kernels it launched): one profile."""
+    ms, by_kernel = kernel_profile(fn, flush)
+    return ms, sorted(by_kernel)
 
 
 def plan_args(case, backward):
@@ -145,13 +141,11 @@ def main():
                         dy = torch.randn_like(y)
                         def call():
                             torch.autograd.grad(y, leaves, dy, retain_graph=True, allow_unused=True)
-                        times[ran] = kernel_ms(call, flush)
-                        launched[ran] = kernels_launched(call)
+                        times[ran], launched[ran] = profiled(call, flush)
                         del y, dy, xg, leaves, call
                     else:
                         with torch.no_grad():
-                            times[ran] = kernel_ms(lambda: ours(x, w, b, ops), flush)
-                            launched[ran] = kernels_launched(lambda: ours(x, w, b, ops))
+                            times[ran], launched[ran] = profiled(lambda: ours(x, w, b, ops), flush)
             row = {
                 "name": case.name, "shape": list(case.shape), "dtype": str(case.dtype)[6:],
                 "kind": case.kind, "groups": case.groups, "channels_last": case.channels_last,

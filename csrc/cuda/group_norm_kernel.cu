@@ -177,6 +177,12 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
         return sweep_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
       }
       TORCH_INTERNAL_ASSERT(false, "sweep forward planned for a type of more than 16 bits");
+    case plan::Path::ColsSweep:
+      // Instantiated for the 2- and 4-byte types alone, the only ones the planner gives it.
+      if constexpr (sizeof(scalar_t) <= 4) {
+        return cols_sweep_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);
+      }
+      TORCH_INTERNAL_ASSERT(false, "channels-last sweep forward planned for double");
     case plan::Path::ColsShared:
       // Not instantiated for double, which has no 16-byte packs (kernels/double.cu).
       if constexpr (pack_width<scalar_t>() > 1) {

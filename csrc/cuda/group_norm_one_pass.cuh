@@ -84,17 +84,15 @@ struct OnePassArgs {
   }
 };
 
-// The arguments of the one-pass and team forwards, but for chunk and cluster; false where the
-// group's length (ChannelsFirst) or a tensor-sized operand's alignment rules out 16-byte packs,
-// or (ChannelsLast) a group's channels are not a whole number of 4-byte packs (the narrowest copy
-// of the channels-last shared-memory kernel; the register kernel needs 16-byte ones).
-template <typename scalar_t, int V>
-bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
+// The arguments of a forward over 16-byte packs, but for chunk and cluster; false where a
+// tensor-sized operand is not 16-byte aligned. The channels-last sweep takes them so (its rows are
+// whole packs, C a multiple of V: the planner's condition).
+template <typename scalar_t>
+bool make_forward_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd, OnePassArgs<scalar_t>& a) {
   using acc_t = acc_type<scalar_t>;
   a.cols = layout == Layout::ChannelsLast;
-  if (a.cols ? (sh.D * static_cast<int64_t>(sizeof(scalar_t))) % 4 != 0 : (sh.D * sh.S) % V != 0) return false;
   a.epi = epi_args<scalar_t>(ep, /*with_residual=*/true);
   a.x = x.data_ptr<scalar_t>();
   a.y = y.data_ptr<scalar_t>();
@@ -113,6 +111,19 @@ bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at:
   a.len = sh.D * sh.S;
   a.eps = static_cast<acc_t>(eps);
   return true;
+}
+
+// The arguments of the one-pass and team forwards, but for chunk and cluster; false where the
+// group's length (ChannelsFirst) or a tensor-sized operand's alignment rules out 16-byte packs,
+// or (ChannelsLast) a group's channels are not a whole number of 4-byte packs (the narrowest copy
+// of the channels-last shared-memory kernel; the register kernel needs 16-byte ones).
+template <typename scalar_t, int V>
+bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
+    const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd, OnePassArgs<scalar_t>& a) {
+  const bool cols = layout == Layout::ChannelsLast;
+  if (cols ? (sh.D * static_cast<int64_t>(sizeof(scalar_t))) % 4 != 0 : (sh.D * sh.S) % V != 0) return false;
+  return make_forward_args<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, a);
 }
 
 // Sum of v over the CTA (whole warps, at most MaxThreads threads; smem holds one value a warp), in

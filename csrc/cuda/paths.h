@@ -61,6 +61,12 @@ void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& 
     double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd);
 
+// Channels-last sweep forward: path ColsSweep, 2- and 4-byte types (kernels/<dtype>_cols_sweep.cu).
+template <typename scalar_t>
+void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd);
+
 // Split passes: path Split, both directions (kernels/<dtype>_split.cu). The backward runs from the
 // reduce pass on: dx, grad_residual, grad_multiplier and the parameter gradients `mask` asks for.
 template <typename scalar_t>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuda/common/base.cuh"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/moments.cuh"
 #include "cuda/clusters.cuh"
@@ -34,6 +35,10 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const MomentsFinalizeArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   __shared__ Moments<acc_t, 1> smem[kThreads / kWarp];
+  // Launched as a programmatic dependent of the channels-last sweep's moments kernel, and the
+  // output kernel of its own (cols_sweep_path.cuh); no-ops otherwise.
+  wait_for_primary();
+  launch_dependents();
   const int lane = threadIdx.x & ((1 << a.log_iw) - 1);
   const int per_block = kThreads >> a.log_iw;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * per_block; base < a.items;

@@ -277,23 +277,20 @@ int finalize_grid(int64_t items, int log_iw) {
   return grid_for(ceil_div(items, kThreads >> log_iw));
 }
 
-}  // namespace
-
+// Pass 2 of the forward: merges each group's `entries` partial moments (3 per entry, (n, g) after
+// (n, g), in `part`) into its mean and rstd and returns the apply pass's records (kRec per (n, g)).
+// The channels-last sweep's moments end here too (cols_sweep_path.cuh), the finalize then a
+// programmatic dependent of its moments kernel (`dependent`).
 template <typename scalar_t>
-void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
-    at::Tensor& rstd) {
+at::Tensor finalize_moments_pass(const at::Tensor& part, int64_t entries, const at::Tensor& x, double eps,
+    const GroupNormShape& sh, Layout layout, at::Tensor& mean, at::Tensor& rstd, bool dependent = false) {
   using acc_t = acc_type<scalar_t>;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
-      sh, layout, at::Tensor(), at::Tensor(), nullptr);
-
-  at::Tensor rec = at::detail::empty_cuda({sh.N * sh.G * kRec}, p.part.options());
+  at::Tensor rec = at::detail::empty_cuda({sh.N * sh.G * kRec}, part.options());
   MomentsFinalizeArgs<scalar_t> f{};
-  f.part = p.part.data_ptr<acc_t>();
+  f.part = part.data_ptr<acc_t>();
   f.x = x.data_ptr<scalar_t>();
   f.items = sh.N * sh.G;
-  f.entries = p.entries;
+  f.entries = entries;
   f.G = sh.G;
   f.sample_stride = sh.C * sh.S;
   f.group_stride = layout == Layout::ChannelsFirst ? sh.D * sh.S : sh.D;
@@ -301,9 +298,28 @@ void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& 
   f.mean = mean.data_ptr<acc_t>();
   f.rstd = rstd.data_ptr<acc_t>();
   f.rec = rec.data_ptr<acc_t>();
-  f.log_iw = log_item_width(p.entries);
-  finalize_moments_kernel<scalar_t><<<finalize_grid(f.items, f.log_iw), kThreads, 0, stream>>>(f);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  f.log_iw = log_item_width(entries);
+  const unsigned grid = static_cast<unsigned>(finalize_grid(f.items, f.log_iw));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (dependent) {
+    launch_maybe_dependent(finalize_moments_kernel<scalar_t>, grid, kThreads, stream, f);
+  } else {
+    finalize_moments_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(f);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return rec;
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void split_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
+  const Partials p = reduce_pass<scalar_t, false, false>(x, at::Tensor(), at::Tensor(), at::Tensor(),
+      sh, layout, at::Tensor(), at::Tensor(), nullptr);
+
+  const at::Tensor rec = finalize_moments_pass<scalar_t>(p.part, p.entries, x, eps, sh, layout, mean, rstd);
 
   if (ep.empty()) {
     apply_pass<scalar_t>(x, at::Tensor(), y.data_ptr<scalar_t>(), rec, weight, bias, sh, layout);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "cuda/common/base.cuh"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/group_norm_one_pass.cuh"
@@ -46,22 +47,10 @@ struct SweepArgs {
   int split;                 // tiles a group
 };
 
-// Programmatic dependent launch (sm_90; docs/design.md, "Sweep path"): each moments CTA, once
-// started, lets the output sweep launch, so that output CTAs take the SMs the moments sweep's last
-// tiles leave idle; an output CTA waits for the whole moments sweep (its writes visible) before it
-// reads a tile moment. Compiled for older architectures both are no-ops, and the launcher then
-// launches the output sweep as an ordinary kernel.
-__device__ __forceinline__ void sweep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void sweep_wait_for_moments() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// The output sweep is a programmatic dependent of the moments sweep (common/dependent_launch.cuh;
+// docs/design.md, "Sweep path"): each moments CTA, once started, lets the output sweep launch, so
+// that output CTAs take the SMs the moments sweep's last tiles leave idle; an output CTA waits for
+// the whole moments sweep (its writes visible) before it reads a tile moment.
 
 // One 16-byte pack from global memory in one load.
 template <typename P>
@@ -85,7 +74,7 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
   const int64_t v1 = g * a.lenv + imin(a.lenv, (k + 1) * a.chunk);
   const P* xg = reinterpret_cast<const P*>(o.x);
   const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
-  sweep_launch_dependents();
+  launch_dependents();
   acc_t s1 = acc_t(0), s2 = acc_t(0);
   for (int64_t v = v0 + threadIdx.x; v < v1; v += kSweepUnroll * kSweepThreads) {
     uint4 xw[kSweepUnroll];
@@ -145,7 +134,7 @@ __global__ void __launch_bounds__(kSweepThreads, 2) group_norm_sweep_output_kern
   const int64_t v0 = g_begin + k * a.chunk;
   const int64_t v1 = g_begin + imin(a.lenv, (k + 1) * a.chunk);
   const acc_t* slots = a.part + g * a.split * 3;  // the group's tiles, written by the moments sweep
-  sweep_wait_for_moments();
+  wait_for_primary();
   const ChunkMoments<acc_t> m = team_fold(
       ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, a.split,
       [&](int r) { return ChunkMoments<acc_t>{slots[3 * r], slots[3 * r + 1], slots[3 * r + 2]}; },
@@ -239,35 +228,14 @@ void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& 
   group_norm_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), kSweepThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool operands = o.epi.residual != nullptr || o.epi.multiplier != nullptr;
-  // The output sweep as a programmatic dependent of the moments sweep where the device has
-  // programmatic dependent launch and the kernel waits for it (its code built for sm_90 on: PTX of
-  // an older architecture, compiled for this device at load time, has no wait).
-  const bool dependent_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
   dispatch_activation(ep.activation, [&](auto act) {
     constexpr Activation kA = decltype(act)::value;
-    auto launch = [&](auto kernel) {
-      bool dependent = false;
-      if (dependent_launch) {
-        cudaFuncAttributes attrs{};
-        C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, kernel));
-        dependent = attrs.ptxVersion >= 90;
-      }
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(tiles));
-      cfg.blockDim = dim3(kSweepThreads);
-      cfg.dynamicSmemBytes = 0;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = dependent ? 1 : 0;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-    };
     if (operands) {
-      launch(group_norm_sweep_output_kernel<scalar_t, V, kA, true>);
+      launch_maybe_dependent(group_norm_sweep_output_kernel<scalar_t, V, kA, true>, static_cast<unsigned>(tiles),
+          kSweepThreads, stream, a);
     } else {
-      launch(group_norm_sweep_output_kernel<scalar_t, V, kA, false>);
+      launch_maybe_dependent(group_norm_sweep_output_kernel<scalar_t, V, kA, false>, static_cast<unsigned>(tiles),
+          kSweepThreads, stream, a);
     }
   });
 }

@@ -6,3 +6,4 @@
 #include "cuda/kernels/bfloat16_team.cu"
 #include "cuda/kernels/bfloat16_split.cu"
 #include "cuda/kernels/bfloat16_sweep.cu"
+#include "cuda/kernels/bfloat16_cols_sweep.cu"

@@ -5,3 +5,4 @@
 #include "cuda/kernels/float_cols_one_pass.cu"
 #include "cuda/kernels/float_team.cu"
 #include "cuda/kernels/float_split.cu"
+#include "cuda/kernels/float_cols_sweep.cu"

@@ -6,3 +6,4 @@
 #include "cuda/kernels/half_team.cu"
 #include "cuda/kernels/half_split.cu"
 #include "cuda/kernels/half_sweep.cu"
+#include "cuda/kernels/half_cols_sweep.cu"

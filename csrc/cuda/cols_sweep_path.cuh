@@ -1,0 +1,348 @@
+// The channels-last sweep forward, for channels-last groups the one-pass kernels do not hold
+// (docs/design.md, "Channels-last sweep"): the sweep path's design (sweep_path.cuh) on the
+// channels-last layout, where a tile of whole rows (positions s, every channel) of one sample is
+// one contiguous range of x:
+//   1. the moments sweep: each CTA takes one tile; every thread keeps to one pack of V channels
+//      (the CTA is `rows` rows of C / V packs, so a thread's pack is the same in every row it
+//      reads) and sums x - K and (x - K)^2 per channel, K the first element of the channel's group
+//      in the sample; the CTA adds them up per group and writes the tile's count, mean and M2 (a
+//      second pass over the tile where M2 lost its digits, as the team forward does);
+//   2. the split passes' finalize merges each group's tile moments in tile order (Chan merges)
+//      into its mean, rstd and the output records;
+//   3. the output sweep: each CTA takes one tile (tiles of their own size); every thread computes
+//      its V channels' coefficients once and streams its rows through OnePassOutput's arithmetic.
+// The finalize is a programmatic dependent of the moments kernel and the output kernel of the
+// finalize (common/dependent_launch.cuh): each starts on the SMs the previous one's last tiles
+// leave idle, and waits there.
+// The split passes' channels-last kernels, which this replaces in the forward, give every tile a
+// block of channels and a chunk of rows and combine per-column Welford states over a shared-memory
+// tree; their tiles were short and their states long, and they streamed at 1.1 (reduce) and 1.8
+// (apply) TB/s on an H200.
+
+#pragma once
+
+#include "cuda/common/base.cuh"
+#include "cuda/common/dependent_launch.cuh"
+#include "cuda/common/epilogue_math.cuh"
+#include "cuda/common/host.cuh"
+#include "cuda/group_norm_one_pass.cuh"
+#include "cuda/paths.h"
+#include "cuda/split_path.cuh"
+#include "plan.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <cstring>
+#include <limits>
+
+namespace fusednorm {
+namespace {
+
+constexpr int kColsSweepThreads = plan::kColsSweepThreads;
+constexpr int kColsSweepMinBlocks = plan::kColsSweepBlocksPerSM;
+constexpr int kColsSweepOutputThreads = plan::kColsSweepOutputThreads;
+constexpr int kColsSweepOutputMinBlocks = plan::kColsSweepOutputBlocksPerSM;
+// Rows each thread loads before using any (a pack of each): 32 KB in flight a CTA of 512 threads.
+constexpr int kColsSweepUnroll = plan::kColsSweepUnroll;
+
+template <typename scalar_t>
+struct ColsSweepArgs {
+  using acc_t = acc_type<scalar_t>;
+  OnePassArgs<scalar_t> op;  // op.chunk and op.cluster unused
+  acc_t* part;               // moments sweep: 3 per (n, g, k), k the tile of sample n
+  const acc_t* rec;          // output sweep: kRec per (n, g), finalize_moments_kernel's records
+  int64_t chunk;             // rows a tile
+  int split;                 // tiles a sample
+  int cpr;                   // packs a row, C / V
+  int rows;                  // rows a CTA reads at once: blockDim.x / cpr (each kernel its own)
+};
+
+// The CTA's per-thread, per-channel values v (rows x C, row-major in `red`) summed per channel:
+// the totals end in row 0 of `red`. Each column is added by T = blockDim.x / C threads (at least
+// one) over every T-th row, then by one over those T partials: a fixed order.
+template <typename acc_t>
+__device__ __forceinline__ void cols_sweep_channel_totals(acc_t* red, int rows, int C) {
+  const int threads = static_cast<int>(blockDim.x);
+  const int T = threads > C ? threads / C : 1;
+  for (int e = threadIdx.x; e < C * T; e += threads) {
+    const int c = e % C;
+    const int i = e / C;
+    acc_t u = acc_t(0);
+    for (int r = i; r < rows; r += T) u += red[r * C + c];
+    red[i * C + c] = u;  // read only by this thread above
+  }
+  __syncthreads();
+  if (T > 1) {
+    for (int c = threadIdx.x; c < C; c += threads) {
+      acc_t u = red[c];
+      for (int i = 1; i < T; ++i) u += red[i * C + c];
+      red[c] = u;
+    }
+    __syncthreads();
+  }
+}
+
+// The total of channels [g * D, (g + 1) * D) of row 0 of `red`, in every lane of the calling warp.
+template <typename acc_t>
+__device__ __forceinline__ acc_t cols_sweep_group_total(const acc_t* red, int64_t g, int64_t D) {
+  const int lane = threadIdx.x & (kWarp - 1);
+  acc_t u = acc_t(0);
+  for (int64_t i = lane; i < D; i += kWarp) u += red[g * D + i];
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
+  return u;
+}
+
+// Stores a thread's V per-channel values at row r, channels [c0, c0 + V) of `red` (two 16-byte
+// stores a thread for V = 8: a warp's row segment is contiguous, no bank conflicts).
+template <int V, typename acc_t>
+__device__ __forceinline__ void cols_sweep_store_lanes(acc_t* red, int64_t at, const acc_t (&v)[V]) {
+  if constexpr (std::is_same_v<acc_t, float> && V % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+      *reinterpret_cast<float4*>(red + at + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) red[at + j] = v[j];
+  }
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
+    cols_sweep_moments_kernel(const __grid_constant__ ColsSweepArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  static_assert(sizeof(P) == 16, "the channels-last sweep reads 16-byte packs");
+  // Per-thread, per-channel sums (rows x C), then the channel totals in row 0 and (second pass)
+  // the group means in row 1: the planner keeps C / V <= kColsSweepThreads / 2, so rows >= 2.
+  static_assert(2 * kColsSweepOutputThreads <= kColsSweepThreads, "a moments CTA takes two rows or more");
+  __shared__ __align__(16) acc_t red1[kColsSweepThreads * V];
+  __shared__ __align__(16) acc_t red2[kColsSweepThreads * V];
+  __shared__ int second_pass;
+  const OnePassArgs<scalar_t>& o = a.op;
+  const int C = static_cast<int>(o.C);
+  const int p = static_cast<int>(threadIdx.x) % a.cpr;
+  const int r = static_cast<int>(threadIdx.x) / a.cpr;
+  const int64_t t = blockIdx.x;
+  const int64_t n = t / a.split;
+  const int64_t k = t - n * a.split;
+  const int64_t s_begin = k * a.chunk;
+  const int64_t s_end = imin(o.S, s_begin + a.chunk);
+  const int64_t sample = n * o.S * o.C;
+  const P* xs = reinterpret_cast<const P*>(o.x + sample) + p;  // row s's pack at xs + s * cpr
+  const int c0 = p * V;
+  // K per channel: its group's first element in the sample (finalize_moments_kernel's shift).
+  acc_t K[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) K[j] = static_cast<acc_t>(o.x[sample + ((c0 + j) / o.D) * o.D]);
+  if (threadIdx.x == 0) second_pass = 0;
+  launch_dependents();
+  acc_t q1[V], q2[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) q1[j] = q2[j] = acc_t(0);
+  const int64_t step = a.rows;
+  for (int64_t s = s_begin + r; s < s_end; s += kColsSweepUnroll * step) {
+    uint4 w[kColsSweepUnroll];
+#pragma unroll
+    for (int u = 0; u < kColsSweepUnroll; ++u) {
+      if (s + u * step < s_end) w[u] = __ldg(reinterpret_cast<const uint4*>(xs + (s + u * step) * a.cpr));
+    }
+#pragma unroll
+    for (int u = 0; u < kColsSweepUnroll; ++u) {
+      if (s + u * step < s_end) {
+        P xp;
+        memcpy(&xp, &w[u], sizeof(P));
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const acc_t d = static_cast<acc_t>(xp.v[j]) - K[j];
+          q1[j] += d;
+          q2[j] += d * d;
+        }
+      }
+    }
+  }
+  cols_sweep_store_lanes<V>(red1, static_cast<int64_t>(r) * C + c0, q1);
+  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(r) * C + c0, q2);
+  __syncthreads();
+  cols_sweep_channel_totals(red1, a.rows, C);
+  cols_sweep_channel_totals(red2, a.rows, C);
+  const int warp = static_cast<int>(threadIdx.x >> kLogWarp);
+  const int warps = static_cast<int>(blockDim.x >> kLogWarp);
+  const acc_t count = static_cast<acc_t>((s_end - s_begin) * o.D);
+  acc_t* means = red1 + C;  // row 1
+  for (int64_t g = warp; g < o.G; g += warps) {
+    const acc_t s1 = cols_sweep_group_total(red1, g, o.D);
+    const acc_t s2 = cols_sweep_group_total(red2, g, o.D);
+    if ((threadIdx.x & (kWarp - 1)) == 0) {
+      const acc_t mean = s1 / count;
+      const acc_t m2 = s2 - s1 * mean;
+      means[g] = mean;
+      acc_t* slot = a.part + ((n * o.G + g) * a.split + k) * 3;
+      slot[0] = count;
+      slot[1] = mean;
+      slot[2] = m2;
+      // As the team forward's moments: where M2 = s2 - s1 * mean lost its digits (K far from the
+      // tile's mean), the squared deviations in a second pass (the tile comes back from L2).
+      if (m2 < s2 * acc_t(0.125)) second_pass = 1;
+    }
+  }
+  __syncthreads();
+  if (!second_pass) return;
+  acc_t mean[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    mean[j] = means[(c0 + j) / o.D];
+    q2[j] = acc_t(0);
+  }
+  for (int64_t s = s_begin + r; s < s_end; s += step) {
+    const P xp = xs[s * a.cpr];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const acc_t d = (static_cast<acc_t>(xp.v[j]) - K[j]) - mean[j];
+      q2[j] += d * d;
+    }
+  }
+  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(r) * C + c0, q2);
+  __syncthreads();
+  cols_sweep_channel_totals(red2, a.rows, C);
+  for (int64_t g = warp; g < o.G; g += warps) {
+    const acc_t m2 = cols_sweep_group_total(red2, g, o.D);
+    if ((threadIdx.x & (kWarp - 1)) == 0) a.part[((n * o.G + g) * a.split + k) * 3 + 2] = m2;
+  }
+}
+
+// OPS: with a residual or a multiplier (more streams, fewer rows in flight).
+template <typename scalar_t, int V, Activation A, bool OPS>
+__global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBlocks)
+    cols_sweep_output_kernel(const __grid_constant__ ColsSweepArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  const OnePassArgs<scalar_t>& o = a.op;
+  const EpiArgs<scalar_t>& e = o.epi;
+  const int p = static_cast<int>(threadIdx.x) % a.cpr;
+  const int r = static_cast<int>(threadIdx.x) / a.cpr;
+  const int64_t t = blockIdx.x;
+  const int64_t n = t / a.split;
+  const int64_t k = t - n * a.split;
+  const int64_t s_begin = k * a.chunk;
+  const int64_t s_end = imin(o.S, s_begin + a.chunk);
+  const int64_t sample = n * o.S * o.C;
+  const int c0 = p * V;
+  wait_for_primary();  // the finalize's records
+  // The thread's channels' coefficients, once: OnePassOutput's element arithmetic per channel.
+  acc_t K[V], sm[V], ca[V], cb[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t c = c0 + j;
+    const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
+    K[j] = rec[0];
+    sm[j] = rec[1];
+    const Affine<acc_t> m =
+        modulate(e, n * o.C + c, load_param(o.weight, c, acc_t(1)), load_param(o.bias, c, acc_t(0)));
+    ca[j] = rec[2] * m.w;
+    cb[j] = m.b;
+  }
+  const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p);
+  const uint4* rs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.residual, sample)) + p);
+  const uint4* ms = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.multiplier, sample)) + p);
+  uint4* ys = reinterpret_cast<uint4*>(reinterpret_cast<P*>(o.y + sample) + p);
+  const bool has_r = OPS && e.residual != nullptr;
+  const bool has_m = OPS && e.multiplier != nullptr;
+  constexpr int U = OPS ? kColsSweepUnroll / 2 : kColsSweepUnroll;
+  const int64_t step = a.rows;
+  const int64_t stride = step * a.cpr;  // packs between a thread's rows
+  for (int64_t s = s_begin + r; s < s_end; s += U * step) {
+    const int64_t v = s * a.cpr;
+    uint4 xw[U], rw[U], mw[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s + u * step < s_end) {
+        xw[u] = __ldg(xs + v + u * stride);
+        if (has_r) rw[u] = __ldg(rs + v + u * stride);
+        if (has_m) mw[u] = __ldg(ms + v + u * stride);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s + u * step < s_end) {
+        P xp, rp, mp;
+        memcpy(&xp, &xw[u], sizeof(P));
+        if (has_r) memcpy(&rp, &rw[u], sizeof(P));
+        if (has_m) memcpy(&mp, &mw[u], sizeof(P));
+        acc_t z[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          acc_t y = ((static_cast<acc_t>(xp.v[j]) - K[j]) - sm[j]) * ca[j] + cb[j];
+          if (has_r) y += static_cast<acc_t>(rp.v[j]);
+          y = device_activation_forward(A, y, e.slope);
+          if (has_m) y *= static_cast<acc_t>(mp.v[j]);
+          z[j] = y;
+        }
+        const P yp = round_pack<scalar_t, V>(z);
+        uint4 yw;
+        memcpy(&yw, &yp, sizeof(P));
+        ys[v + u * stride] = yw;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Runs the channels-last sweep forward as planned (plan.path == ColsSweep; plan.reduce: the tiles,
+// plan.threads: the moments CTA; the output CTA is cols_sweep_threads(kColsSweepOutputThreads)).
+template <typename scalar_t>
+void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
+    at::Tensor& rstd) {
+  using acc_t = acc_type<scalar_t>;
+  static_assert(std::is_same_v<acc_t, float>, "the channels-last sweep is instantiated for 2- and 4-byte types");
+  constexpr int V = pack_width<scalar_t>();
+  ColsSweepArgs<scalar_t> a{};
+  OnePassArgs<scalar_t>& o = a.op;
+  const bool made = make_forward_args<scalar_t>(x, weight, bias, eps, sh, layout, ep, y, mean, rstd, o);
+  TORCH_INTERNAL_ASSERT(made && o.cols && sh.C % V == 0, "channels-last sweep planned for arguments it cannot take");
+  o.cluster = 1;
+  a.cpr = static_cast<int>(sh.C / V);
+  a.rows = pl.threads / a.cpr;
+  const int out_threads = plan::cols_sweep_threads(kColsSweepOutputThreads, a.cpr);
+  a.chunk = pl.reduce.chunk;
+  a.split = static_cast<int>(pl.reduce.split);
+  const int64_t tiles = sh.N * a.split;
+  const int64_t out_tiles = sh.N * pl.output.split;
+  TORCH_INTERNAL_ASSERT(tiles == pl.reduce.tiles && out_tiles == pl.output.tiles && a.rows >= 2 &&
+      a.rows * a.cpr == pl.threads && pl.threads <= kColsSweepThreads && out_threads > 0 &&
+      imax(tiles, out_tiles) <= std::numeric_limits<int>::max());
+  if (tiles == 0) return;
+  at::Tensor part = at::detail::empty_cuda({sh.N * sh.G * a.split * 3}, x.options().dtype(at::kFloat));
+  a.part = part.data_ptr<acc_t>();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  cols_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor rec =
+      finalize_moments_pass<scalar_t>(part, a.split, x, eps, sh, layout, mean, rstd, /*dependent=*/true);
+  a.rec = rec.data_ptr<acc_t>();
+  a.rows = out_threads / a.cpr;
+  a.chunk = pl.output.chunk;
+  a.split = static_cast<int>(pl.output.split);
+  const bool operands = o.epi.residual != nullptr || o.epi.multiplier != nullptr;
+  dispatch_activation(ep.activation, [&](auto act) {
+    constexpr Activation kA = decltype(act)::value;
+    const auto grid = static_cast<unsigned>(out_tiles);
+    if (operands) {
+      launch_maybe_dependent(cols_sweep_output_kernel<scalar_t, V, kA, true>, grid, out_threads, stream, a);
+    } else {
+      launch_maybe_dependent(cols_sweep_output_kernel<scalar_t, V, kA, false>, grid, out_threads, stream, a);
+    }
+  });
+}
+
+}  // namespace fusednorm
+
+#define FUSEDNORM_INSTANTIATE_COLS_SWEEP(T)                                                                   \
+  template void fusednorm::cols_sweep_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,      \
+      const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
+      at::Tensor&)
