@@ -326,12 +326,14 @@ bool cols_sweep_forward(const Ctx& c, Plan& pl) {
   if (mode != 1 && (c.forced || p.N * p.C * p.S * p.elem_bytes < kColsSweepMinBytes)) return false;
   const auto waves = [](int64_t knob, int64_t fallback) { return set(knob) ? imax(1, knob) : fallback; };
   const int64_t sms = c.dev.sms;
-  pl.reduce = cols_sweep_tiling(p.N, p.S, kColsSweepThreads / cpr,
+  const Tiling moments = cols_sweep_tiling(p.N, p.S, kColsSweepThreads / cpr,
       sms * kColsSweepBlocksPerSM * waves(c.o.cols_sweep_waves, kColsSweepWaves));
-  pl.output = cols_sweep_tiling(p.N, p.S, kColsSweepOutputThreads / cpr,
+  const Tiling output = cols_sweep_tiling(p.N, p.S, kColsSweepOutputThreads / cpr,
       sms * kColsSweepOutputBlocksPerSM * waves(c.o.cols_sweep_output_waves, kColsSweepOutputWaves));
-  if (imax(pl.reduce.tiles, pl.output.tiles) > std::numeric_limits<int32_t>::max()) return false;
+  if (imax(moments.tiles, output.tiles) > std::numeric_limits<int32_t>::max()) return false;
   pl.path = Path::ColsSweep;
+  pl.reduce = moments;
+  pl.output = output;
   pl.threads = cols_sweep_threads(kColsSweepThreads, cpr);
   return true;
 }

@@ -25,6 +25,7 @@
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
+#include "cuda/common/output_packs.cuh"
 #include "cuda/group_norm_one_pass.cuh"
 #include "cuda/paths.h"
 #include "cuda/split_path.cuh"
@@ -58,6 +59,26 @@ struct ColsSweepArgs {
   int cpr;                   // packs a row, C / V
   int rows;                  // rows a CTA reads at once: blockDim.x / cpr (each kernel its own)
 };
+
+// The tile of a CTA of either kernel, sample n's rows [s_begin, s_end), and the calling thread's
+// place in it: pack p of every row it reads (channels [p * V, (p + 1) * V)), rows r, r + rows, ...
+struct ColsSweepTile {
+  int p, r;
+  int64_t n, k, s_begin, s_end, sample;  // sample: the element offset of sample n
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ ColsSweepTile cols_sweep_tile(const ColsSweepArgs<scalar_t>& a) {
+  ColsSweepTile t;
+  t.p = static_cast<int>(threadIdx.x) % a.cpr;
+  t.r = static_cast<int>(threadIdx.x) / a.cpr;
+  t.n = static_cast<int64_t>(blockIdx.x) / a.split;
+  t.k = static_cast<int64_t>(blockIdx.x) - t.n * a.split;
+  t.s_begin = t.k * a.chunk;
+  t.s_end = imin(a.op.S, t.s_begin + a.chunk);
+  t.sample = t.n * a.op.S * a.op.C;
+  return t;
+}
 
 // The CTA's per-thread, per-channel values v (rows x C, row-major in `red`) summed per channel:
 // the totals end in row 0 of `red`. Each column is added by T = blockDim.x / C threads (at least
@@ -124,14 +145,9 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   __shared__ int second_pass;
   const OnePassArgs<scalar_t>& o = a.op;
   const int C = static_cast<int>(o.C);
-  const int p = static_cast<int>(threadIdx.x) % a.cpr;
-  const int r = static_cast<int>(threadIdx.x) / a.cpr;
-  const int64_t t = blockIdx.x;
-  const int64_t n = t / a.split;
-  const int64_t k = t - n * a.split;
-  const int64_t s_begin = k * a.chunk;
-  const int64_t s_end = imin(o.S, s_begin + a.chunk);
-  const int64_t sample = n * o.S * o.C;
+  const ColsSweepTile tile = cols_sweep_tile(a);
+  const int p = tile.p, r = tile.r;
+  const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const P* xs = reinterpret_cast<const P*>(o.x + sample) + p;  // row s's pack at xs + s * cpr
   const int c0 = p * V;
   // K per channel: its group's first element in the sample (finalize_moments_kernel's shift).
@@ -222,14 +238,9 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   using P = Pack<scalar_t, V>;
   const OnePassArgs<scalar_t>& o = a.op;
   const EpiArgs<scalar_t>& e = o.epi;
-  const int p = static_cast<int>(threadIdx.x) % a.cpr;
-  const int r = static_cast<int>(threadIdx.x) / a.cpr;
-  const int64_t t = blockIdx.x;
-  const int64_t n = t / a.split;
-  const int64_t k = t - n * a.split;
-  const int64_t s_begin = k * a.chunk;
-  const int64_t s_end = imin(o.S, s_begin + a.chunk);
-  const int64_t sample = n * o.S * o.C;
+  const ColsSweepTile tile = cols_sweep_tile(a);
+  const int p = tile.p, r = tile.r;
+  const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const int c0 = p * V;
   wait_for_primary();  // the finalize's records
   // The thread's channels' coefficients, once: OnePassOutput's element arithmetic per channel.
@@ -256,37 +267,15 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   const int64_t stride = step * a.cpr;  // packs between a thread's rows
   for (int64_t s = s_begin + r; s < s_end; s += U * step) {
     const int64_t v = s * a.cpr;
-    uint4 xw[U], rw[U], mw[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s + u * step < s_end) {
-        xw[u] = __ldg(xs + v + u * stride);
-        if (has_r) rw[u] = __ldg(rs + v + u * stride);
-        if (has_m) mw[u] = __ldg(ms + v + u * stride);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s + u * step < s_end) {
-        P xp, rp, mp;
-        memcpy(&xp, &xw[u], sizeof(P));
-        if (has_r) memcpy(&rp, &rw[u], sizeof(P));
-        if (has_m) memcpy(&mp, &mw[u], sizeof(P));
-        acc_t z[V];
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
+    output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m, [&](int u) { return s + u * step < s_end; },
+        [&](int u) { return v + u * stride; },
+        [&](int j, const P& xp, const P& rp, const P& mp) {
           acc_t y = ((static_cast<acc_t>(xp.v[j]) - K[j]) - sm[j]) * ca[j] + cb[j];
           if (has_r) y += static_cast<acc_t>(rp.v[j]);
           y = device_activation_forward(A, y, e.slope);
           if (has_m) y *= static_cast<acc_t>(mp.v[j]);
-          z[j] = y;
-        }
-        const P yp = round_pack<scalar_t, V>(z);
-        uint4 yw;
-        memcpy(&yw, &yp, sizeof(P));
-        ys[v + u * stride] = yw;
-      }
-    }
+          return y;
+        });
   }
 }
 

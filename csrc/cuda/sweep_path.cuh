@@ -16,6 +16,7 @@
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
+#include "cuda/common/output_packs.cuh"
 #include "cuda/group_norm_one_pass.cuh"
 #include "cuda/group_norm_team.cuh"
 #include "cuda/paths.h"
@@ -166,34 +167,12 @@ __global__ void __launch_bounds__(kSweepThreads, 2) group_norm_sweep_output_kern
     const bool has_m = OPS && e.multiplier != nullptr;
     // Fewer packs in flight with the operands (three streams).
     constexpr int U = OPS ? kSweepUnroll / 2 : kSweepUnroll;
-    // The packs stay 16-byte words until used: as packs of eight 2-byte elements in flight
-    // they took a register each and spilled.
     for (int i = static_cast<int>(threadIdx.x); i < count; i += U * kSweepThreads) {
-      uint4 xw[U], rw[U], mw[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (i + u * kSweepThreads < count) {
-          xw[u] = __ldg(xs + i + u * kSweepThreads);
-          if (has_r) rw[u] = __ldg(rs + i + u * kSweepThreads);
-          if (has_m) mw[u] = __ldg(ms + i + u * kSweepThreads);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (i + u * kSweepThreads < count) {
-          P xp, rp, mp;
-          memcpy(&xp, &xw[u], sizeof(P));
-          if (has_r) memcpy(&rp, &rw[u], sizeof(P));
-          if (has_m) memcpy(&mp, &mw[u], sizeof(P));
-          acc_t z[V];
-#pragma unroll
-          for (int j = 0; j < V; ++j) z[j] = out.element_with(cf.w, cf.b, xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
-          const P yp = round_pack<scalar_t, V>(z);
-          uint4 yw;
-          memcpy(&yw, &yp, sizeof(P));
-          ys[i + u * kSweepThreads] = yw;
-        }
-      }
+      output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m,
+          [&](int u) { return i + u * kSweepThreads < count; }, [&](int u) { return i + u * kSweepThreads; },
+          [&](int j, const P& xp, const P& rp, const P& mp) {
+            return out.element_with(cf.w, cf.b, xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+          });
     }
     s0 = s1;
   }
