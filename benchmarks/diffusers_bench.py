@@ -28,7 +28,8 @@ on, and the exit status is 1. Writes DIR/diffusers_<device>.json, rewritten afte
 ("complete" false until the end): {date, card, torch, diffusers, dtype, complete, rows: [{workload,
 ms: {variant: ms}, max_abs_diff: {variant: diff}, fusions (the norm chains compile + fusion
 rewrote; its CUDA-graph twin's when only that ran), fusions_by_variant, and where any: errors:
-{variant: message}, cudagraph_skips: {variant: graphs Inductor ran without CUDA graphs}}]}. A run
+{variant: message}, cudagraph_skips: {variant: graphs Inductor ran without CUDA graphs}, and with
+--profile kernel_ms: {variant: {category: ms}}}]}. A run
 given --workloads or --variants merges into an existing file of the same card, torch, diffusers and
 dtype (its other workloads and variants kept), so that the table can be measured in parts.
 
@@ -40,13 +41,17 @@ VAE decode 1024 and UNet step b8 run eager and eager + convert only unless --wor
 size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 0.
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
-                                         [--workloads NAMES] [--variants LABELS]
+                                         [--workloads NAMES] [--variants LABELS] [--profile]
 
 --workloads: comma-separated workload names or parts of them, case-insensitive ("VAE" picks the
 three VAE rows, "b8" the batch-8 UNet); --variants: comma-separated variant labels as above,
 case-insensitive. Default: all. Each compiled variant compiles its model anew, so all of it most
 likely takes more than 10 minutes on a GPU machine (an estimate); for calls of 10 minutes run it
 in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), the same --out.
+
+--profile (GPU only): after timing a variant, its GPU kernel time a call by category (fusednorm,
+convolution, attention, GEMM, Inductor's generated kernels, other; torch.profiler over 5 calls,
+kernels' durations summed): where a model's time goes, e.g. which kernels a fusion replaced.
 """
 
 import argparse
@@ -214,7 +219,48 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
-def run_workload(name, model, inputs, labels, measure, device, errors):
+# Kernel categories of --profile, by substrings of the profiler's (demangled) kernel names, the
+# first that matches: fusednorm's kernels live in its namespace; Inductor's are Triton kernels,
+# named after the ops they fused (triton_poi_fused_convolution_...), so they come before the rest.
+KERNEL_CATEGORIES = (
+    ("fusednorm", ("fusednorm",)),
+    ("inductor", ("triton",)),
+    ("attention", ("flash", "fmha", "attention")),
+    ("convolution", ("conv", "implicit_gemm", "implicit_convolve", "cudnn", "nchw", "nhwc", "xmma_fprop")),
+    ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "sm80_xmma")),
+)
+
+
+def kernel_category(name):
+    """The --profile category of a CUDA kernel named `name`."""
+    lowered = name.lower()
+    for category, keys in KERNEL_CATEGORIES:
+        if any(k in lowered for k in keys):
+            return category
+    return "other"
+
+
+def kernel_ms_by_category(call, iters=5):
+    """GPU kernel time a call of call() by kernel_category, ms (durations summed), largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    by = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            category = kernel_category(e.name)
+            by[category] = by.get(category, 0.0) + (e.time_range.end - e.time_range.start) / iters / 1000.0
+    by["total"] = sum(by.values())
+    return {k: round(v, 4) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+
+
+def run_workload(name, model, inputs, labels, measure, device, errors, profile=False):
     row = {"workload": name, "ms": {}, "max_abs_diff": {}}
     fusions = {}
     want = model(*inputs)
@@ -256,6 +302,9 @@ def run_workload(name, model, inputs, labels, measure, device, errors):
             compiling = f", first calls {first:.1f} s" if label in COMPILED else ""
             print(f"  {name:16s} {label:29s} {row['ms'][label]:10.3f} ms  (max |diff| vs eager "
                   f"{row['max_abs_diff'][label]:.2e}{compiling})", flush=True)
+            if profile:
+                row.setdefault("kernel_ms", {})[label] = kernel_ms_by_category(timed)
+                print(f"  {name:16s} {label} GPU kernel ms by category: {row['kernel_ms'][label]}", flush=True)
             if backend is not None:
                 fusions[label] = sum(backend.fusions)
                 print(f"  {name:16s} {label} rewrote {fusions[label]} norm chains", flush=True)
@@ -282,7 +331,7 @@ def merge(old_rows, new_rows):
     for r in new_rows:
         o = merged.setdefault(r["workload"], {"workload": r["workload"]})
         ran = set(r["ms"]) | set(r.get("errors", {}))
-        for key in ("ms", "max_abs_diff", "fusions_by_variant", "errors", "cudagraph_skips"):
+        for key in ("ms", "max_abs_diff", "fusions_by_variant", "errors", "cudagraph_skips", "kernel_ms"):
             values = {**{v: x for v, x in o.get(key, {}).items() if v not in ran}, **r.get(key, {})}
             o[key] = dict(sorted(values.items(), key=lambda item: VARIANTS.index(item[0])
                                  if item[0] in VARIANTS else len(VARIANTS)))
@@ -313,6 +362,7 @@ def main():
     parser.add_argument("--no-compile", action="store_true", help="only eager and eager + convert")
     parser.add_argument("--workloads", help="comma-separated names or parts of names (default: all)")
     parser.add_argument("--variants", help="comma-separated variant labels (default: all)")
+    parser.add_argument("--profile", action="store_true", help="GPU kernel time by category (GPU only)")
     args = parser.parse_args()
     names = pick(args.workloads, WORKLOADS, "workload", substrings=True)
     labels = pick(args.variants, VARIANTS, "variant", substrings=False)
@@ -333,6 +383,9 @@ def main():
               "8-16 px), not the real ones, which take minutes a call here. The rows check that convert "
               "and compile + fusion run and match eager; their times (medians of 5 calls) say nothing "
               "about the real models.")
+    if args.profile and not full:
+        print("  --profile needs a GPU: no kernel times on the CPU")
+    profile = args.profile and full
     if args.no_compile:
         labels = [v for v in labels if v not in COMPILED]
     if not full and any(v in CUDA_GRAPHS for v in labels):
@@ -383,7 +436,7 @@ def main():
                 continue
             free_memory(device)
             these = [v for v in labels if not (name in eager_only and v in COMPILED)]
-            rows.append(run_workload(name, model, inputs, these, measure, device, errors))
+            rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile))
             del model, inputs
             free_memory(device)
             save(rows, complete=False)

@@ -761,12 +761,14 @@ int ceil_log2(int64_t v) {
 // Two waves of full-occupancy CTAs, so that even N * G = 8 fills the GPU.
 int64_t target_tiles(int sms) { return static_cast<int64_t>(sms) * kSplitBlocksPerSM * 2; }
 
-// The channels-last forward's reduce and apply kernels keep two CTAs an SM resident (their
-// registers: 86-108 a thread on sm_90), not eight, so target_tiles() made eight waves of short
-// tiles, each paying its fixed cost (the group shifts or coefficients, the tree over its rows,
-// the partials) on few rows: four waves of the CTAs that are resident instead (docs/design.md,
-// "Split passes").
-int64_t cols_forward_target_tiles(int sms) { return static_cast<int64_t>(sms) * kSplitMinBlocks * 4; }
+// Tiles wanted per channels-last split pass. The forward's reduce and apply kernels keep two CTAs
+// an SM resident (their registers: 86-108 a thread on sm_90), not eight, so target_tiles() made
+// eight waves of short tiles, each paying its fixed cost (the group shifts or coefficients, the
+// tree over its rows, the partials) on few rows: four waves of the CTAs that are resident instead
+// (docs/design.md, "Split passes"). The backward keeps target_tiles().
+int64_t cols_target_tiles(int sms, bool forward) {
+  return forward ? static_cast<int64_t>(sms) * kSplitMinBlocks * 4 : target_tiles(sms);
+}
 
 int grid_for(int64_t tiles, int sms) {
   return static_cast<int>(imax(1, imin(tiles, static_cast<int64_t>(sms) * kSplitBlocksPerSM * 4)));
@@ -796,7 +798,7 @@ Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms, 
   t.log_tx = ceil_log2(imin(cvn, kSplitThreads));
   const int64_t ty = kSplitThreads >> t.log_tx;
   t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
-  const int64_t target = forward ? cols_forward_target_tiles(sms) : target_tiles(sms);
+  const int64_t target = cols_target_tiles(sms, forward);
   int64_t split = ceil_div(target, N * t.ncb);
   split = imin(split, imax(1, S / (ty * kSplitUnroll * 2)));
   split = imax(1, imin(split, max_split));
@@ -813,7 +815,7 @@ Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms, bool forward) {
   t.log_tx = ceil_log2(imin(cvn, kSplitThreads));
   const int64_t ty = kSplitThreads >> t.log_tx;
   t.ncb = ceil_div(cvn, int64_t(1) << t.log_tx);
-  const int64_t target = forward ? cols_forward_target_tiles(sms) : target_tiles(sms);
+  const int64_t target = cols_target_tiles(sms, forward);
   t.chunk = imax(ty * kSplitUnroll * 2, ceil_div(rows, ceil_div(target, t.ncb)));
   t.split = ceil_div(rows, t.chunk);
   t.tiles = t.split * t.ncb;

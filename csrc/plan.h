@@ -214,7 +214,7 @@ int64_t target_tiles(int sms);
 int grid_for(int64_t tiles, int sms);
 Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms);
 // ChannelsLast tiling; `forward`: the forward's passes, whose tiles are counted in resident CTAs
-// (plan.cpp, cols_forward_target_tiles).
+// (plan.cpp, cols_target_tiles).
 Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms, bool forward);
 Tiling tile_apply_cols(int64_t rows, int64_t cvn, int sms, bool forward);
 int log_piece(int64_t D, int log_tx, int V);
