@@ -10,7 +10,8 @@
 //   2. the split passes' finalize merges each group's tile moments in tile order (Chan merges)
 //      into its mean, rstd and the output records;
 //   3. the output sweep: each CTA takes one tile (tiles of their own size); every thread computes
-//      its V channels' coefficients once and streams its rows through OnePassOutput's arithmetic.
+//      its V channels' coefficients once (output_coefficients) and streams its rows through
+//      output_element, the one-pass kernels' arithmetic.
 // The finalize is a programmatic dependent of the moments kernel and the output kernel of the
 // finalize (common/dependent_launch.cuh): each starts on the SMs the previous one's last tiles
 // leave idle, and waits there.
@@ -243,7 +244,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const int c0 = p * V;
   wait_for_primary();  // the finalize's records
-  // The thread's channels' coefficients, once: OnePassOutput's element arithmetic per channel.
+  // The thread's channels' coefficients, once.
   acc_t K[V], sm[V], ca[V], cb[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -251,10 +252,9 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
     const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
     K[j] = rec[0];
     sm[j] = rec[1];
-    const Affine<acc_t> m =
-        modulate(e, n * o.C + c, load_param(o.weight, c, acc_t(1)), load_param(o.bias, c, acc_t(0)));
-    ca[j] = rec[2] * m.w;
-    cb[j] = m.b;
+    const Affine<acc_t> cf = output_coefficients(o, n, c, rec[2]);
+    ca[j] = cf.w;
+    cb[j] = cf.b;
   }
   const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p);
   const uint4* rs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.residual, sample)) + p);
@@ -270,11 +270,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
     output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m, [&](int u) { return s + u * step < s_end; },
         [&](int u) { return v + u * stride; },
         [&](int j, const P& xp, const P& rp, const P& mp) {
-          acc_t y = ((static_cast<acc_t>(xp.v[j]) - K[j]) - sm[j]) * ca[j] + cb[j];
-          if (has_r) y += static_cast<acc_t>(rp.v[j]);
-          y = device_activation_forward(A, y, e.slope);
-          if (has_m) y *= static_cast<acc_t>(mp.v[j]);
-          return y;
+          return output_element<A>(e, K[j], sm[j], ca[j], cb[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
         });
   }
 }

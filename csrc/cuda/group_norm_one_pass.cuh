@@ -252,6 +252,29 @@ __device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* sl
 // of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
 // channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation,
 // fixed at compile time.
+// The coefficients of channel c of sample n in y = (x - mean) * a_c + b_c: a_c = rstd * w_eff,
+// b_c = b_eff, the modulation folded into the affine parameters (modulate).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ Affine<acc_t> output_coefficients(const OnePassArgs<scalar_t>& a, int64_t n, int64_t c, acc_t rstd) {
+  const Affine<acc_t> m =
+      modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+  return {rstd * m.w, m.b};
+}
+
+// One element of y, before its rounding to scalar_t, of a group shifted by K whose mean is
+// K + shifted_mean (centred on K, then on shifted_mean: (x - mean) keeps its digits where
+// |mean| >> std), with channel coefficients (a_c, b_c): the residual added, the activation, the
+// multiplier.
+template <Activation A, typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t output_element(const EpiArgs<scalar_t>& e, acc_t K, acc_t shifted_mean, acc_t a_c,
+    acc_t b_c, scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) {
+  acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * a_c + b_c;
+  if (has_r) p += static_cast<acc_t>(r);
+  acc_t z = device_activation_forward(A, p, e.slope);
+  if (has_m) z *= static_cast<acc_t>(m);
+  return z;
+}
+
 template <typename scalar_t, int V, Activation A>
 struct OnePassOutput {
   using acc_t = acc_type<scalar_t>;
@@ -324,18 +347,10 @@ struct OnePassOutput {
 
   __device__ __forceinline__ acc_t element_with(
       acc_t a_c, acc_t b_c, scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
-    acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * a_c + b_c;
-    if (has_r) p += static_cast<acc_t>(r);
-    acc_t z = device_activation_forward(A, p, a.epi.slope);
-    if (has_m) z *= static_cast<acc_t>(m);
-    return z;
+    return output_element<A>(a.epi, K, shifted_mean, a_c, b_c, x, r, has_r, m, has_m);
   }
 
-  __device__ __forceinline__ Affine<acc_t> channel(int64_t c) const {
-    const Affine<acc_t> m =
-        modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
-    return {rstd * m.w, m.b};
-  }
+  __device__ __forceinline__ Affine<acc_t> channel(int64_t c) const { return output_coefficients(a, n, c, rstd); }
 
   __device__ __forceinline__ void coefficients(int64_t c) {
     if (c != cached_c) {
