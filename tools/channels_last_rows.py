@@ -8,6 +8,7 @@ and written, the copy measured in the same run. Prints a line a shape, then the 
     python tools/channels_last_rows.py [N] [--fusednorm-only]    # N: only the first N shapes
 """
 
+import argparse
 import json
 import os
 import sys
@@ -28,9 +29,11 @@ SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    only = "--fusednorm-only" in sys.argv[1:]
-    shapes = SHAPES[:int(args[0])] if args else SHAPES
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("N", nargs="?", type=int, help="only the first N shapes")
+    parser.add_argument("--fusednorm-only", action="store_true", help="the first column alone (tuning runs)")
+    args = parser.parse_args()
+    shapes = SHAPES[:args.N] if args.N is not None else SHAPES
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     src = torch.empty(1 << 28, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
@@ -47,19 +50,20 @@ def main():
         b = torch.randn_like(w)
         compiled = torch.compile(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b)))
         ideal = 2 * x.numel() * 2 / bandwidth / 1e9
+        def ours(x=x):
+            return fusednorm.group_norm(x, 32, w, b, activation="silu")
+
         with torch.no_grad():
-            f_ms, f_kernels = kernel_profile(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush,
-                                             iters=10)
-            if only:
+            f_ms, f_kernels = kernel_profile(ours, flush, iters=10)
+            if args.fusednorm_only:
                 print(f"{str(shape):22s} fusednorm {f_ms:.4f} ({ideal / f_ms:4.0%})  "
                       f"{ {k: round(v, 4) for k, v in f_kernels.items()} }", flush=True)
                 continue
             with kernel_paths.selected("nocolssweep"):
-                s_ms, _ = kernel_profile(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush,
-                                         iters=10)
+                s_ms, _ = kernel_profile(ours, flush, iters=10)
             c_ms, c_kernels = kernel_profile(lambda: compiled(x, w, b), flush, iters=10)
             xc = x.contiguous()
-            fc_ms, _ = kernel_profile(lambda: fusednorm.group_norm(xc, 32, w, b, activation="silu"), flush, iters=10)
+            fc_ms, _ = kernel_profile(lambda: ours(xc), flush, iters=10)
         row = dict(shape=shape, fusednorm=f_ms, split=s_ms, compile=c_ms, contiguous=fc_ms, ideal=ideal,
                    fusednorm_kernels={k: round(v, 4) for k, v in f_kernels.items()},
                    compile_kernels={k: round(v, 4) for k, v in c_kernels.items()})
