@@ -769,13 +769,24 @@ def test_channels_last_sweep(case, dtype, monkeypatch):
     y, mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)
     y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
     assert torch.equal(y, y2) and torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
-    # A first element far from the rest: the tiles of its group take the second pass (M2 lost its
-    # digits against the shift K); the variance must keep them.
+    # Far from zero (mean 300, sd 1): the tile sums are of x - K, K the group's first element, so
+    # neither the mean nor the variance loses digits to the offset.
+    far = make(shape, dtype, layout="channels_last", seed=10, offset=300.0)
+    _, mean, rstd = OPS.group_norm_forward(far, G, w, b, EPS)
+    _, mean_ref, rstd_ref = ref_forward(far, G, w, b)
+    assert_close(mean, mean_ref, dtype, "mean", STATS_TOL)
+    assert_close(rstd, rstd_ref, dtype, "rstd", STATS_TOL)
+    # Outliers where the shifts come from: the group's first element (K, every tile of the
+    # group) and the first rows of the first tile (each thread's own shift T is its first row):
+    # M2 = q2 - q1^2 / n must keep the variance's digits.
     D = shape[1] // G
     x[(0, 0) + (0,) * (x.dim() - 2)] = 1e3
+    x[0, :D].view(D, -1)[:, 1:9] = -5e2
     y, mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)
     y_ref, mean_ref, rstd_ref = ref_forward(x, G, w, b)
-    assert_close(rstd, rstd_ref, dtype, "rstd", STATS_TOL)
+    torch.testing.assert_close(rstd.double().cpu(), rstd_ref.cpu(), rtol=2e-5, atol=0)
+    # (The mean's error is relative to K's distance from it, 1e3: test_group_whose_first_element_is_an_outlier.)
+    torch.testing.assert_close(mean.double().cpu(), mean_ref.cpu(), atol=2e-5 * 1e3, rtol=0)
     # A constant group: variance exactly 0, y exactly the bias.
     x[0, :D] = 1.5
     y, mean, _ = OPS.group_norm_forward(x, G, w, b, EPS)
@@ -875,28 +886,30 @@ def test_cuda_graph_capture_kernel_paths(path, monkeypatch):
 # Every path shifts the data by the group's first element K before summing; a first element far
 # from the rest must not cost the variance its digits. The team forward once took each chunk's M2
 # as sum (x - K)^2 - (sum (x - K))^2 / n, which cancelled here (1.5-3% variance error in a float32
-# simulation); it now takes a second pass over a chunk where that happens, and the other paths
-# always take two.
+# simulation); the team, sweep and channels-last sweep moments now sum x - T, T each thread's own
+# first element (docs/design.md, "Numerics"), and the other paths take two passes. bfloat16: the
+# sweep path's (2 MB groups of 16-bit types).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", list(kernel_paths.PATHS))
-def test_group_whose_first_element_is_an_outlier(path, monkeypatch):
+def test_group_whose_first_element_is_an_outlier(path, dtype, monkeypatch):
     kernel_paths.set_path(monkeypatch, path)
     shape, G = (2, 4, 256, 256), 1  # 1 MB groups: the team forward by default
-    x = make(shape, torch.float32, seed=21)
+    x = make(shape, dtype, seed=21)
     x[:, 0, 0, 0] = 1e4
-    w, b = make_params(shape[1], torch.float32)
+    w, b = make_params(shape[1], dtype)
     y, mean, rstd = OPS.group_norm_forward(x, G, w, b, EPS)
     y_ref, mean_ref, rstd_ref = ref_forward(x, G, w, b)
-    assert_close(rstd, rstd_ref, torch.float32, "rstd", STATS_TOL)
+    assert_close(rstd, rstd_ref, dtype, "rstd", STATS_TOL)
     # mean = K + (mean of x - K) in float32: its error is relative to the data's range (1e4), not
     # to the mean (~0.04); every path rounds there.
     torch.testing.assert_close(mean.double().cpu(), mean_ref.cpu(), atol=2e-5 * 1e4, rtol=0)
     # y away from the outlier, at its own scale.
     rest = (slice(None), slice(None), slice(1, None))
-    assert_close(y[rest], y_ref[rest], torch.float32, "y")
+    assert_close(y[rest], y_ref[rest], dtype, "y")
 
 
-# Channels of one group far apart: the team forward's chunks of the first channel keep their
-# one-pass moments, the others' (far from K) take the second pass; the team merges both kinds.
+# Channels of one group far apart: the team forward's chunks of the first channel lie near K, the
+# others' far from it; the team merges both kinds.
 @pytest.mark.parametrize("path", list(kernel_paths.PATHS))
 def test_group_of_channels_far_apart(path, monkeypatch):
     kernel_paths.set_path(monkeypatch, path)

@@ -4,9 +4,10 @@
 // one contiguous range of x:
 //   1. the moments sweep: each CTA takes one tile; every thread keeps to one pack of V channels
 //      (the CTA is `rows` rows of C / V packs, so a thread's pack is the same in every row it
-//      reads) and sums x - K and (x - K)^2 per channel, K the first element of the channel's group
-//      in the sample; the CTA adds them up per group and writes the tile's count, mean and M2 (a
-//      second pass over the tile where M2 lost its digits, as the team forward does);
+//      reads) and sums x - T and (x - T)^2 per channel, T its own first element of the channel;
+//      the CTA combines the threads' sums per channel, then per group (plain sums in the two-step
+//      form of Chan's merge, shifted by K, the first element of the channel's group in the
+//      sample) and writes the tile's count, mean and M2;
 //   2. the split passes' finalize merges each group's tile moments in tile order (Chan merges)
 //      into its mean, rstd and the output records;
 //   3. the output sweep: each CTA takes one tile (tiles of their own size); every thread computes
@@ -106,12 +107,12 @@ __device__ __forceinline__ void cols_sweep_channel_totals(acc_t* red, int rows, 
   }
 }
 
-// The total of channels [g * D, (g + 1) * D) of row 0 of `red`, in every lane of the calling warp.
-template <typename acc_t>
-__device__ __forceinline__ acc_t cols_sweep_group_total(const acc_t* red, int64_t g, int64_t D) {
+// The total of value(c) over channels c in [g * D, (g + 1) * D), in every lane of the calling warp.
+template <typename acc_t, typename Value>
+__device__ __forceinline__ acc_t cols_sweep_group_total(int64_t g, int64_t D, const Value& value) {
   const int lane = threadIdx.x & (kWarp - 1);
   acc_t u = acc_t(0);
-  for (int64_t i = lane; i < D; i += kWarp) u += red[g * D + i];
+  for (int64_t i = lane; i < D; i += kWarp) u += value(g * D + i);
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
   return u;
@@ -138,29 +139,38 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   static_assert(sizeof(P) == 16, "the channels-last sweep reads 16-byte packs");
-  // Per-thread, per-channel sums (rows x C), then the channel totals in row 0 and (second pass)
-  // the group means in row 1: the planner keeps C / V <= kColsSweepThreads / 2, so rows >= 2.
-  static_assert(2 * kColsSweepOutputThreads <= kColsSweepThreads, "a moments CTA takes two rows or more");
+  // Per-thread, per-channel values (rows x C), reduced to channel totals in row 0.
   __shared__ __align__(16) acc_t red1[kColsSweepThreads * V];
   __shared__ __align__(16) acc_t red2[kColsSweepThreads * V];
-  __shared__ int second_pass;
   const OnePassArgs<scalar_t>& o = a.op;
   const int C = static_cast<int>(o.C);
+  const int D = static_cast<int>(o.D);
   const ColsSweepTile tile = cols_sweep_tile(a);
   const int p = tile.p, r = tile.r;
   const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const P* xs = reinterpret_cast<const P*>(o.x + sample) + p;  // row s's pack at xs + s * cpr
   const int c0 = p * V;
-  // K per channel: its group's first element in the sample (finalize_moments_kernel's shift).
-  acc_t K[V];
+  const int64_t step = a.rows;
+  // The thread's rows s_begin + r, + step, ...: nr of them.
+  const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
+  // Two shifts a channel (docs/design.md, "Channels-last sweep"): the thread sums x - T, T its
+  // own first element of the channel, so that M2 = q2 - q1^2 / nr loses digits only to an outlier
+  // among its own few rows (no second pass over the tile, whatever the data); the sums it hands
+  // on are of x - K, K the first element of the channel's group in the sample, the finalize's
+  // shift (finalize_moments_kernel).
+  // T stays in the input's type (half the registers of acc_t for 16-bit types: the loop's four
+  // packs in flight and its sums need the rest).
+  P T;
+  if (nr > 0) {
+    T = xs[(s_begin + r) * a.cpr];
+  } else {
 #pragma unroll
-  for (int j = 0; j < V; ++j) K[j] = static_cast<acc_t>(o.x[sample + ((c0 + j) / o.D) * o.D]);
-  if (threadIdx.x == 0) second_pass = 0;
+    for (int j = 0; j < V; ++j) T.v[j] = scalar_t(0);
+  }
   launch_dependents();
   acc_t q1[V], q2[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) q1[j] = q2[j] = acc_t(0);
-  const int64_t step = a.rows;
   for (int64_t s = s_begin + r; s < s_end; s += kColsSweepUnroll * step) {
     uint4 w[kColsSweepUnroll];
 #pragma unroll
@@ -174,60 +184,59 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
         memcpy(&xp, &w[u], sizeof(P));
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const acc_t d = static_cast<acc_t>(xp.v[j]) - K[j];
+          const acc_t d = static_cast<acc_t>(xp.v[j]) - static_cast<acc_t>(T.v[j]);
           q1[j] += d;
           q2[j] += d * d;
         }
       }
     }
   }
-  cols_sweep_store_lanes<V>(red1, static_cast<int64_t>(r) * C + c0, q1);
-  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(r) * C + c0, q2);
+  // Per channel, the tile's sum of x - K: each thread's nr * (T - K) + q1, added up over the rows.
+  acc_t K[V], TK[V];  // loaded after the loop (registers); TK = T - K
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    K[j] = static_cast<acc_t>(o.x[sample + ((c0 + j) / D) * D]);
+    TK[j] = static_cast<acc_t>(T.v[j]) - K[j];
+  }
+  const acc_t cnt = static_cast<acc_t>(nr);
+  const acc_t rows_n = static_cast<acc_t>(s_end - s_begin);  // a channel's count in the tile
+  acc_t v[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = nr > 0 ? cnt * TK[j] + q1[j] : acc_t(0);
+  cols_sweep_store_lanes<V>(red1, static_cast<int64_t>(r) * C + c0, v);
   __syncthreads();
   cols_sweep_channel_totals(red1, a.rows, C);
+  // Per channel, the tile's M2: each thread's own M2 plus nr times its mean's squared distance
+  // from the channel's (the two-step form of Chan's merge, in plain sums).
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (nr > 0) {
+      const acc_t mean_t = q1[j] / cnt;                      // of x - T
+      const acc_t d = TK[j] + mean_t - red1[c0 + j] / rows_n;  // thread's mean - channel's
+      v[j] = (q2[j] - q1[j] * mean_t) + cnt * d * d;
+    } else {
+      v[j] = acc_t(0);
+    }
+  }
+  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(r) * C + c0, v);
+  __syncthreads();
   cols_sweep_channel_totals(red2, a.rows, C);
+  // Per group, the same two steps over its D channels (equal counts).
   const int warp = static_cast<int>(threadIdx.x >> kLogWarp);
   const int warps = static_cast<int>(blockDim.x >> kLogWarp);
-  const acc_t count = static_cast<acc_t>((s_end - s_begin) * o.D);
-  acc_t* means = red1 + C;  // row 1
+  const acc_t count = rows_n * static_cast<acc_t>(o.D);
   for (int64_t g = warp; g < o.G; g += warps) {
-    const acc_t s1 = cols_sweep_group_total(red1, g, o.D);
-    const acc_t s2 = cols_sweep_group_total(red2, g, o.D);
+    const acc_t mean = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) { return red1[c]; }) / count;
+    const acc_t m2 = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) {
+      const acc_t d = red1[c] / rows_n - mean;
+      return red2[c] + rows_n * d * d;
+    });
     if ((threadIdx.x & (kWarp - 1)) == 0) {
-      const acc_t mean = s1 / count;
-      const acc_t m2 = s2 - s1 * mean;
-      means[g] = mean;
       acc_t* slot = a.part + ((n * o.G + g) * a.split + k) * 3;
       slot[0] = count;
       slot[1] = mean;
       slot[2] = m2;
-      // As the team forward's moments: where M2 = s2 - s1 * mean lost its digits (K far from the
-      // tile's mean), the squared deviations in a second pass (the tile comes back from L2).
-      if (m2 < s2 * acc_t(0.125)) second_pass = 1;
     }
-  }
-  __syncthreads();
-  if (!second_pass) return;
-  acc_t mean[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    mean[j] = means[(c0 + j) / o.D];
-    q2[j] = acc_t(0);
-  }
-  for (int64_t s = s_begin + r; s < s_end; s += step) {
-    const P xp = xs[s * a.cpr];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const acc_t d = (static_cast<acc_t>(xp.v[j]) - K[j]) - mean[j];
-      q2[j] += d * d;
-    }
-  }
-  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(r) * C + c0, q2);
-  __syncthreads();
-  cols_sweep_channel_totals(red2, a.rows, C);
-  for (int64_t g = warp; g < o.G; g += warps) {
-    const acc_t m2 = cols_sweep_group_total(red2, g, o.D);
-    if ((threadIdx.x & (kWarp - 1)) == 0) a.part[((n * o.G + g) * a.split + k) * 3 + 2] = m2;
   }
 }
 

@@ -144,6 +144,35 @@ __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
   return total;
 }
 
+// The CTA's mean and M2 of x - K from each thread's sums of its own nt elements, q1 = sum (x - T)
+// and q2 = sum (x - T)^2, T the thread's own shift (its first element; docs/design.md, "Numerics"):
+// the two-step form of Chan's merge in two block sums, first the mean of x - K (nt * (T - K) + q1
+// a thread), then M2 (the thread's q2 - q1^2 / nt plus nt times its mean's squared distance from
+// the CTA's). With T among the thread's own few elements, q2 - q1^2 / nt loses digits only to
+// an outlier there; a shift K far from the data (a group whose first element is an outlier) costs
+// the mean's absolute digits only as the sums of x - K always did, and no second pass is needed
+// whatever the data. `tk` = T - K; `count` = the CTA's elements (sum of nt).
+template <typename acc_t>
+struct BlockMoments {
+  acc_t mean, m2;  // of x - K
+};
+
+template <int MaxThreads, typename acc_t>
+__device__ __forceinline__ BlockMoments<acc_t> block_moments_of_shifted_sums(
+    acc_t nt, acc_t tk, acc_t q1, acc_t q2, acc_t count, acc_t* smem) {
+  BlockMoments<acc_t> r;
+  r.mean = one_pass_block_sum<MaxThreads>(nt > acc_t(0) ? nt * tk + q1 : acc_t(0), smem);
+  r.mean = count > acc_t(0) ? r.mean / count : acc_t(0);
+  acc_t c = acc_t(0);
+  if (nt > acc_t(0)) {
+    const acc_t mt = q1 / nt;          // the thread's mean of x - T
+    const acc_t d = tk + mt - r.mean;  // its mean's distance from the CTA's
+    c = (q2 - q1 * mt) + nt * d * d;
+  }
+  r.m2 = one_pass_block_sum<MaxThreads>(c, smem);
+  return r;
+}
+
 // Most adjacent groups a CTA of group_norm_cols_one_pass_kernel takes at once (its `span`).
 constexpr int kMaxColsSpan = 4;
 

@@ -273,32 +273,26 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   // (round parities) suffice.
   const auto moments = [&](int64_t i, acc_t K) {
     __pipeline_wait_prior(0);
+    // Sums of x - T, T the thread's first element (block_moments_of_shifted_sums): no second
+    // pass over the chunk where K lies far from it, which sat on every round's critical path
+    // (docs/design.md, "Numerics").
+    const acc_t T = threadIdx.x < count ? static_cast<acc_t>(load_pack(x[threadIdx.x]).v[0]) : acc_t(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
     for (int v = threadIdx.x; v < count; v += kTeamThreads) {
       const P p = load_pack(x[v]);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const acc_t d = static_cast<acc_t>(p.v[j]) - K;
+        const acc_t d = static_cast<acc_t>(p.v[j]) - T;
         s1 += d;
         s2 += d * d;
       }
     }
+    const int mine = count > static_cast<int>(threadIdx.x) ? (count - static_cast<int>(threadIdx.x) + kTeamThreads - 1) / kTeamThreads : 0;
     const acc_t n = static_cast<acc_t>(count * V);
-    s1 = one_pass_block_sum<kTeamThreads>(s1, red);
-    s2 = one_pass_block_sum<kTeamThreads>(s2, red);
-    const acc_t mean = count > 0 ? s1 / n : acc_t(0);
-    acc_t m2 = s2 - s1 * mean;
-    // M2 = s2 - s1 * mean loses digits as it falls below s2, i.e. as K lies far from the chunk
-    // (1.5-3% variance error for a 1e4 first element among N(0, 1) values): there, and only
-    // there (the test is the same on every thread), a second pass takes the squared deviations
-    // from the mean. Always taking it cost bfloat16 rows a quarter of their time (the VAE's
-    // 0.086 -> 0.107 ms, attention 0.081 -> 0.104 on an H100): the moments lie on every round's
-    // critical path. Where M2 >= s2 / 8 the cancellation costs at most 3 bits.
-    if (m2 < s2 * acc_t(0.125)) {
-      m2 = acc_t(0);
-      for (int v = threadIdx.x; v < count; v += kTeamThreads) m2 += pack_squared_deviations<acc_t>(load_pack(x[v]), K, mean);
-      m2 = one_pass_block_sum<kTeamThreads>(m2, red);
-    }
+    const BlockMoments<acc_t> bm = block_moments_of_shifted_sums<kTeamThreads>(
+        static_cast<acc_t>(mine * V), T - K, s1, s2, n, red);
+    const acc_t mean = bm.mean;
+    const acc_t m2 = bm.m2;
     if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
   };
   // The group's first element, loaded well before moments() needs it.

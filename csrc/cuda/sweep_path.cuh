@@ -1,8 +1,8 @@
 // The sweep forward, for 16-bit ChannelsFirst groups of 4 MB and more (docs/design.md, "Sweep path"): the
 // split passes' design (x read twice) in two launches of streaming kernels, with no barrier:
 //   1. the moments sweep: each CTA takes one tile (a chunk of a group) and writes its count, mean
-//      and M2 of x - K (K the group's first element; a second pass over the tile where M2 lost its
-//      digits, as the team forward does);
+//      and M2 of x - K (K the group's first element; each thread's sums shifted by its own first
+//      element, block_moments_of_shifted_sums, so no pass depends on the data);
 //   2. the output sweep: each CTA takes one tile, merges its group's tile moments in one fixed
 //      order (every CTA gets the same bits; the group's first tile writes its mean and rstd) and
 //      writes y through OnePassOutput's epilogue, one channel's coefficients at a time.
@@ -53,15 +53,6 @@ struct SweepArgs {
 // that output CTAs take the SMs the moments sweep's last tiles leave idle; an output CTA waits for
 // the whole moments sweep (its writes visible) before it reads a tile moment.
 
-// One 16-byte pack from global memory in one load.
-template <typename P>
-__device__ __forceinline__ P global_pack(const P* p) {
-  const uint4 bits = __ldg(reinterpret_cast<const uint4*>(p));
-  P out;
-  memcpy(&out, &bits, sizeof(P));
-  return out;
-}
-
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_kernel(const __grid_constant__ SweepArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
@@ -76,12 +67,20 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
   const P* xg = reinterpret_cast<const P*>(o.x);
   const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
   launch_dependents();
-  acc_t s1 = acc_t(0), s2 = acc_t(0);
+  // Sums of x - T, T the thread's first element (block_moments_of_shifted_sums).
+  acc_t T = acc_t(0), s1 = acc_t(0), s2 = acc_t(0);
+  bool first = true;
   for (int64_t v = v0 + threadIdx.x; v < v1; v += kSweepUnroll * kSweepThreads) {
     uint4 xw[kSweepUnroll];
 #pragma unroll
     for (int u = 0; u < kSweepUnroll; ++u) {
       if (v + u * kSweepThreads < v1) xw[u] = __ldg(reinterpret_cast<const uint4*>(xg + v + u * kSweepThreads));
+    }
+    if (first) {
+      P p0;
+      memcpy(&p0, &xw[0], sizeof(P));
+      T = static_cast<acc_t>(p0.v[0]);
+      first = false;
     }
 #pragma unroll
     for (int u = 0; u < kSweepUnroll; ++u) {
@@ -90,27 +89,19 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
         memcpy(&xp, &xw[u], sizeof(P));
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const acc_t d = static_cast<acc_t>(xp.v[j]) - K;
+          const acc_t d = static_cast<acc_t>(xp.v[j]) - T;
           s1 += d;
           s2 += d * d;
         }
       }
     }
   }
-  s1 = one_pass_block_sum<kSweepThreads>(s1, red);
-  s2 = one_pass_block_sum<kSweepThreads>(s2, red);
+  const int64_t mine = v1 - v0 > threadIdx.x ? (v1 - v0 - threadIdx.x + kSweepThreads - 1) / kSweepThreads : 0;
   const acc_t n = static_cast<acc_t>((v1 - v0) * V);
-  const acc_t mean = s1 / n;
-  acc_t m2 = s2 - s1 * mean;
-  // As the team forward's moments: where M2 = s2 - s1 * mean lost its digits (K far from the
-  // tile), the squared deviations in a second pass (the tile comes back from L2 or DRAM).
-  if (m2 < s2 * acc_t(0.125)) {
-    m2 = acc_t(0);
-    for (int64_t v = v0 + threadIdx.x; v < v1; v += kSweepThreads) {
-      m2 += pack_squared_deviations<acc_t>(global_pack(xg + v), K, mean);
-    }
-    m2 = one_pass_block_sum<kSweepThreads>(m2, red);
-  }
+  const BlockMoments<acc_t> bm = block_moments_of_shifted_sums<kSweepThreads>(
+      static_cast<acc_t>(mine * V), T - K, s1, s2, n, red);
+  const acc_t mean = bm.mean;
+  const acc_t m2 = bm.m2;
   if (threadIdx.x == 0) {
     acc_t* slot = a.part + t * 3;
     slot[0] = n;
