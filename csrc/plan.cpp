@@ -409,6 +409,48 @@ bool registers_fit(const Ctx& c, Plan& pl) {
   return false;
 }
 
+// The largest cluster the one-pass kernels may take on this device (the knob caps it).
+int max_one_pass_cluster(const Ctx& c) {
+  int max_cluster = c.dev.major < 9 ? 1 : c.dev.clusters_of_16 ? 16 : 8;
+  if (set(c.o.one_pass_max_cluster)) {
+    max_cluster = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, c.o.one_pass_max_cluster)));
+  }
+  return max_cluster;
+}
+
+// Channels-last slabs (`span` groups of S rows) no CTA takes alone, or too few to fill the GPU one
+// a CTA: a cluster a slab (sm_90), its CTAs on equal ranges of the rows, sized as the ChannelsFirst
+// clusters (one_pass_cluster): at most kOnePassCtaBytes a CTA, grown while the CTAs would not fill
+// the GPU and keep kClusterMinCtaBytes. Measured on an H200 (docs/design.md, "Channels-last
+// one-pass"): fp16 GN+SiLU 1.2-1.4x the split passes' speed on the SD VAE's (1,512,64,64) and
+// (1,512,128,128) and the UNet's (2,320,64,64) to (2,960,64,64), which they took in three launches.
+bool cols_cluster(const Ctx& c, int span, int pack_bytes, Plan& pl) {
+  const Problem& p = c.p;
+  const int64_t slabs = c.items / span;
+  const int64_t row_bytes = span * c.D * p.elem_bytes;  // a slab's row
+  const int64_t slab = p.S * row_bytes;
+  // The portable cluster size at most: clusters_of_16 probed the ChannelsFirst kernel.
+  const int max_cluster = std::min(8, max_one_pass_cluster(c));
+  const auto cta_bytes = [&](int k) { return ceil_div(p.S, k) * row_bytes; };
+  // 16-bit types without a residual or multiplier only: float32 and the operands' loads in the
+  // output loop of a few rows a CTA were slower than the split passes (design.md).
+  if (p.elem_bytes != 2 || c.forward_streams() != 1) return false;
+  if (p.G % span != 0 || row_bytes / pack_bytes > kOnePassThreads || !common_activation(p.act)) return false;
+  int k = 1;
+  while (k < max_cluster && cta_bytes(k) > kOnePassCtaBytes) k *= 2;
+  while (k < max_cluster && slabs * k < c.dev.sms && slab / (2 * k) >= kClusterMinCtaBytes) k *= 2;
+  // One wave of two CTAs an SM at most: more waves of clusters are unmeasured (the split passes).
+  if (k == 1 || cta_bytes(k) > kOnePassCtaBytes || slabs * k > 2 * c.dev.sms) return false;
+  pl.path = Path::ColsShared;
+  pl.span = span;
+  pl.pack_bytes = pack_bytes;
+  pl.cluster = k;
+  pl.grid = slabs * k;
+  pl.buffer_packs = 0;
+  pl.smem = cta_bytes(k);
+  return true;
+}
+
 bool cols_shared(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
   const int64_t groups = c.items;
@@ -428,8 +470,9 @@ bool cols_shared(const Ctx& c, Plan& pl) {
         (slab <= (k > 1 ? smem_limit : kColsOnePassMaxBytes) &&
             (slab <= kDefaultSmemBytes || 8 * (groups / k) >= 7 * c.dev.sms));
   };
+  const int sector_span = span;
   while (span > 1 && !fits(span)) span /= 2;
-  if (!fits(span)) return false;
+  if (!fits(span)) return cols_cluster(c, sector_span, pack_bytes, pl);
   if (!common_activation(p.act)) return false;  // the others take the split passes
   const int64_t items = groups / span;
   const int64_t slab_bytes = span * bytes;
@@ -456,10 +499,7 @@ bool cols_shared(const Ctx& c, Plan& pl) {
 
 // CTAs a group of `bytes` for the one-pass forward; 0 where none fits.
 int one_pass_cluster(const Ctx& c, int64_t bytes) {
-  int max_cluster = c.dev.major < 9 ? 1 : c.dev.clusters_of_16 ? 16 : 8;
-  if (set(c.o.one_pass_max_cluster)) {
-    max_cluster = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster, c.o.one_pass_max_cluster)));
-  }
+  const int max_cluster = max_one_pass_cluster(c);
   int k = 1;
   while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
   while (k < max_cluster && c.items * k < c.dev.sms && bytes / (2 * k) >= kClusterMinCtaBytes) k *= 2;
@@ -674,6 +714,7 @@ std::string Plan::to_string() const {
     case Path::ColsShared:
       s << " span=" << span << " pack_bytes=" << pack_bytes << " smem=" << smem << " ctas=" << grid
         << " buffer_packs=" << buffer_packs;
+      if (cluster > 1) s << " cluster=" << cluster;
       break;
     case Path::Team:
       s << " teams=" << teams << " team_size=" << team_size << " chunk=" << chunk << " smem=" << smem

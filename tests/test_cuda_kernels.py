@@ -738,6 +738,53 @@ def test_channels_last_forward_in_one_pass(case, dtype, path, monkeypatch):
     assert torch.all(y[0, : shape[1] // G] == b[: shape[1] // G].view(-1, *([1] * (x.dim() - 2))))
 
 
+# Channels-last slabs that no CTA takes alone, or too few to fill the GPU one a CTA, take the
+# shared-memory forward in clusters (sm_90, 16-bit types without a residual or multiplier;
+# docs/design.md, "Channels-last one-pass"): the SD VAE's 512-channel groups at 64x64 (clusters of
+# 8 CTAs of 16 KB) and 128x128 (8 of 64 KB), the UNet's D = 10 at 64x64 (two groups a slab of
+# 4-byte packs), and an odd S split unevenly over a cluster of 4 (1763 rows of D = 32); against
+# the split passes.
+CL_CLUSTER_CASES = [
+    ((1, 512, 64, 64), 32, torch.float16),
+    ((1, 512, 64, 64), 32, torch.bfloat16),
+    ((2, 320, 64, 64), 32, torch.float16),
+    ((2, 320, 64, 64), 32, torch.bfloat16),
+    ((1, 512, 128, 128), 32, torch.float16),
+    ((1, 128, 41, 43), 4, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", CL_CLUSTER_CASES, ids=lambda case: f"{_id(case[:2])}-{case[2]}")
+def test_channels_last_forward_in_clusters(case, monkeypatch):
+    shape, G, dtype = case
+    if torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("thread block clusters need sm_90")
+    kernel_paths.use_defaults(monkeypatch)
+    assert "cluster=" in fusednorm.kernel_paths.plan(shape, G, dtype, channels_last=True, device=DEV)
+    x = make(shape, dtype, layout="channels_last", seed=12, offset=2.0)
+    w, b = make_params(shape[1], dtype)
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    assert "cols_one_pass_kernel" in names and "reduce_cols" not in names, names
+    y, mean, rstd = check_forward(x, G, w, b)
+    y2, mean2, rstd2 = OPS.group_norm_forward(x, G, w, b, EPS)
+    assert torch.equal(y, y2) and torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
+    kernel_paths.set_path(monkeypatch, "split")
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    assert "cols_one_pass_kernel" not in names, names
+    y3, mean3, rstd3 = OPS.group_norm_forward(x, G, w, b, EPS)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, y3, **tol)
+    torch.testing.assert_close(mean, mean3, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd, rstd3, rtol=1e-5, atol=1e-6)
+    # A constant group (its rows over every CTA of the cluster): variance exactly 0, y exactly the bias.
+    kernel_paths.use_defaults(monkeypatch)
+    D = shape[1] // G
+    x[0, :D] = 1.5
+    y, mean, _ = OPS.group_norm_forward(x, G, w, b, EPS)
+    assert mean[0, 0] == 1.5
+    assert torch.all(y[0, :D] == b[:D].view(-1, *([1] * (x.dim() - 2))))
+
+
 # The channels-last sweep (docs/design.md, "Channels-last sweep") takes channels-last groups in
 # tiles of whole rows, every thread on one pack of channels: packs holding two groups (D = 4) or
 # eight (D = 1), groups across packs (D = 10, D = C), an odd S whose last tile and last unrolled

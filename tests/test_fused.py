@@ -696,6 +696,26 @@ def test_fused_channels_last_one_pass_cuda(activation, path, monkeypatch):
             check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", [None, "silu", "relu"])
+def test_fused_channels_last_clusters_cuda(activation, monkeypatch):
+    # The channels-last shared-memory forward in clusters (test_cuda_kernels.py, CL_CLUSTER_CASES),
+    # by default on these shapes (sm_90), with the per-sample scale and shift (a residual or a
+    # multiplier takes the split passes: asserted).
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread block clusters need sm_90")
+    kernel_paths.use_defaults(monkeypatch)
+    torch.manual_seed(16)
+    for shape, G, dtype in (((1, 512, 64, 64), 32, torch.float16), ((2, 320, 64, 64), 32, torch.bfloat16),
+                            ((1, 128, 41, 43), 4, torch.float16)):
+        assert "cluster=" in fusednorm.kernel_paths.plan(shape, G, dtype, channels_last=True, activation=activation,
+                                               operands=["scale", "shift"], device="cuda")
+        assert "cluster=" not in fusednorm.kernel_paths.plan(shape, G, dtype, channels_last=True, activation=activation,
+                                                   operands=["residual"], device="cuda")
+        for names in (["scale", "shift"], ["scale"], ["shift"], [], ["residual"]):
+            check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
+
+
 def _check_channels_last_shared_forward(monkeypatch, knob, value, cases, operand_sets, activation):
     """check_fused on the channels-last shared-memory forward (the register kernel off), with the
     knob set to value (None: unset)."""

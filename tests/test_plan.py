@@ -48,7 +48,7 @@ ROWS = [
         forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
         backward='path=team teams=64 team_size=4 chunk=1280 smem=40960 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
     Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
-        forward='path=split split=128 tiles=256 cols_act_kernel=1',
+        forward='path=cols_shared span=2 pack_bytes=4 smem=20480 ctas=256 buffer_packs=0 cluster=8',
         backward='path=split split=128 tiles=256 param_grad_parts=4'),
     Row('SD UNet GN+SiLU b2', (2, 640, 32, 32), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=cluster cluster=2 chunk=1280 smem=20480 ctas=128',
@@ -212,10 +212,12 @@ def test_cols_sweep_takes_the_channels_last_groups_the_one_pass_kernels_do_not(m
     assert forward((2, 320, 128, 128), torch.float32) == \
         "path=cols_sweep threads=480 split=132 tiles=264 output_tiles=1562"
     assert _path(forward((1, 128, 512, 512), torch.bfloat16, operands=True)) == "cols_sweep"
-    # Small groups stay with the one-pass kernels, inputs under 32 MB with the split passes; rows
-    # of more than 256 packs, double and contiguous inputs never take it.
+    # Small groups stay with the one-pass kernels, inputs under 32 MB with the one-pass kernels in
+    # clusters or the split passes; rows of more than 256 packs, double and contiguous inputs never
+    # take it.
     assert _path(forward((8, 1280, 8, 8), torch.half)) == "registers"
-    assert _path(forward((1, 512, 128, 128), torch.half)) == "split"
+    assert _path(forward((1, 512, 128, 128), torch.half)) == "cols_shared"
+    assert _path(forward((1, 512, 64, 64), torch.float32)) == "split"
     assert _path(forward((1, 4096, 128, 128), torch.half)) == "split"
     assert _path(forward((1, 2048, 128, 128), torch.float32)) == "split"
     assert _path(forward((1, 128, 512, 512), torch.float64)) == "split"
@@ -228,6 +230,35 @@ def test_cols_sweep_takes_the_channels_last_groups_the_one_pass_kernels_do_not(m
     _set(monkeypatch, {"FUSEDNORM_COLS_SWEEP": "", "FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
     # A forced one-pass limit keeps the paths the tests select with it.
     assert _path(forward((1, 128, 512, 512), torch.half)) == "split"
+
+
+def test_channels_last_clusters_take_the_16_bit_slabs_one_cta_does_not(monkeypatch):
+    """docs/design.md, "Channels-last one-pass": slabs no CTA takes alone, or too few to fill the
+    GPU one a CTA, in clusters on sm_90; 16-bit types without a residual or multiplier."""
+    def forward(shape, dtype, G=32, device=H200, **kw):
+        return kernel_paths.plan(shape, G, dtype, activation="silu", channels_last=True, device=device, **kw)
+    # The VAE's 128 KB groups at 64x64: clusters of 8 CTAs of 16 KB (256 CTAs); its 512 KB groups
+    # at 128x128: 8 of 64 KB; the UNet's D = 10 at 64x64: two groups a slab of 4-byte packs.
+    assert forward((1, 512, 64, 64), torch.half) == \
+        "path=cols_shared span=1 pack_bytes=16 smem=16384 ctas=256 buffer_packs=0 cluster=8"
+    assert forward((1, 512, 128, 128), torch.bfloat16) == \
+        "path=cols_shared span=1 pack_bytes=16 smem=65536 ctas=256 buffer_packs=0 cluster=8"
+    assert forward((2, 320, 64, 64), torch.half) == \
+        "path=cols_shared span=2 pack_bytes=4 smem=20480 ctas=256 buffer_packs=0 cluster=8"
+    # Slabs one CTA takes stay unclustered ((8, 320, 64, 64): 128 slabs of 160 KB).
+    assert "cluster" not in forward((8, 320, 64, 64), torch.half)
+    # float32, a residual or multiplier, more than one wave, no clusters (sm_80), the knob at 1:
+    # the split passes.
+    assert _path(forward((1, 512, 64, 64), torch.float32)) == "split"
+    assert _path(forward((1, 512, 64, 64), torch.half, operands=["residual"])) == "split"
+    assert _path(forward((1, 512, 64, 64), torch.half, operands=["multiplier"])) == "split"
+    assert "cluster=8" in forward((1, 512, 64, 64), torch.half, operands=["scale", "shift"])
+    assert _path(forward((2, 512, 96, 96), torch.half)) == "split"  # 512 CTAs
+    a100 = (108, 8, 0, 163 * 1024, 164 * 1024, 40 * 1024 * 1024, 1, 0)
+    assert _path(forward((1, 512, 64, 64), torch.half, device=a100)) == "split"
+    if kernel_paths.tuning_knobs_compiled():
+        _set(monkeypatch, {"FUSEDNORM_ONE_PASS_MAX_CLUSTER": "1"})
+        assert _path(forward((1, 512, 64, 64), torch.half)) == "split"
 
 
 def _set(monkeypatch, env):

@@ -277,6 +277,25 @@ __device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* sl
   return cta_total;
 }
 
+// one_pass_cluster_sum for `span` slots at once (group_norm_cols_one_pass_kernel): the thread
+// that is its slot's `writer` in each CTA publishes the CTA's total of slot q in slots[q]; every
+// thread gets its slot's cluster total, added in rank order. `slots` (kMaxColsSpan values) may be
+// overwritten only after the next cluster barrier.
+template <typename acc_t>
+__device__ __forceinline__ acc_t one_pass_cluster_slot_sum(acc_t cta_total, int q, bool writer, acc_t* slots, int cluster) {
+#if FUSEDNORM_CLUSTERS
+  if (cluster > 1) {
+    cg::cluster_group cl = cg::this_cluster();
+    if (writer) slots[q] = cta_total;
+    cl.sync();
+    acc_t total = acc_t(0);
+    for (int r = 0; r < cluster; ++r) total += cl.map_shared_rank(slots, r)[q];
+    return total;
+  }
+#endif
+  return cta_total;
+}
+
 // y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
 // of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
 // channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation,
@@ -747,8 +766,11 @@ constexpr int kColsOperandBatch = 4;
 //
 // buffer_packs > 0: two buffers of that many packs, the next slab's copy in flight during this
 // one's sums and output (with one slab a CTA, every CTA of the single wave loaded, then summed,
-// then wrote at the same time). 0: one buffer, and a grid of one CTA a slab. items: the slabs,
-// N * G / span.
+// then wrote at the same time). 0: one buffer, and a grid of one CTA a slab, or (a.cluster > 1,
+// sm_90) of one cluster a slab: its CTAs take equal ranges of the slab's rows and add their block
+// sums over distributed shared memory in rank order (one_pass_cluster_slot_sum), for slabs too
+// large for one CTA or too few to fill the GPU one a CTA (docs/design.md, "Channels-last
+// one-pass"). items: the slabs, N * G / span.
 template <typename scalar_t, int V, Activation A, int E>
 __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_kernel(
     const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs, int span) {
@@ -756,11 +778,21 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
   __shared__ acc_t red[kMaxColsSpan * kOnePassThreads / kWarp];
+  __shared__ acc_t exchange[2][kMaxColsSpan];  // this CTA's slot totals, read by the rest of its cluster
   P* buffers = reinterpret_cast<P*>(one_pass_smem);  // slabs dense (ColsPlace::dense)
   const ColsPlace<V> place(span * a.D, kOnePassThreads);
   const int row0 = place.row0, step = place.step;
-  const int64_t rows = place.active() ? a.S : 0;  // this thread's rows: row0, row0 + step, ... < rows
+  // A cluster of a.cluster CTAs takes a slab (one buffer, a slab a cluster): this CTA's rows are
+  // [r_begin, r_end), the rank-th of a.cluster equal ranges, and this thread's r_begin + row0,
+  // + step, ... < r_end (none without a lane).
+  const int rank = static_cast<int>(blockIdx.x % a.cluster);
+  const int64_t cluster_rows = ceil_div(a.S, static_cast<int64_t>(a.cluster));
+  const int64_t r_begin = imin(a.S, rank * cluster_rows);
+  const int64_t r_end = place.active() ? imin(a.S, r_begin + cluster_rows) : r_begin;
   const int q = place.active() ? static_cast<int>(place.lane * V / a.D) : 0;  // the thread's group in the slab
+  // The first thread of each group's lanes (row 0 of the CTA): writes the slot's exchange value
+  // and (rank 0) the group's statistics.
+  const bool slot_writer = place.active() && row0 == 0 && place.lane * V == q * a.D;
   const int64_t slabs = a.G / span;  // a sample's
   const auto slab_base = [&](int64_t item, int64_t& n, int64_t& g0) {
     n = div_nn(item, slabs);
@@ -770,17 +802,19 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
   const auto copy_in = [&](int64_t item, P* xs) {
     int64_t n, g0;
     const int64_t base = slab_base(item, n, g0);
-    for (int64_t s = row0; s < rows; s += step) {
-      __pipeline_memcpy_async(&xs[place.dense(s)], a.x + base + place.offset(s, a.C), sizeof(P));
+    for (int64_t s = r_begin + row0; s < r_end; s += step) {
+      __pipeline_memcpy_async(&xs[place.dense(s - r_begin)], a.x + base + place.offset(s, a.C), sizeof(P));
     }
     __pipeline_commit();
   };
-  const bool pipelined = buffer_packs > 0;
-  copy_in(blockIdx.x, buffers);
+  const bool pipelined = buffer_packs > 0;  // (never with clusters)
+  const int64_t first_item = blockIdx.x / a.cluster;
+  const int64_t item_stride = gridDim.x / a.cluster;
+  copy_in(first_item, buffers);
   int b = 0;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+  for (int64_t item = first_item; item < items; item += item_stride) {
     P* xs = buffers + b * buffer_packs;
-    const int64_t next = item + gridDim.x;
+    const int64_t next = item + item_stride;
     if (pipelined && next < items) {
       b ^= 1;
       copy_in(next, buffers + b * buffer_packs);
@@ -795,22 +829,23 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     const acc_t K = static_cast<acc_t>(a.x[base + q * a.D]);
     acc_t sum = acc_t(0);
     // (Packs copied out of shared memory whole: one V-wide load each.)
-    for (int64_t s = row0; s < rows; s += step) sum += pack_shifted_sum(P(xs[place.dense(s)]), K);
+    for (int64_t s = r_begin + row0; s < r_end; s += step) sum += pack_shifted_sum(P(xs[place.dense(s - r_begin)]), K);
     const acc_t total = static_cast<acc_t>(a.len);
-    const acc_t shifted_mean = one_pass_slot_sum(sum, q, span, red) / total;
+    const acc_t shifted_mean =
+        one_pass_cluster_slot_sum(one_pass_slot_sum(sum, q, span, red), q, slot_writer, exchange[0], a.cluster) / total;
     acc_t m2 = acc_t(0);
-    for (int64_t s = row0; s < rows; s += step) {
-      m2 += pack_squared_deviations(P(xs[place.dense(s)]), K, shifted_mean);
+    for (int64_t s = r_begin + row0; s < r_end; s += step) {
+      m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), K, shifted_mean);
     }
-    const acc_t var = one_pass_slot_sum(m2, q, span, red) / total;
+    const acc_t var =
+        one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster) / total;
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
-    // The first thread of each group's lanes (row 0) writes its statistics.
-    if (row0 == 0 && place.lane * V == q * a.D) {
+    if (rank == 0 && slot_writer) {
       a.mean[n * a.G + g] = K + shifted_mean;
       a.rstd[n * a.G + g] = group_rstd;
     }
-    if (rows == 0) continue;  // (the next slab's block sums still need this thread)
+    if (r_begin + row0 >= r_end) continue;  // (the next slab's block sums still need this thread)
 
     OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
     acc_t lane_a[V], lane_b[V];
@@ -825,12 +860,12 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     // cannot move a load above a store to y (they may alias), so one row at a time waited a
     // memory latency a row.
     constexpr int kBatch = E > 0 ? kColsOperandBatch : 1;
-    for (int64_t s0 = row0; s0 < rows; s0 += kBatch * step) {
+    for (int64_t s0 = r_begin + row0; s0 < r_end; s0 += kBatch * step) {
       P ops[E > 0 ? E : 1][kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int64_t off = base + place.offset(s0 + u * step, a.C);
-        if (s0 + u * step < rows) {
+        if (s0 + u * step < r_end) {
           if constexpr (E >= 1) ops[0][u] = *reinterpret_cast<const P*>(stream0 + off);
           if constexpr (E >= 2) ops[1][u] = *reinterpret_cast<const P*>(e.multiplier + off);
         }
@@ -838,13 +873,17 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int64_t s = s0 + u * step;
-        if (s < rows) {
+        if (s < r_end) {
           *reinterpret_cast<P*>(a.y + base + place.offset(s, a.C)) = out.lane_pack(
-              lane_a, lane_b, P(xs[place.dense(s)]), ops[0][u], has_r, ops[E >= 2 ? 1 : 0][u], has_m);
+              lane_a, lane_b, P(xs[place.dense(s - r_begin)]), ops[0][u], has_r, ops[E >= 2 ? 1 : 0][u], has_m);
         }
       }
     }
   }
+#if FUSEDNORM_CLUSTERS
+  // No CTA may leave while another can still read its `exchange`.
+  if (a.cluster > 1) cg::this_cluster().sync();
+#endif
 }
 
 // Lets `kernel` take `bytes` of dynamic shared memory. Without the opt-in a CTA gets 48 KB in all,
@@ -956,14 +995,17 @@ int cols_one_pass_ctas_per_sm(Activation act, int streams, int pack_bytes, int64
 }
 
 template <typename scalar_t>
-void launch_cols_one_pass(const OnePassArgs<scalar_t>& a, int64_t groups, const plan::Plan& pl) {
+void launch_cols_one_pass(OnePassArgs<scalar_t> a, int64_t groups, const plan::Plan& pl) {
   const int64_t items = groups / pl.span;
+  a.cluster = pl.cluster;
+  TORCH_INTERNAL_ASSERT(pl.cluster == 1 || (pl.buffer_packs == 0 && pl.grid == items * pl.cluster),
+      "channels-last one-pass clusters planned with a pipeline or a grid of other than a cluster a slab");
   with_cols_one_pass_kernel<scalar_t>(a.epi.act, a.streams(), pl.pack_bytes, [&](auto kernel) {
     const size_t smem = static_cast<size_t>(pl.smem);
     allow_dynamic_smem(kernel, smem);
-    kernel<<<static_cast<unsigned>(pl.grid), kOnePassThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-        a, items, pl.buffer_packs, pl.span);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    launch_clustered(kernel, static_cast<unsigned>(pl.grid), kOnePassThreads, smem, a.cluster,
+        at::cuda::getCurrentCUDAStream(), a, items, pl.buffer_packs, pl.span);
   });
 }
 
