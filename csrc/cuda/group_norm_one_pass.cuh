@@ -259,28 +259,11 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   return s;
 }
 
-// The sum over the cluster of each CTA's `cta_total` (the same in every thread of a CTA), added in
-// rank order so that every CTA gets the same bits. `slot` is this CTA's shared exchange slot; it
-// may be overwritten only after the next cluster barrier.
-template <typename acc_t>
-__device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* slot, int cluster) {
-#if FUSEDNORM_CLUSTERS
-  if (cluster > 1) {
-    cg::cluster_group cl = cg::this_cluster();
-    if (threadIdx.x == 0) *slot = cta_total;
-    cl.sync();
-    acc_t total = acc_t(0);
-    for (int r = 0; r < cluster; ++r) total += *cl.map_shared_rank(slot, r);
-    return total;
-  }
-#endif
-  return cta_total;
-}
-
-// one_pass_cluster_sum for `span` slots at once (group_norm_cols_one_pass_kernel): the thread
-// that is its slot's `writer` in each CTA publishes the CTA's total of slot q in slots[q]; every
-// thread gets its slot's cluster total, added in rank order. `slots` (kMaxColsSpan values) may be
-// overwritten only after the next cluster barrier.
+// The sum over the cluster of each CTA's total of slot q (the same in every thread of a CTA that
+// passes q), added in rank order so that every CTA gets the same bits: in each CTA the thread that
+// is slot q's `writer` publishes it in slots[q], this CTA's shared exchange slots, which may be
+// overwritten only after the next cluster barrier. group_norm_cols_one_pass_kernel takes a slot a
+// group of its span.
 template <typename acc_t>
 __device__ __forceinline__ acc_t one_pass_cluster_slot_sum(acc_t cta_total, int q, bool writer, acc_t* slots, int cluster) {
 #if FUSEDNORM_CLUSTERS
@@ -294,6 +277,12 @@ __device__ __forceinline__ acc_t one_pass_cluster_slot_sum(acc_t cta_total, int 
   }
 #endif
   return cta_total;
+}
+
+// One slot, published by thread 0.
+template <typename acc_t>
+__device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* slot, int cluster) {
+  return one_pass_cluster_slot_sum(cta_total, 0, threadIdx.x == 0, slot, cluster);
 }
 
 // y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
