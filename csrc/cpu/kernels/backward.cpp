@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -197,6 +198,16 @@ constexpr std::array<int, L> transpose_sum_rows() {
   return rows;
 }
 
+// {f(0), ..., f(n - 1)}, each element constructed from f (in order): no default construction.
+template <typename V, int n, typename F, int... I>
+std::array<V, n> generate_impl(F& f, std::integer_sequence<int, I...>) {
+  return {{f(I)...}};
+}
+template <typename V, int n, typename F>
+std::array<V, n> generate(F f) {
+  return generate_impl<V, n>(f, std::make_integer_sequence<int, n>());
+}
+
 // Rows of at most this many vectors take the backward's sums a block of rows at a time.
 constexpr int64_t kShortRowVectors = 4;
 
@@ -223,11 +234,11 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
   using IO = VecIO<T>;
   using Vec = typename IO::Vec;
   constexpr int L = Vec::size();
-  std::array<Vec, L> db, dsc, dev;
   const int64_t present = std::min<int64_t>(L, rows - first), len = present * sh.S, o_first = first * sh.S;
   acc_t block_dp[kShortRowVectors * L * L];
   acc_t* const dp_first = cache != nullptr ? cache + (o_first - cache_origin) : block_dp;
-  if (ep.active()) {
+  const bool active = ep.active();  // (a local: the loop below would reload ep's members)
+  if (active) {
     acc_t centre[kShortRowVectors * L * L], pa[kShortRowVectors * L * L], pc[kShortRowVectors * L * L];
     for (int64_t r = 0; r < present; ++r) {
       const int64_t nc = first + r;
@@ -237,7 +248,9 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
     }
     ep.template backward_run<true>(dy + o_first, x + o_first, o_first, len, centre, pa, pc, dp_first, /*write=*/true);
   }
-  for (int r = 0; r < L; ++r) {
+  // Built element by element (generate): a default-constructed std::array<Vec, L> is zeroed
+  // first, 3 KB a block (AVX512), which took a fifth of this function on rows of one vector.
+  const auto row_sums = generate<std::array<Vec, 3>, L>([&](int r) {
     std::array<Vec, 3> acc{Vec(0), Vec(0), Vec(0)};
     if (r < present) {
       const int64_t nc = first + r, o = nc * sh.S;
@@ -245,26 +258,45 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
       const acc_t* dp = dp_first + r * sh.S;
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
         // Padding lanes hold dp = x = 0: only x - m needs masking.
-        const Vec dpv = ep.active() ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
+        const Vec dpv = active ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
         accumulate_grad_sums(acc, dpv, first_lanes(IO::load(x + o + i, count) - m, count));
       });
     }
-    db[r] = acc[0];
-    dsc[r] = acc[1];
-    dev[r] = acc[2];
-  }
+    return acc;
+  });
+  // Row kRows[j] in place j: lane j of transpose_sum then sums row kRows[kRows[j]] = j (bit
+  // reversal is its own inverse), so the lanes come out in row order and are stored as a run.
+  static constexpr std::array<int, L> kRows = transpose_sum_rows<L>();
+  const auto db = generate<Vec, L>([&](int r) { return row_sums[kRows[r]][0]; });
+  const auto dsc = generate<Vec, L>([&](int r) { return row_sums[kRows[r]][1]; });
+  const auto dev = generate<Vec, L>([&](int r) { return row_sums[kRows[r]][2]; });
   acc_t lanes[3][L];
   transpose_sum(db).store(lanes[0]);
   transpose_sum(dsc).store(lanes[1]);
   transpose_sum(dev).store(lanes[2]);
-  static constexpr std::array<int, L> kRows = transpose_sum_rows<L>();
-  for (int j = 0; j < L; ++j) {
-    if (kRows[j] < present) {
-      const int64_t nc = first + kRows[j];
-      out.db[nc] = lanes[0][j];
-      out.dsc[nc] = lanes[1][j];
-      out.dev[nc] = lanes[2][j];
+  double* const outs[3] = {out.db.data() + first, out.dsc.data() + first, out.dev.data() + first};
+  for (int i = 0; i < 3; ++i) {
+    if (present == L) {
+      for (int j = 0; j < L; ++j) outs[i][j] = lanes[i][j];
+    } else {
+      for (int j = 0; j < present; ++j) outs[i][j] = lanes[i][j];
     }
+  }
+}
+
+// dx of rows [first, last) of a ChannelsFirst input without an epilogue (dp = dy): the
+// arithmetic of channel_grad_input, in one flattened loop. Through channel_grad_input a row of
+// one or a few vectors paid a call and its closure's loads.
+template <typename T>
+FUSEDNORM_FLATTEN void plain_rows_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
+    const GradInputCoeffs<at::opmath_type<T>>& k, int64_t first, int64_t last) {
+  using Vec = typename VecIO<T>::Vec;
+  for (int64_t nc = first; nc < last; ++nc) {
+    const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
+    const int64_t o = nc * sh.S;
+    map_row(x + o, dy + o, dx + o, sh.S, [&](const Vec& xv, const Vec& dpv, int64_t) {
+      return at::vec::fmadd(a, dpv, at::vec::fmadd(b, xv - m, e));
+    });
   }
 }
 
@@ -299,29 +331,58 @@ constexpr int64_t kMaxGroupDpBytes = 512 * 1024;
 constexpr int64_t kMaxPlainGroupBytes = 512 * 1024;
 constexpr int64_t kMinPlainGroupsPerThread = 4;
 
+// Groups a step of backward_groups_channels_first takes: 1, or for short rows without an
+// epilogue (no dp buffer to size) enough groups that their rows fill whole blocks of L rows
+// (L / gcd(D, L) groups, at most kMaxShortRowBatchRows rows): a group of D < L rows alone would
+// leave the rest of its block's transpose_sum empty. The sums of a row do not depend on its
+// block (short_rows_grad_sums), so the batch changes no bits.
+constexpr int64_t kMaxShortRowBatchRows = 128;
+
+template <typename T>
+int64_t short_rows_group_batch(const GroupNormShape& sh, const ElementwiseOperands<T>& ep) {
+  constexpr int64_t L = VecIO<T>::kSize;
+  if (!short_rows<T>(sh) || ep.active() || sh.D >= L) return 1;
+  int64_t a = sh.D, b = L;  // gcd(D, L)
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  const int64_t full = L / a;
+  return full * sh.D <= kMaxShortRowBatchRows ? full : (L + sh.D - 1) / sh.D;
+}
+
 template <typename T>
 void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
     const std::vector<at::opmath_type<T>>& w_eff, const at::opmath_type<T>* rstd,
     GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
   using acc_t = at::opmath_type<T>;
   const int64_t M = sh.D * sh.S;
+  const int64_t batch = short_rows_group_batch<T>(sh, ep);
   at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> group_dp(ep.active() ? M : 0);  // (without an epilogue dp = dy: no buffer)
-    for (int64_t ng = begin; ng < end; ++ng) {
-      const int64_t rows_end = (ng + 1) * sh.D;
+    for (int64_t g0 = begin; g0 < end; g0 += batch) {
+      const int64_t g1 = std::min(end, g0 + batch);
+      const int64_t rows_end = g1 * sh.D;
       if (short_rows<T>(sh)) {
-        for (int64_t nc = ng * sh.D; nc < rows_end; nc += VecIO<T>::kSize) {
-          short_rows_grad_sums(dy, x, sh, k, ep, nc, rows_end, sums, group_dp.data(), ng * M);
+        for (int64_t nc = g0 * sh.D; nc < rows_end; nc += VecIO<T>::kSize) {
+          short_rows_grad_sums(dy, x, sh, k, ep, nc, rows_end, sums, group_dp.data(), g0 * M);
         }
       } else {
-        for (int64_t nc = ng * sh.D; nc < rows_end; ++nc) {
-          channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), ng * M);
+        for (int64_t nc = g0 * sh.D; nc < rows_end; ++nc) {
+          channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), g0 * M);
         }
       }
-      const double delta = recentre_group(sh, ng, sums);
-      grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
-      for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
-        channel_grad_input(dy, x, dx, sh, k, ep, nc, group_dp.data(), ng * M);
+      for (int64_t ng = g0; ng < g1; ++ng) {
+        const double delta = recentre_group(sh, ng, sums);
+        grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
+      }
+      if (ep.active()) {
+        for (int64_t nc = g0 * sh.D; nc < rows_end; ++nc) {
+          channel_grad_input(dy, x, dx, sh, k, ep, nc, group_dp.data(), g0 * M);
+        }
+      } else {
+        plain_rows_grad_input(dy, x, dx, sh, k, g0 * sh.D, rows_end);
       }
     }
   });
@@ -431,16 +492,12 @@ FusedGrads fused_backward(const at::Tensor& grad_out, const at::Tensor& x, const
     }
 
     GradSums sums(sh.N * sh.C);
-    std::vector<acc_t> w_eff(sh.N * sh.C);
-    for (int64_t n = 0; n < sh.N; ++n)
-      for (int64_t c = 0; c < sh.C; ++c) w_eff[n * sh.C + c] = w[c] * mod.gain_at(n * sh.C + c);
-
-    GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w_eff, b, mod, mp, rp);
+    std::vector<acc_t> w_eff;
+    GradInputCoeffs<acc_t> k = pre_activation_coeffs<acc_t>(sh, w, b, mod, mp, rp, w_eff);
     const int64_t group_elems = sh.D * sh.S;
     const bool group_by_group = ep.active()
         ? group_elems * static_cast<int64_t>(sizeof(acc_t)) <= kMaxGroupDpBytes
-        : !short_rows<scalar_t>(sh) &&
-            2 * group_elems * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxPlainGroupBytes &&
+        : 2 * group_elems * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxPlainGroupBytes &&
             sh.N * sh.G >= kMinPlainGroupsPerThread * at::get_num_threads();
     if (layout == Layout::ChannelsFirst && mask[0] && group_by_group) {
       backward_groups_channels_first(dyp, xp, grads.input.data_ptr<scalar_t>(), sh, w_eff, rp, k, ep, sums);

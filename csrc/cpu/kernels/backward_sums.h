@@ -6,11 +6,16 @@
 #error "compiled once per CPU capability through setup.py's wrappers, which define CPU_CAPABILITY"
 #endif
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 
 #include <array>
 #include <cstdint>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu/kernels/affine_params.h"
@@ -37,8 +42,33 @@ namespace {
 // With an elementwise epilogue, dp is computed block by block into a small buffer (it stays in
 // cache) from dy, x and the epilogue's operands, in each of the two passes.
 
+// An allocator whose value-initialising construct() leaves the element uninitialised, for the
+// per-(n, c) arrays below, whose every element is written before it is read: zeroing them, ~200 KB
+// a call on N * C = 4096 rows, was serial work as long as a short-row pass of one thread
+// (docs/design.md, 'CPU kernels').
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
+
 struct GradSums {
-  std::vector<double> db, dsc, dev;  // [N][C] each: sum dp, sum dp * (x - m), sum (x - m)
+  UninitVector<double> db, dsc, dev;  // [N][C] each: sum dp, sum dp * (x - m), sum (x - m)
   explicit GradSums(int64_t n) : db(n), dsc(n), dev(n) {}
 };
 
@@ -46,16 +76,29 @@ struct GradSums {
 // pre-activation p = (x - m) * a + pc + residual.
 template <typename acc_t>
 struct GradInputCoeffs {
-  std::vector<acc_t> a, b, e, mean, pc;
+  UninitVector<acc_t> a, b, e, mean, pc;
 };
+
+// The sum of f(i) over [begin, end) in four interleaved partial sums, added (s0 + s1) + (s2 + s3):
+// a chain of D / 4 dependent double additions a group instead of D, which bounded the per-group
+// work of short rows (docs/design.md, 'CPU kernels'). A fixed order: the same bits on any thread.
+template <typename F>
+double sum4(int64_t begin, int64_t end, F f) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    for (int u = 0; u < 4; ++u) s[u] += f(i + u);
+  }
+  for (int u = 0; i < end; ++i, ++u) s[u] += f(i);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
 
 // Recentres the sums of group ng on its true mean; returns its delta.
 inline double recentre_group(const GroupNormShape& sh, int64_t ng, GradSums& sums) {
   const double M = static_cast<double>(sh.D * sh.S);
   if (M == 0) return 0.0;
-  double delta = 0.0;
-  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) delta += sums.dev[nc];
-  delta /= M;
+  const double* dev = sums.dev.data();
+  const double delta = sum4(ng * sh.D, (ng + 1) * sh.D, [dev](int64_t nc) { return dev[nc]; }) / M;
   for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) sums.dsc[nc] -= delta * sums.db[nc];
   return delta;
 }
@@ -69,25 +112,45 @@ inline std::vector<double> recentre(const GroupNormShape& sh, GradSums& sums) {
 }
 
 // The coefficients that do not depend on the sums (a, mean, pc): what the first pass needs to
-// recompute p. `w_eff` is weight * (1 + scale) per (n, c).
+// recompute p; and `w_eff`, weight * (1 + scale) per (n, c). Elementwise, in parallel: serial,
+// these loops were a fixed cost as large as a thread's pass over short rows (docs/design.md,
+// 'CPU kernels').
 template <typename acc_t>
 GradInputCoeffs<acc_t> pre_activation_coeffs(
-    const GroupNormShape& sh, const std::vector<acc_t>& w_eff, const std::vector<acc_t>& b,
-    const Modulation<acc_t>& mod, const acc_t* mean, const acc_t* rstd) {
+    const GroupNormShape& sh, const std::vector<acc_t>& w, const std::vector<acc_t>& b,
+    const Modulation<acc_t>& mod, const acc_t* mean, const acc_t* rstd, std::vector<acc_t>& w_eff) {
   GradInputCoeffs<acc_t> k;
-  for (auto* v : {&k.a, &k.b, &k.e, &k.mean, &k.pc}) v->assign(sh.N * sh.C, acc_t(0));
-  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) {
-    for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
-      k.a[nc] = w_eff[nc] * rstd[ng];
-      k.mean[nc] = mean[ng];
+  for (auto* v : {&k.a, &k.b, &k.e, &k.mean, &k.pc}) v->resize(sh.N * sh.C);
+  w_eff.resize(sh.N * sh.C);
+  const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(sh.D, 1));
+  const bool plain = mod.gain.empty() && mod.shift.empty();
+  at::parallel_for(0, sh.N * sh.G, grain, [&](int64_t begin, int64_t end) {
+    if (plain) {  // (locals only: a loop the compiler vectorises)
+      acc_t *we = w_eff.data(), *a = k.a.data(), *m = k.mean.data(), *pc = k.pc.data();
+      const acc_t *wp = w.data(), *bp = b.data();
+      for (int64_t ng = begin, g = begin % sh.G; ng < end; ++ng, g = g + 1 == sh.G ? 0 : g + 1) {
+        const int64_t c0 = g * sh.D, o = ng * sh.D;
+        const acc_t r = rstd[ng], mu = mean[ng];
+        for (int64_t d = 0; d < sh.D; ++d) {
+          we[o + d] = wp[c0 + d];
+          a[o + d] = wp[c0 + d] * r;
+          m[o + d] = mu;
+          pc[o + d] = bp[c0 + d] * acc_t(1) + acc_t(0);
+        }
+      }
+      return;
     }
-  }
-  for (int64_t n = 0; n < sh.N; ++n) {
-    for (int64_t c = 0; c < sh.C; ++c) {
-      const int64_t nc = n * sh.C + c;
-      k.pc[nc] = b[c] * mod.gain_at(nc) + mod.shift_at(nc);
+    for (int64_t ng = begin; ng < end; ++ng) {
+      const int64_t n = ng / sh.G;
+      for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
+        const int64_t c = nc - n * sh.C;
+        w_eff[nc] = w[c] * mod.gain_at(nc);
+        k.a[nc] = w_eff[nc] * rstd[ng];
+        k.mean[nc] = mean[ng];
+        k.pc[nc] = b[c] * mod.gain_at(nc) + mod.shift_at(nc);
+      }
     }
-  }
+  });
   return k;
 }
 
@@ -97,11 +160,10 @@ void grad_input_coeffs_group(const GroupNormShape& sh, int64_t ng, const std::ve
     const acc_t* rstd, const GradSums& sums, double delta, GradInputCoeffs<acc_t>& k) {
   const double M = static_cast<double>(sh.D * sh.S);
   if (M == 0) return;
-  double A = 0, B = 0;
-  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
-    A += w_eff[nc] * sums.db[nc];
-    B += w_eff[nc] * sums.dsc[nc];
-  }
+  const acc_t* w = w_eff.data();
+  const double *db = sums.db.data(), *dsc = sums.dsc.data();
+  const double A = sum4(ng * sh.D, (ng + 1) * sh.D, [w, db](int64_t nc) { return w[nc] * db[nc]; });
+  const double B = sum4(ng * sh.D, (ng + 1) * sh.D, [w, dsc](int64_t nc) { return w[nc] * dsc[nc]; });
   const double r = rstd[ng];
   const double b = -r * r * r / M * B;
   for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
@@ -135,24 +197,63 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
   std::vector<double> dw(sh.C, 0.0), dbias(sh.C, 0.0);
   std::vector<double> dscale(grads.scale.numel() > 0 ? sh.N * sh.C : 0);
   std::vector<double> dshift(grads.shift.numel() > 0 ? sh.N * sh.C : 0);
-  for (int64_t n = 0; n < sh.N; ++n) {
-    for (int64_t c = 0, g = 0, d = 0; c < sh.C; ++c) {  // channel c = g * D + d
-      const int64_t nc = n * sh.C + c;
-      const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[n * sh.G + g]);
-      if (++d == sh.D) {
-        d = 0;
-        ++g;
+  // Channel by channel, each summed over n in order: any split over threads gives the same bits
+  // (serial, this was a fixed ~10 cycles a row; docs/design.md, 'CPU kernels'). Without
+  // modulation, blocks of kParamBlock channels go down the batch together (gain = 1: the same
+  // sums), so the additions of different channels overlap instead of one chain of N a channel.
+  constexpr int64_t kParamBlock = 64;
+  const bool plain = mod.gain.empty() && dscale.empty() && dshift.empty();
+  at::parallel_for(0, sh.C, std::max<int64_t>(1, 2048 / std::max<int64_t>(sh.N, 1)), [&](int64_t c0, int64_t c1) {
+    if (plain) {
+      const double *dsc = sums.dsc.data(), *db = sums.db.data();
+      for (int64_t cb = c0; cb < c1; cb += kParamBlock) {
+        const int64_t len = std::min(kParamBlock, c1 - cb);
+        double dwc[kParamBlock] = {}, dbc[kParamBlock] = {}, r[kParamBlock];
+        for (int64_t n = 0; n < sh.N; ++n) {
+          for (int64_t j = 0; j < len; ++j) r[j] = static_cast<double>(rstd[n * sh.G + (cb + j) / sh.D]);
+          const double *dscn = dsc + n * sh.C + cb, *dbn = db + n * sh.C + cb;
+          for (int64_t j = 0; j < len; ++j) {
+            dwc[j] += dscn[j] * r[j];
+            dbc[j] += dbn[j];
+          }
+        }
+        for (int64_t j = 0; j < len; ++j) {
+          dw[cb + j] = dwc[j];
+          dbias[cb + j] = dbc[j];
+        }
       }
-      const double gain = mod.gain_at(nc);
-      dw[c] += gain * xhat_sum;
-      dbias[c] += gain * sums.db[nc];
-      if (!dscale.empty()) dscale[nc] = w[c] * xhat_sum + b[c] * sums.db[nc];
-      if (!dshift.empty()) dshift[nc] = sums.db[nc];
+      return;
     }
-  }
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g = c / sh.D;
+      double dwc = 0.0, dbc = 0.0;
+      for (int64_t n = 0; n < sh.N; ++n) {
+        const int64_t nc = n * sh.C + c;
+        const double xhat_sum = sums.dsc[nc] * static_cast<double>(rstd[n * sh.G + g]);
+        const double gain = mod.gain_at(nc);
+        dwc += gain * xhat_sum;
+        dbc += gain * sums.db[nc];
+        if (!dscale.empty()) dscale[nc] = w[c] * xhat_sum + b[c] * sums.db[nc];
+        if (!dshift.empty()) dshift[nc] = sums.db[nc];
+      }
+      dw[c] = dwc;
+      dbias[c] = dbc;
+    }
+  });
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  // Written in place where the output is a contiguous CPU tensor: copy_ from a from_blob
+  // tensor cost ~10 us a call, a fixed cost larger than a short-row pass (docs/design.md,
+  // 'CPU kernels'). Both convert each double with static_cast.
   auto fill = [&](at::Tensor& out, std::vector<double>& v) {
-    if (out.numel() > 0) out.copy_(at::from_blob(v.data(), out.sizes(), f64));
+    if (out.numel() == 0) return;
+    if (out.is_cpu() && out.is_contiguous()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "param_grads_fill", [&] {
+        scalar_t* o = out.data_ptr<scalar_t>();
+        for (size_t i = 0; i < v.size(); ++i) o[i] = static_cast<scalar_t>(v[i]);
+      });
+      return;
+    }
+    out.copy_(at::from_blob(v.data(), out.sizes(), f64));
   };
   fill(grads.weight, dw);
   fill(grads.bias, dbias);
