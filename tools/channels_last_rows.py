@@ -6,6 +6,11 @@ flushed before each call, overlapping kernels counted once; % of a device copy o
 and written, the copy measured in the same run. Prints a line a shape, then the rows as JSON.
 
     python tools/channels_last_rows.py [N] [--fusednorm-only]    # N: only the first N shapes
+
+--clusters: the channels-last one-pass clusters' rows instead (docs/performance.md, "Channels-last
+clusters"): the default plan, the same with FUSEDNORM_ONE_PASS_MAX_CLUSTER=1 (the split passes;
+a tuning knob: build with CFLAGS=-DFUSEDNORM_TUNING_KNOBS), each with and without a residual, and
+torch.compile.
 """
 
 import argparse
@@ -28,13 +33,55 @@ SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256
           (2, 32, 128, 128, 128)]
 
 
+CLUSTER_ROWS = [((1, 512, 64, 64), torch.float16), ((2, 320, 64, 64), torch.float16), ((1, 512, 128, 128), torch.float16),
+                ((4, 512, 64, 64), torch.float16), ((2, 640, 64, 64), torch.float16), ((2, 960, 64, 64), torch.float16),
+                ((1, 512, 64, 64), torch.float32), ((2, 320, 64, 64), torch.float32)]
+
+
+def cluster_rows(flush):
+    """The --clusters table: a line a row, then the rows as JSON."""
+    if not kernel_paths.tuning_knobs_compiled():
+        print("this build ignores FUSEDNORM_ONE_PASS_MAX_CLUSTER (build with CFLAGS=-DFUSEDNORM_TUNING_KNOBS): "
+              "the split-pass columns repeat the default", file=sys.stderr)
+    rows = []
+    for shape, dtype in CLUSTER_ROWS:
+        torch._dynamo.reset()
+        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+        w = torch.randn(shape[1], device="cuda", dtype=dtype)
+        b = torch.randn_like(w)
+        r = torch.randn_like(x)
+        compiled = torch.compile(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b)))
+        row = dict(shape=shape, dtype=str(dtype).replace("torch.", ""),
+                   plan=kernel_paths.plan(shape, 32, dtype, channels_last=True, activation="silu", device="cuda"))
+        with torch.no_grad():
+            for label, knob in (("default", None), ("split", "1")):
+                if knob is not None:
+                    os.environ["FUSEDNORM_ONE_PASS_MAX_CLUSTER"] = knob
+                kernel_paths.reload_overrides()
+                try:
+                    row[label] = kernel_profile(lambda: fusednorm.group_norm(x, 32, w, b, activation="silu"), flush, 20)[0]
+                    row[label + " + residual"] = kernel_profile(
+                        lambda: fusednorm.group_norm(x, 32, w, b, activation="silu", residual=r), flush, 20)[0]
+                finally:
+                    os.environ.pop("FUSEDNORM_ONE_PASS_MAX_CLUSTER", None)
+                    kernel_paths.reload_overrides()
+            row["compile"] = kernel_profile(lambda: compiled(x, w, b), flush, 20)[0]
+        rows.append(row)
+        print(f"{str(shape):20s} {row['dtype']:8s} " + "  ".join(
+            f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, float)) + f"  ({row['plan']})", flush=True)
+    print(json.dumps(rows))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("N", nargs="?", type=int, help="only the first N shapes")
     parser.add_argument("--fusednorm-only", action="store_true", help="the first column alone (tuning runs)")
+    parser.add_argument("--clusters", action="store_true", help="the channels-last clusters' rows instead")
     args = parser.parse_args()
     shapes = SHAPES[:args.N] if args.N is not None else SHAPES
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    if args.clusters:
+        return cluster_rows(flush)
     src = torch.empty(1 << 28, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
