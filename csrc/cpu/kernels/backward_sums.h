@@ -209,8 +209,11 @@ void param_grads(const GroupNormShape& sh, const GradSums& sums, const acc_t* rs
       for (int64_t cb = c0; cb < c1; cb += kParamBlock) {
         const int64_t len = std::min(kParamBlock, c1 - cb);
         double dwc[kParamBlock] = {}, dbc[kParamBlock] = {}, r[kParamBlock];
+        int64_t group[kParamBlock];  // each channel's group, once a block (not a division an (n, c))
+        for (int64_t j = 0; j < len; ++j) group[j] = (cb + j) / sh.D;
         for (int64_t n = 0; n < sh.N; ++n) {
-          for (int64_t j = 0; j < len; ++j) r[j] = static_cast<double>(rstd[n * sh.G + (cb + j) / sh.D]);
+          const acc_t* rstd_n = rstd + n * sh.G;
+          for (int64_t j = 0; j < len; ++j) r[j] = static_cast<double>(rstd_n[group[j]]);
           const double *dscn = dsc + n * sh.C + cb, *dbn = db + n * sh.C + cb;
           for (int64_t j = 0; j < len; ++j) {
             dwc[j] += dscn[j] * r[j];
