@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   const EpiArgs<scalar_t>& e = o.epi;
   const ColsSweepTile tile = cols_sweep_tile(a);
   const int p = tile.p, r = tile.r;
-  const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
+  const int64_t n = tile.n, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const int c0 = p * V;
   wait_for_primary();  // the finalize's records
   // The thread's channels' coefficients, once.

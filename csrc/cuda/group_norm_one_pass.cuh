@@ -987,12 +987,12 @@ template <typename scalar_t>
 void launch_cols_one_pass(OnePassArgs<scalar_t> a, int64_t groups, const plan::Plan& pl) {
   const int64_t items = groups / pl.span;
   a.cluster = pl.cluster;
-  TORCH_INTERNAL_ASSERT(pl.cluster == 1 || (pl.buffer_packs == 0 && pl.grid == items * pl.cluster),
-      "channels-last one-pass clusters planned with a pipeline or a grid of other than a cluster a slab");
+  TORCH_INTERNAL_ASSERT(pl.cluster == 1 || (pl.cluster <= 8 && pl.buffer_packs == 0 && pl.grid == items * pl.cluster),
+      "channels-last one-pass clusters planned over the portable size, with a pipeline or with a grid of other than a "
+      "cluster a slab");
   with_cols_one_pass_kernel<scalar_t>(a.epi.act, a.streams(), pl.pack_bytes, [&](auto kernel) {
     const size_t smem = static_cast<size_t>(pl.smem);
     allow_dynamic_smem(kernel, smem);
-    if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     launch_clustered(kernel, static_cast<unsigned>(pl.grid), kOnePassThreads, smem, a.cluster,
         at::cuda::getCurrentCUDAStream(), a, items, pl.buffer_packs, pl.span);
   });

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -342,13 +343,7 @@ template <typename T>
 int64_t short_rows_group_batch(const GroupNormShape& sh, const ElementwiseOperands<T>& ep) {
   constexpr int64_t L = VecIO<T>::kSize;
   if (!short_rows<T>(sh) || ep.active() || sh.D >= L) return 1;
-  int64_t a = sh.D, b = L;  // gcd(D, L)
-  while (b != 0) {
-    const int64_t t = a % b;
-    a = b;
-    b = t;
-  }
-  const int64_t full = L / a;
+  const int64_t full = L / std::gcd(sh.D, L);
   return full * sh.D <= kMaxShortRowBatchRows ? full : (L + sh.D - 1) / sh.D;
 }
 
