@@ -115,6 +115,18 @@ class GroupNorm(torch.nn.GroupNorm):
         """The normalization of ``input``, then the epilogue with the given operands (see the
         class docstring): ``scale``/``shift`` of shape (N, C) or (N, C, 1, ..., 1), ``residual``
         and ``multiplier`` of the input's shape."""
+        # The common call (a plain tensor, no operand) goes to the op directly: the op performs
+        # F.group_norm's value checks itself, and the Python layers in between cost more host time
+        # than nn.GroupNorm's whole call (docs/design.md, "Host time"). Anything else (operands,
+        # a DTensor or other subclass, an input F.group_norm would reject by its own message)
+        # takes F.group_norm.
+        if not torch.jit.is_scripting():
+            if (type(input) is Tensor and scale is None and shift is None and residual is None
+                    and multiplier is None and input.numel() >= 2 * self.num_groups):
+                if self.activation is None:
+                    return F._GROUP_NORM(input, self.num_groups, self.weight, self.bias, self.eps)
+                return F._GROUP_NORM(input, self.num_groups, self.weight, self.bias, self.eps,
+                                     activation=self.activation, negative_slope=self.negative_slope)
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                             activation=self.activation, negative_slope=self.negative_slope,
                             scale=scale, shift=shift, residual=residual, multiplier=multiplier)

@@ -218,6 +218,31 @@ def test_group_norm_indivisible_channels_raise_at_construction(num_groups, num_c
     assert str(ours.value) == str(theirs.value)
 
 
+# Inputs torch.nn.GroupNorm(4, 4) rejects, each taking another branch of the module's forward
+# (its direct call of the op for plain tensors, F.group_norm for what the op would word otherwise).
+GROUP_NORM_BAD_INPUTS = {
+    "one dimension": (4,),
+    "one dimension, 8 elements": (8,),
+    "one value per channel": (1, 4),
+    "one value per channel, spatial": (1, 4, 1, 1),
+    "channels mismatch": (2, 8, 3),
+}
+# (C = 0 is left out: torch 2.11 words it as a weight-shape mismatch, 2.14 as no channels.)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("case", list(GROUP_NORM_BAD_INPUTS))
+def test_group_norm_module_bad_input_raises_like_torch(case, activation, device):
+    x = torch.randn(GROUP_NORM_BAD_INPUTS[case], device=device)
+    with pytest.raises(Exception) as theirs:
+        torch.nn.GroupNorm(4, 4, device=device)(x)
+    with pytest.raises(type(theirs.value)) as ours:
+        fnn.GroupNorm(4, 4, device=device, activation=activation)(x)
+    assert type(ours.value) is type(theirs.value)
+    # ATen words its own checks after the first line; ours says the same thing first.
+    assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0], case
+
+
 REPR_CASES = [("GroupNorm", affine, False) for affine in (True, False)] + [
     (f"InstanceNorm{d}d", affine, track) for d in (1, 2, 3) for affine in (True, False) for track in (True, False)]
 

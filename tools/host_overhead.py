@@ -1,6 +1,7 @@
 """Host time per call: fusednorm against the eager composition on an input so small that the
 kernels cost next to nothing, forward with grad and backward (torch.autograd.grad), plain and
-fused (GN+SiLU), with the raw kernel ops beside them. The small rows of the GPU suite are bound by
+fused (GN+SiLU), with the raw kernel ops beside them, and the modules (fusednorm.nn against
+torch.nn) under no_grad. The small rows of the GPU suite are bound by
 this time, not by their kernels.
 
     python tools/host_overhead.py [--device cpu|cuda] [--threads 1] [--reps 2000]
@@ -78,7 +79,24 @@ def main():
     # ATen's CUDA kernel takes contiguous input only (F.group_norm makes it so).
     xa, dya = x.contiguous(), dy.contiguous()
     _, aten_mean, aten_rstd = torch.ops.aten.native_group_norm(xa, w, b, N, C, HxW, G, 1e-5)
+    # The modules under no_grad, as a model's eager inference calls them (fusednorm.convert swaps
+    # the first for the second; the activation folds in only where it provably may).
+    gn = torch.nn.GroupNorm(G, shape[1], device=device, dtype=dtype)
+    silu = torch.nn.SiLU()
+    fgn, fgn_silu = fusednorm.nn.GroupNorm(G, shape[1], device=device, dtype=dtype), \
+        fusednorm.nn.GroupNorm(G, shape[1], device=device, dtype=dtype, activation="silu")
+
+    def no_grad(f):
+        def call():
+            with torch.no_grad():
+                return f()
+        return call
+
     fns = {
+        "fusednorm.nn.GroupNorm, no grad": no_grad(lambda: fgn(x)),
+        "nn.GroupNorm, no grad": no_grad(lambda: gn(x)),
+        "fusednorm.nn.GroupNorm(silu), no grad": no_grad(lambda: fgn_silu(x)),
+        "nn.GroupNorm + nn.SiLU, no grad": no_grad(lambda: silu(gn(x))),
         "fusednorm GN+SiLU forward, grad": lambda: fusednorm.group_norm(xg, G, wg, bg, activation="silu"),
         "eager GN+SiLU forward, grad": lambda: F.silu(F.group_norm(xg, G, wg, bg)),
         "fusednorm GN forward, grad": lambda: fusednorm.group_norm(xg, G, wg, bg),
@@ -99,7 +117,7 @@ def main():
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s), input {tuple(x.shape)} "
           f"{dtype} {layout}; {what}")
     for name, us in timed_in_turns(fns, args.reps, sync, args.enqueue).items():
-        print(f"{name:36s} {us:8.1f} us")
+        print(f"{name:38s} {us:8.1f} us")
 
 
 if __name__ == "__main__":
