@@ -235,7 +235,13 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
   using acc_t = typename IO::acc_t;
   constexpr int64_t kSize = IO::kSize;
   const int64_t C = sh.C, rows = r1 - r0;
-  std::vector<Moments> channel(C);
+  // Each channel's mean and M2 (all count `rows` values), as arrays that block_moments writes a
+  // vector at a time: at a few rows a chunk, per-channel scalar work cost as much as the rows'
+  // sums (docs/design.md, "CPU kernels").
+  thread_local std::vector<double> channel_buffer;
+  channel_buffer.resize(2 * C);
+  double* const channel_mean = channel_buffer.data();
+  double* const channel_m2 = channel_mean + C;
   // The lane sums go from opmath to double every kLaneRows rows: a lane summing all of a chunk's
   // rows (up to kBlock values) rounds ~10x more than a ChannelsFirst lane, which sums
   // kBlock / (kUnroll * kSize) values; at |mean| >> std that was 10x the error (docs/design.md,
@@ -245,8 +251,12 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
   // lane, in double) and says whether every channel's M2 kept its digits (not under an eighth of
   // its sum of d^2).
   const auto block_moments = [&](int64_t cb, const std::array<Vec, kChannelVecs>& center) {
+    using DVec = at::vec::Vectorized<double>;
+    using Wide = DoubleParts<acc_t>;
+    constexpr int kParts = std::tuple_size_v<Wide>;
     std::array<Vec, kChannelVecs> s1, s2;
-    std::array<std::array<double, kSize>, kChannelVecs> s1_total{}, s2_total{};
+    // The lane sums in double, in registers (the first block of rows assigns them).
+    std::array<Wide, kChannelVecs> s1_total, s2_total;
     for (int64_t rb = r0; rb < r1; rb += kLaneRows) {
       const int64_t re = std::min(r1, rb + kLaneRows);
       for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) { s1[u] = s2[u] = Vec(0); });
@@ -257,26 +267,32 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
           s2[u] = at::vec::fmadd(d, d, s2[u]);
         });
       }
-      for_block_vectors(cb, C, kSize, [&](int64_t, int64_t count, int u) {
-        acc_t a[kSize], b[kSize];
-        s1[u].store(a);
-        s2[u].store(b);
-        for (int64_t i = 0; i < count; ++i) {
-          s1_total[u][i] += a[i];
-          s2_total[u][i] += b[i];
+      for_block_vectors(cb, C, kSize, [&](int64_t, int64_t, int u) {
+        const Wide a = widen_to_double(s1[u]), b = widen_to_double(s2[u]);
+        for (int j = 0; j < kParts; ++j) {
+          s1_total[u][j] = rb == r0 ? a[j] : s1_total[u][j] + a[j];
+          s2_total[u][j] = rb == r0 ? b[j] : s2_total[u][j] + b[j];
         }
       });
     }
+    // Every lane at once (those past `count` sum zeros and keep their digits), in double vectors.
     bool kept = true;
+    const DVec n(static_cast<double>(rows)), eighth(0.125), zero(0.0);
     for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-      acc_t k[kSize];
-      center[u].store(k);
-      for (int64_t i = 0; i < count; ++i) {
-        const double offset = s1_total[u][i] / rows;  // the channel's mean less its center
-        const double m2 = s2_total[u][i] - s1_total[u][i] * offset;
-        kept = kept && m2 >= s2_total[u][i] * 0.125;
-        channel[c0 + i] = Moments{static_cast<double>(rows), double(k[i]) + offset, std::max(m2, 0.0)};
+      const Wide k = widen_to_double(center[u]);
+      DVec ok(1.0);
+      double mean[kSize], m2[kSize];
+      for (int j = 0; j < kParts; ++j) {
+        const DVec t1 = s1_total[u][j], t2 = s2_total[u][j];
+        const DVec offset = t1 / n;  // the channels' means less their centers
+        const DVec d2 = t2 - t1 * offset;
+        ok = ok * d2.ge(t2 * eighth);  // 1 where M2 kept its digits, 0 where not or NaN
+        (k[j] + offset).store(mean + j * DVec::size());
+        DVec::blendv(d2, zero, d2 < zero).store(m2 + j * DVec::size());  // std::max(d2, 0.0): NaN stays
       }
+      kept = kept && ok.zero_mask() == 0;
+      std::copy_n(mean, count, channel_mean + c0);
+      std::copy_n(m2, count, channel_m2 + c0);
     });
     return kept;
   };
@@ -300,7 +316,7 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
     std::array<Vec, kChannelVecs> mean;
     for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
       acc_t m[kSize] = {};
-      for (int64_t i = 0; i < count; ++i) m[i] = static_cast<acc_t>(channel[c0 + i].mean);
+      for (int64_t i = 0; i < count; ++i) m[i] = static_cast<acc_t>(channel_mean[c0 + i]);
       mean[u] = Vec::loadu(m);
     });
     block_moments(cb, mean);
@@ -309,14 +325,16 @@ void chunk_moments(const T* xn, int64_t r0, int64_t r1, const GroupNormShape& sh
   // M2s plus rows times the squared deviations of their means (Chan's formula for equal counts,
   // without its per-merge divisions, which cost as much as the data at a few rows a chunk).
   for (int64_t g = 0; g < sh.G; ++g) {
+    const double* const cm = channel_mean + g * sh.D;
+    const double* const c2 = channel_m2 + g * sh.D;
     double mean = 0;
-    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) mean += channel[c].mean;
+    for (int64_t d = 0; d < sh.D; ++d) mean += cm[d];
     mean /= sh.D;
     double m2 = 0, spread = 0;
-    for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-      const double d = channel[c].mean - mean;
-      m2 += channel[c].m2;
-      spread += d * d;
+    for (int64_t d = 0; d < sh.D; ++d) {
+      const double dev = cm[d] - mean;
+      m2 += c2[d];
+      spread += dev * dev;
     }
     out[g] = Moments{static_cast<double>(rows * sh.D), mean, m2 + rows * spread};
   }

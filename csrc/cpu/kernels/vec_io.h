@@ -154,6 +154,39 @@ std::array<double, K> reduce_row(const T* x, const Y* y, int64_t n, F f) {
   return total;
 }
 
+// The lanes of an opmath vector as double vectors, in order: one for double, two for float.
+// ATen's vectors in torch 2.1 have no float -> double conversion, and going through memory (lanes
+// converted and stored one by one, then loaded as a vector) stalls on store forwarding: that
+// made the bfloat16 channels-last moments 4-7% slower where float32 gained (docs/design.md,
+// "Measured and not kept").
+template <typename acc_t>
+using DoubleParts = std::array<at::vec::Vectorized<double>,
+    at::vec::Vectorized<acc_t>::size() / at::vec::Vectorized<double>::size()>;
+
+template <typename acc_t>
+inline DoubleParts<acc_t> widen_to_double(const at::vec::Vectorized<acc_t>& v) {
+  using DVec = at::vec::Vectorized<double>;
+  if constexpr (std::is_same_v<acc_t, double>) {
+    return {v};
+  } else {
+    static_assert(std::is_same_v<acc_t, float> && at::vec::Vectorized<float>::size() == 2 * DVec::size());
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512 f = v;
+    return {DVec(_mm512_cvtps_pd(_mm512_castps512_ps256(f))),
+            DVec(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))))};
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256 f = v;
+    return {DVec(_mm256_cvtps_pd(_mm256_castps256_ps128(f))), DVec(_mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)))};
+#else
+    float lanes[2 * DVec::size()];
+    v.store(lanes);
+    double wide[2 * DVec::size()];
+    for (int i = 0; i < 2 * DVec::size(); ++i) wide[i] = lanes[i];
+    return {DVec::loadu(wide), DVec::loadu(wide + DVec::size())};
+#endif
+  }
+}
+
 // Applies out[i] = f(x[i], y[i], i) over a contiguous row. bfloat16 / half go two float vectors
 // at a time, so that each store is one whole reduced-precision vector.
 template <typename T, typename Y = T, typename F>
