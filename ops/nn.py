@@ -121,7 +121,8 @@ class GroupNorm(torch.nn.GroupNorm):
         # a DTensor or other subclass, an input F.group_norm would reject by its own message)
         # takes F.group_norm.
         if not torch.jit.is_scripting():
-            if (type(input) is Tensor and scale is None and shift is None and residual is None
+            # (__class__, not type(): Dynamo in torch 2.1 cannot call type() on a tensor.)
+            if (input.__class__ is Tensor and scale is None and shift is None and residual is None
                     and multiplier is None and input.numel() >= 2 * self.num_groups):
                 if self.activation is None:
                     return F._GROUP_NORM(input, self.num_groups, self.weight, self.bias, self.eps)

@@ -239,7 +239,7 @@ def test_group_norm_module_bad_input_raises_like_torch(case, activation, device)
     with pytest.raises(type(theirs.value)) as ours:
         fnn.GroupNorm(4, 4, device=device, activation=activation)(x)
     assert type(ours.value) is type(theirs.value)
-    # ATen words its own checks after the first line; ours says the same thing first.
+    # First lines: an error raised below the dispatcher may carry further lines of context.
     assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0], case
 
 
