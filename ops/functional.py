@@ -107,6 +107,15 @@ def _no_operands(scale: Optional[Tensor], shift: Optional[Tensor], residual: Opt
     return scale is None and shift is None and residual is None and multiplier is None
 
 
+def _group_norm_without_operands(input: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                                 eps: float, activation: Optional[str], negative_slope: float) -> Tensor:
+    # The op with only the keywords the call uses (see _no_operands); arguments already checked.
+    # Also fusednorm.nn.GroupNorm's direct call (docs/design.md, "Host time").
+    if activation is None:
+        return _GROUP_NORM(input, num_groups, weight, bias, eps)
+    return _GROUP_NORM(input, num_groups, weight, bias, eps, activation=activation, negative_slope=negative_slope)
+
+
 def _same_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     if t is None or t.dtype == dtype:
         return t
@@ -144,11 +153,9 @@ def group_norm(
     if nc // num_groups == 1 and input.numel() == nc:
         _verify_batch_size([nc // num_groups, num_groups] + list(input.size()[2:]))
     if _no_operands(scale, shift, residual, multiplier):
-        if activation is None:
-            return _GROUP_NORM(input, num_groups, weight, bias, eps)
-        _check_activation_types("group_norm", activation, negative_slope)
-        return _GROUP_NORM(
-            input, num_groups, weight, bias, eps, activation=activation, negative_slope=negative_slope)
+        if activation is not None:
+            _check_activation_types("group_norm", activation, negative_slope)
+        return _group_norm_without_operands(input, num_groups, weight, bias, eps, activation, negative_slope)
     _check_epilogue_types("group_norm", activation, negative_slope, scale, shift, residual, multiplier)
     return _GROUP_NORM(
         input, num_groups, weight, bias, eps,

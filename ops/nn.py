@@ -122,12 +122,10 @@ class GroupNorm(torch.nn.GroupNorm):
         # takes F.group_norm.
         if not torch.jit.is_scripting():
             # (__class__, not type(): Dynamo in torch 2.1 cannot call type() on a tensor.)
-            if (input.__class__ is Tensor and scale is None and shift is None and residual is None
-                    and multiplier is None and input.numel() >= 2 * self.num_groups):
-                if self.activation is None:
-                    return F._GROUP_NORM(input, self.num_groups, self.weight, self.bias, self.eps)
-                return F._GROUP_NORM(input, self.num_groups, self.weight, self.bias, self.eps,
-                                     activation=self.activation, negative_slope=self.negative_slope)
+            if (input.__class__ is Tensor and F._no_operands(scale, shift, residual, multiplier)
+                    and input.numel() >= 2 * self.num_groups):
+                return F._group_norm_without_operands(input, self.num_groups, self.weight, self.bias, self.eps,
+                                                      self.activation, self.negative_slope)
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                             activation=self.activation, negative_slope=self.negative_slope,
                             scale=scale, shift=shift, residual=residual, multiplier=multiplier)

@@ -135,7 +135,7 @@ GradInputCoeffs<acc_t> pre_activation_coeffs(
           we[o + d] = wp[c0 + d];
           a[o + d] = wp[c0 + d] * r;
           m[o + d] = mu;
-          pc[o + d] = bp[c0 + d] * acc_t(1) + acc_t(0);
+          pc[o + d] = bp[c0 + d] * acc_t(1) + acc_t(0);  // b * gain + shift as below (-0 -> +0)
         }
       }
       return;
