@@ -116,6 +116,17 @@ def _group_norm_without_operands(input: Tensor, num_groups: int, weight: Optiona
     return _GROUP_NORM(input, num_groups, weight, bias, eps, activation=activation, negative_slope=negative_slope)
 
 
+def _instance_norm_without_operands(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                                    weight: Optional[Tensor], bias: Optional[Tensor], use_input_stats: bool,
+                                    momentum: float, eps: float, activation: Optional[str],
+                                    negative_slope: float) -> Tensor:
+    # _group_norm_without_operands' twin; also the InstanceNorm modules' direct call.
+    if activation is None:
+        return _INSTANCE_NORM(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+    return _INSTANCE_NORM(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                          activation=activation, negative_slope=negative_slope)
+
+
 def _same_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     if t is None or t.dtype == dtype:
         return t
@@ -205,13 +216,10 @@ def instance_norm(
     if use_input_stats:
         _verify_spatial_size(input.size())
     if _no_operands(scale, shift, residual, multiplier):
-        if activation is None:
-            return _INSTANCE_NORM(
-                input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
-        _check_activation_types("instance_norm", activation, negative_slope)
-        return _INSTANCE_NORM(
-            input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
-            activation=activation, negative_slope=negative_slope)
+        if activation is not None:
+            _check_activation_types("instance_norm", activation, negative_slope)
+        return _instance_norm_without_operands(input, running_mean, running_var, weight, bias, use_input_stats,
+                                               momentum, eps, activation, negative_slope)
     _check_epilogue_types("instance_norm", activation, negative_slope, scale, shift, residual, multiplier)
     return _INSTANCE_NORM(
         input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,

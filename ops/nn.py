@@ -144,6 +144,19 @@ class _InstanceNormMixin:
         """The normalization of ``input``, then the epilogue with the given operands (see the
         class docstring): ``scale``/``shift`` of shape (N, C) or (N, C, 1, ..., 1), ``residual``
         and ``multiplier`` of the input's shape."""
+        # The common call (a plain batched tensor of num_features channels, no operand) goes to the
+        # op directly, as GroupNorm's does: the op performs F.instance_norm's value checks itself.
+        # The rest takes torch.nn's checks below, and an input of one spatial element, which the op
+        # rejects in its own wording of the size, F.instance_norm.
+        if not torch.jit.is_scripting():
+            if (input.__class__ is Tensor and F._no_operands(scale, shift, residual, multiplier)
+                    and input.dim() == self._NO_BATCH_DIM + 1 and input.size(1) == self.num_features
+                    and input.numel() != input.size(0) * self.num_features):
+                return F._instance_norm_without_operands(
+                    input, self.running_mean, self.running_var, self.weight, self.bias,
+                    self.training or not self.track_running_stats,
+                    self.momentum if self.momentum is not None else 0.0, self.eps, self.activation,
+                    self.negative_slope)
         self._check_input_dim(input)
         # Dynamo in torch 2.1 cannot call _get_no_batch_dim on a subclass; TorchScript cannot
         # read a class attribute: each gets its own spelling.

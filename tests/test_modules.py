@@ -243,6 +243,53 @@ def test_group_norm_module_bad_input_raises_like_torch(case, activation, device)
     assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0], case
 
 
+INSTANCE_NORM_BAD_INPUTS = {  # InstanceNorm2d(4, affine=True), training: (input shape, the module's mode)
+    "one spatial element": ((2, 4, 1, 1), "train"),
+    "one spatial element, no batch dimension": ((4, 1, 1), "train"),
+    "channels mismatch": ((2, 3, 5, 5), "train"),
+    "channels mismatch, no batch dimension": ((3, 5, 5), "eval"),
+    "two dimensions": ((2, 4), "train"),
+    "five dimensions": ((1, 2, 4, 5, 5), "train"),
+}
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("case", list(INSTANCE_NORM_BAD_INPUTS))
+def test_instance_norm_module_bad_input_raises_like_torch(case, activation, device):
+    # The module calls the op directly on a plain batched input of num_features channels with
+    # more than one spatial element; everything else must still fail as torch.nn's module does.
+    shape, mode = INSTANCE_NORM_BAD_INPUTS[case]
+    x = torch.randn(shape, device=device)
+    theirs_module = torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True, device=device)
+    ours_module = fnn.InstanceNorm2d(4, affine=True, track_running_stats=True, device=device, activation=activation)
+    theirs_module.train(mode == "train")
+    ours_module.train(mode == "train")
+    with pytest.raises(Exception) as theirs:
+        theirs_module(x)
+    with pytest.raises(type(theirs.value)) as ours:
+        ours_module(x)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0], case
+
+
+@pytest.mark.parametrize("track", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 3, 5), (4, 3, 5), (2, 4, 1, 7)])
+def test_instance_norm_module_direct_call_matches_functional(shape, track, device):
+    # The module's direct op call (batched, >1 spatial element) and its path through
+    # F.instance_norm (no batch dimension) against torch.nn's module, running statistics included.
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device)
+    ours = randomize_(fnn.InstanceNorm2d(4, affine=True, track_running_stats=track), seed=3).to(device)
+    theirs = randomize_(torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=track), seed=3).to(device)
+    for mode in (True, False):
+        ours.train(mode)
+        theirs.train(mode)
+        torch.testing.assert_close(ours(x), theirs(x))
+        if track:
+            torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+            torch.testing.assert_close(ours.running_var, theirs.running_var)
+
+
 REPR_CASES = [("GroupNorm", affine, False) for affine in (True, False)] + [
     (f"InstanceNorm{d}d", affine, track) for d in (1, 2, 3) for affine in (True, False) for track in (True, False)]
 
