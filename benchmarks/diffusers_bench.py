@@ -51,7 +51,9 @@ in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), th
 
 --profile (GPU only): after timing a variant, its GPU kernel time a call by category (fusednorm,
 convolution, attention, GEMM, Inductor's generated kernels, other; torch.profiler over 5 calls,
-kernels' durations summed): where a model's time goes, e.g. which kernels a fusion replaced.
+kernels' durations summed): where a model's time goes, e.g. which kernels a fusion replaced. The
+part of Inductor's that carries a norm op in its kernel names is also given ("inductor,
+norm-related": the norms Inductor computes, and the passes that feed fusednorm's ops).
 """
 
 import argparse
@@ -231,6 +233,13 @@ KERNEL_CATEGORIES = (
 )
 
 
+# Inductor's kernels whose names carry a norm op (its own group / instance norms' reductions and
+# applies, with what it fused into them; under compile + fusion also the passes that feed a fused
+# op, e.g. a convolution's bias, "triton_poi_fused_convolution_fused_group_norm_forward"): shown
+# as a part of "inductor" (docs/performance.md, "Where the rest of the end-to-end gap is").
+NORM_RELATED = ("group_norm", "instance_norm", "batch_norm", "var_mean")
+
+
 def kernel_category(name):
     """The --profile category of a CUDA kernel named `name`."""
     lowered = name.lower()
@@ -238,6 +247,12 @@ def kernel_category(name):
         if any(k in lowered for k in keys):
             return category
     return "other"
+
+
+def norm_related(name):
+    """Whether an Inductor kernel named `name` computes (part of) a norm or feeds a fused one."""
+    lowered = name.lower()
+    return any(k in lowered for k in NORM_RELATED)
 
 
 def kernel_ms_by_category(call, iters=5):
@@ -251,12 +266,17 @@ def kernel_ms_by_category(call, iters=5):
         for _ in range(iters):
             call()
         torch.cuda.synchronize()
-    by = {}
+    by, norms = {}, 0.0
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             category = kernel_category(e.name)
-            by[category] = by.get(category, 0.0) + (e.time_range.end - e.time_range.start) / iters / 1000.0
+            ms = (e.time_range.end - e.time_range.start) / iters / 1000.0
+            by[category] = by.get(category, 0.0) + ms
+            if category == "inductor" and norm_related(e.name):
+                norms += ms
     by["total"] = sum(by.values())
+    if "inductor" in by:
+        by["inductor, norm-related"] = norms  # (a part of "inductor", not in the total twice)
     return {k: round(v, 4) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
 
 
