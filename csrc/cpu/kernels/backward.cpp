@@ -419,7 +419,7 @@ void backward_samples_channels_last(const T* dy, const T* x, T* dx, const GroupN
     GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
   using acc_t = at::opmath_type<T>;
   const int64_t C = sh.C;
-  at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, sh.N, grain_for(sh.S * C), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> sample_dp(sh.S * C), buf;
     std::vector<double> partial(num_chunks(sh) * 3 * C);
     for (int64_t n = begin; n < end; ++n) {

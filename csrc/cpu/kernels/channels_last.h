@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdint>
 
+#include "cpu/kernels/parallel_grain.h"
 #include "cpu/kernels/vec_io.h"
 #include "group_norm.h"
 
@@ -105,7 +106,8 @@ void for_sample_chunks(const GroupNormShape& sh, F body) {
 template <typename F>
 void for_each_chunk(const GroupNormShape& sh, F body) {
   const int64_t chunks = num_chunks(sh);
-  at::parallel_for(0, sh.N * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunk_elements = std::min(sh.S, rows_per_chunk(sh.C)) * sh.C;
+  at::parallel_for(0, sh.N * chunks, grain_for(chunk_elements), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i / chunks;
       with_chunk_rows(sh, i % chunks, [&](int64_t k, int64_t r0, int64_t r1) { body(n, k, r0, r1); });

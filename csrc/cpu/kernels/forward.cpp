@@ -428,7 +428,7 @@ void forward_channels_last(
   if (sh.N >= at::get_num_threads()) {
     // A sample for every thread: each thread takes whole samples, statistics then output, so that
     // the output pass rereads x from cache. The same chunks and merge order as below: same bits.
-    at::parallel_for(0, sh.N, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, sh.N, grain_for(sh.S * C), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         for_sample_chunks(sh, [&](int64_t k, int64_t r0, int64_t r1) {
           chunk_moments(x + n * sh.S * C, r0, r1, sh, &partial[(n * chunks + k) * sh.G]);
