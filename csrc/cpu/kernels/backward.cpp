@@ -400,7 +400,7 @@ template <typename T>
 void grad_sums_channels_last(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
   const int64_t C = sh.C, chunks = num_chunks(sh);
-  std::vector<double> partial(sh.N * chunks * 3 * C);
+  UninitVector<double> partial(sh.N * chunks * 3 * C);  // (each chunk writes its 3 x C)
   for_each_chunk(sh, [&](int64_t n, int64_t kk, int64_t r0, int64_t r1) {
     std::vector<at::opmath_type<T>> buf;
     chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[(n * chunks + kk) * 3 * C], buf);
@@ -420,8 +420,9 @@ void backward_samples_channels_last(const T* dy, const T* x, T* dx, const GroupN
   using acc_t = at::opmath_type<T>;
   const int64_t C = sh.C;
   at::parallel_for(0, sh.N, grain_for(sh.S * C), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> sample_dp(sh.S * C), buf;
-    std::vector<double> partial(num_chunks(sh) * 3 * C);
+    UninitVector<acc_t> sample_dp(sh.S * C);  // (written by the sums before dx reads it)
+    std::vector<acc_t> buf;
+    UninitVector<double> partial(num_chunks(sh) * 3 * C);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t origin = n * sh.S * C;
       for_sample_chunks(sh, [&](int64_t kk, int64_t r0, int64_t r1) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu/kernels/affine_params.h"
+#include "cpu/kernels/uninit_vector.h"
 #include "cpu/kernels/vec_io.h"
 #include "group_norm.h"
 
@@ -41,31 +42,6 @@ namespace {
 //
 // With an elementwise epilogue, dp is computed block by block into a small buffer (it stays in
 // cache) from dy, x and the epilogue's operands, in each of the two passes.
-
-// An allocator whose value-initialising construct() leaves the element uninitialised, for the
-// per-(n, c) arrays below, whose every element is written before it is read: zeroing them, ~200 KB
-// a call on N * C = 4096 rows, was serial work as long as a short-row pass of one thread
-// (docs/design.md, 'CPU kernels').
-template <typename T>
-struct DefaultInitAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = DefaultInitAllocator<U>;
-  };
-  DefaultInitAllocator() = default;
-  template <typename U>
-  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-template <typename T>
-using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
 
 struct GradSums {
   UninitVector<double> db, dsc, dev;  // [N][C] each: sum dp, sum dp * (x - m), sum (x - m)

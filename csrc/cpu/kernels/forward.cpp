@@ -38,6 +38,7 @@
 #include "cpu/kernels/affine_params.h"
 #include "cpu/kernels/channels_last.h"
 #include "cpu/kernels/elementwise_operands.h"
+#include "cpu/kernels/uninit_vector.h"
 #include "cpu/kernels/vec_io.h"
 #include "group_norm.h"
 
@@ -361,7 +362,8 @@ void forward_channels_last(
   const int64_t C = sh.C, chunks = num_chunks(sh);
 
   std::vector<Moments> partial(sh.N * chunks * sh.G);
-  std::vector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
+  // (Every element written by sample_coefficients before it is read: not zeroed, see UninitVector.)
+  UninitVector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
   // Samples whose map folds into y = x * scale + shift (mean_hi unused), see output_chunk.
   std::vector<char> folded(sh.N, 0);
 
