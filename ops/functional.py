@@ -107,6 +107,14 @@ def _no_operands(scale: Optional[Tensor], shift: Optional[Tensor], residual: Opt
     return scale is None and shift is None and residual is None and multiplier is None
 
 
+def _plain_call(input: Tensor, scale: Optional[Tensor], shift: Optional[Tensor], residual: Optional[Tensor],
+                multiplier: Optional[Tensor]) -> bool:
+    # A plain tensor and no operand: the call the modules hand to the op directly (docs/design.md,
+    # "Host time"); a DTensor or other subclass takes the functions' path. (__class__, not type():
+    # Dynamo in torch 2.1 cannot call type() on a tensor.)
+    return input.__class__ is Tensor and _no_operands(scale, shift, residual, multiplier)
+
+
 def _group_norm_without_operands(input: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
                                  eps: float, activation: Optional[str], negative_slope: float) -> Tensor:
     # The op with only the keywords the call uses (see _no_operands); arguments already checked.

@@ -121,9 +121,7 @@ class GroupNorm(torch.nn.GroupNorm):
         # a DTensor or other subclass, an input F.group_norm would reject by its own message)
         # takes F.group_norm.
         if not torch.jit.is_scripting():
-            # (__class__, not type(): Dynamo in torch 2.1 cannot call type() on a tensor.)
-            if (input.__class__ is Tensor and F._no_operands(scale, shift, residual, multiplier)
-                    and input.numel() >= 2 * self.num_groups):
+            if F._plain_call(input, scale, shift, residual, multiplier) and input.numel() >= 2 * self.num_groups:
                 return F._group_norm_without_operands(input, self.num_groups, self.weight, self.bias, self.eps,
                                                       self.activation, self.negative_slope)
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
@@ -149,7 +147,7 @@ class _InstanceNormMixin:
         # The rest takes torch.nn's checks below, and an input of one spatial element, which the op
         # rejects in its own wording of the size, F.instance_norm.
         if not torch.jit.is_scripting():
-            if (input.__class__ is Tensor and F._no_operands(scale, shift, residual, multiplier)
+            if (F._plain_call(input, scale, shift, residual, multiplier)
                     and input.dim() == self._NO_BATCH_DIM + 1 and input.size(1) == self.num_features
                     and input.numel() != input.size(0) * self.num_features):
                 return F._instance_norm_without_operands(

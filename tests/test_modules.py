@@ -274,7 +274,7 @@ def test_instance_norm_module_bad_input_raises_like_torch(case, activation, devi
 
 @pytest.mark.parametrize("track", [False, True])
 @pytest.mark.parametrize("shape", [(2, 4, 3, 5), (4, 3, 5), (2, 4, 1, 7)])
-def test_instance_norm_module_direct_call_matches_functional(shape, track, device):
+def test_instance_norm_module_direct_call_matches_torch(shape, track, device):
     # The module's direct op call (batched, >1 spatial element) and its path through
     # F.instance_norm (no batch dimension) against torch.nn's module, running statistics included.
     torch.manual_seed(0)

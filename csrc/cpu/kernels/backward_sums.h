@@ -13,9 +13,6 @@
 
 #include <array>
 #include <cstdint>
-#include <new>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "cpu/kernels/affine_params.h"
