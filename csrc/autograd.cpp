@@ -251,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const
 
 using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t,
     const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&, const OptTensor&,
-    c10::string_view, double, const OptTensor&);
+    c10::string_view, double, const OptTensor&, const OptTensor&);
 using FusedBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
     at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
     const OptTensor&, int64_t, const OptTensor&, const OptTensor&, const OptTensor&, c10::string_view, double,
@@ -269,12 +269,12 @@ struct FusedArgs {
   const OptTensor& multiplier;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_below_autograd(
-    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias, const FusedArgs& a) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_below_autograd(const at::Tensor& input,
+    const OptTensor& weight, const OptTensor& bias, const FusedArgs& a, const OptTensor& input_bias = c10::nullopt) {
   static auto op = find_op<FusedForwardFn>("fusednorm::fused_group_norm_forward");
   at::AutoDispatchBelowADInplaceOrView guard;
   return op.call(input, a.num_groups, weight, bias, a.eps, a.scale, a.shift, a.residual, a.activation,
-      a.negative_slope, a.multiplier);
+      a.negative_slope, a.multiplier, input_bias);
 }
 
 class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormForward> {
@@ -342,9 +342,23 @@ class FusedGroupNormForward : public torch::autograd::Function<FusedGroupNormFor
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd(const at::Tensor& input,
     int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps, const OptTensor& scale,
     const OptTensor& shift, const OptTensor& residual, c10::string_view activation, double negative_slope,
-    const OptTensor& multiplier) {
+    const OptTensor& multiplier, const OptTensor& input_bias) {
   const OptTensor x(input);
   const FusedArgs args{num_groups, eps, scale, shift, residual, activation, negative_slope, multiplier};
+  if (defined(input_bias)) {
+    // Without a graph or a tangent the kernels add input_bias themselves; otherwise the op runs on
+    // input + input_bias materialized by ATen, which differentiates the addition (docs/design.md,
+    // "Input bias").
+    const std::initializer_list<const OptTensor*> all{
+        &x, &weight, &bias, &scale, &shift, &residual, &multiplier, &input_bias};
+    const bool graph = records_graph(all);
+    if (!graph && !needs_composition(all, graph)) {
+      return fused_group_norm_forward_below_autograd(input, weight, bias, args, input_bias);
+    }
+    check_input_bias(input, *input_bias);
+    return fused_group_norm_forward_autograd(add_input_bias(input, *input_bias), num_groups, weight, bias, eps,
+        scale, shift, residual, activation, negative_slope, multiplier, c10::nullopt);
+  }
   const std::initializer_list<const OptTensor*> tensors{&x, &weight, &bias, &scale, &shift, &residual, &multiplier};
   const bool graph = records_graph(tensors);
   if (needs_composition(tensors, graph)) {

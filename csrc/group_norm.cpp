@@ -1,6 +1,7 @@
 #include "group_norm.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 
 namespace fusednorm {
@@ -201,6 +202,31 @@ Epilogue make_epilogue(
   if (defined(residual)) ep.residual = like_input("residual", *residual, input, layout);
   if (defined(multiplier)) ep.multiplier = like_input("multiplier", *multiplier, input, layout);
   return ep;
+}
+
+void check_input_bias(const at::Tensor& input, const at::Tensor& input_bias) {
+  const at::Tensor& t = input_bias;
+  check_same_device("input_bias", t, input);
+  bool ok = t.dim() == 1 ? t.sym_size(0) == input.sym_size(1)
+                         : t.dim() >= 2 && t.dim() <= input.dim() && t.sym_size(0) == input.sym_size(0) &&
+                               t.sym_size(1) == input.sym_size(1);
+  for (int64_t d = 2; ok && d < t.dim(); ++d) ok = t.sym_size(d) == 1;
+  TORCH_CHECK(ok, "Expected input_bias of shape (C,), (N, C) or (N, C, 1, ..., 1) with (N, C) = (",
+      input.sym_size(0), ", ", input.sym_size(1), "), but got input_bias of shape ", t.sym_sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == input.scalar_type(), "Expected input_bias to have the input's dtype (",
+      input.scalar_type(), "), but got ", t.scalar_type());
+}
+
+at::Tensor make_input_bias(const at::Tensor& input, const GroupNormShape& sh, const at::Tensor& input_bias) {
+  check_input_bias(input, input_bias);
+  return input_bias.dim() == 1 ? input_bias.contiguous() : input_bias.reshape({sh.N, sh.C}).contiguous();
+}
+
+at::Tensor add_input_bias(const at::Tensor& input, const at::Tensor& input_bias) {
+  // (1, C) or (N, C), then a 1 a spatial dimension: no sizes read (symbolic under torch.compile).
+  at::Tensor p = input_bias.dim() == 1 ? input_bias.unsqueeze(0) : input_bias.flatten(1);
+  for (int64_t d = 2; d < input.dim(); ++d) p = p.unsqueeze(-1);
+  return at::add(input, p);
 }
 
 at::ScalarType param_grad_dtype(const c10::optional<at::Tensor>& weight,

@@ -80,6 +80,9 @@ Activation parse_activation(c10::string_view name);
 struct Epilogue {
   at::Tensor scale, shift;          // undefined, or (N, C) contiguous in their own floating dtype
   at::Tensor residual, multiplier;  // undefined, or the input's shape and dtype in its kernel layout
+  // The prologue: the operand added to the input before the normalization (make_input_bias),
+  // undefined, or (C,) or (N, C) contiguous in the input's dtype. empty() does not look at it.
+  at::Tensor input_bias;
   Activation activation = Activation::None;
   double negative_slope = 0.01;
 
@@ -104,6 +107,20 @@ Epilogue make_epilogue(
     c10::string_view activation,
     double negative_slope,
     const c10::optional<at::Tensor>& multiplier);
+
+// Validates the fused forward's prologue operand: the kernels normalize input + input_bias, with
+// input_bias of shape (C,) (a convolution's bias) or (N, C) or (N, C, 1, ..., 1) (a bias plus a
+// per-sample embedding), the input's dtype and device. Works on symbolic shapes too.
+void check_input_bias(const at::Tensor& input, const at::Tensor& input_bias);
+
+// check_input_bias, then input_bias as the kernels read it: (C,) or (N, C), contiguous.
+at::Tensor make_input_bias(const at::Tensor& input, const GroupNormShape& shape, const at::Tensor& input_bias);
+
+// input + input_bias (any shape check_input_bias accepts) broadcast over the spatial dimensions,
+// in the input's dtype and memory format, with differentiable ATen ops: the prologue
+// materialized, for the kernels that do not add it on the fly and for autograd (docs/design.md,
+// "Input bias").
+at::Tensor add_input_bias(const at::Tensor& input, const at::Tensor& input_bias);
 
 // The epilogue keywords of the composite ops, as passed ("none" for no activation).
 struct EpilogueArgs {

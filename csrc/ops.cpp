@@ -10,12 +10,15 @@
 //                          false is returned as an empty tensor of shape (0,); grad_weight and
 //                          grad_bias have the weight's dtype (float32 / float64 without weight)
 //   fused_group_norm_forward / fused_group_norm_backward: the same with the epilogue of
-//                          epilogue.h (scale, shift, residual, activation, multiplier); backward
+//                          epilogue.h (scale, shift, residual, activation, multiplier), and the
+//                          forward with the prologue input_bias (it normalizes input + input_bias,
+//                          make_input_bias in group_norm.h; its backward is the autograd
+//                          kernel's, on input + input_bias materialized); backward
 //                          returns the gradients of input, weight, bias, scale, shift, residual and
 //                          multiplier (FusedGrads in group_norm.h), each parameter's gradient in
 //                          that parameter's dtype
 // Composite ops (this file):
-//   group_norm     F.group_norm semantics, plus the optional epilogue keywords
+//   group_norm     F.group_norm semantics, plus the optional epilogue keywords and input_bias
 //   instance_norm  F.instance_norm semantics, running statistics updated in place, plus the
 //                  optional epilogue keywords
 #include <ATen/TensorOperators.h>
@@ -58,19 +61,19 @@ c10::SymInt spatial_numel(const at::Tensor& input) {
 
 using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&,
-    const OptTensor&, const OptTensor&, c10::string_view, double, const OptTensor&);
+    const OptTensor&, const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
 
-// The plain kernel op when there is no epilogue (so graphs of plain calls stay plain), else the
-// fused one.
+// The plain kernel op when there is no epilogue and no input_bias (so graphs of plain calls stay
+// plain), else the fused one.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
-    double eps, const EpilogueArgs& ep) {
-  if (ep.empty()) return call_group_norm_forward(input, num_groups, weight, bias, eps);
+    double eps, const EpilogueArgs& ep, const OptTensor& input_bias = c10::nullopt) {
+  if (ep.empty() && !defined(input_bias)) return call_group_norm_forward(input, num_groups, weight, bias, eps);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fusednorm::fused_group_norm_forward", "")
                        .typed<FusedForwardFn>();
   return op.call(input, num_groups, weight, bias, eps, ep.scale, ep.shift, ep.residual,
-      ep.activation, ep.negative_slope, ep.multiplier);
+      ep.activation, ep.negative_slope, ep.multiplier, input_bias);
 }
 
 using OptString = c10::optional<c10::string_view>;
@@ -92,7 +95,8 @@ void check_has_channels(const at::Tensor& input) {
 at::Tensor group_norm(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
     double eps, OptString activation, double negative_slope, const OptTensor& scale,
-    const OptTensor& shift, const OptTensor& residual, const OptTensor& multiplier) {
+    const OptTensor& shift, const OptTensor& residual, const OptTensor& multiplier,
+    const OptTensor& input_bias) {
   // As F.group_norm (it also runs where the Python wrapper does not, e.g. in TorchScript).
   TORCH_CHECK(input.dim() >= 2,
       "Expected at least 2 dimensions for input tensor but received ", input.dim());
@@ -101,7 +105,7 @@ at::Tensor group_norm(
   TORCH_CHECK_VALUE(input.sym_size(0) * input.sym_size(1) / num_groups * spatial_numel(input) != 1,
       "Expected more than 1 value per channel when training, got input size ", input.sym_sizes());
   const EpilogueArgs ep{activation_or_none(activation), negative_slope, scale, shift, residual, multiplier};
-  return std::get<0>(call_forward(input, num_groups, weight, bias, eps, ep));
+  return std::get<0>(call_forward(input, num_groups, weight, bias, eps, ep, input_bias));
 }
 
 // Per-channel view (C, 1, ..., 1) of a (C,) tensor, broadcastable against (N, C, *).
@@ -241,7 +245,7 @@ TORCH_LIBRARY(fusednorm, m) {
   m.def(
       "fused_group_norm_forward(Tensor input, int num_groups, Tensor? weight, Tensor? bias,"
       " float eps, Tensor? scale, Tensor? shift, Tensor? residual, str activation,"
-      " float negative_slope, Tensor? multiplier) -> (Tensor, Tensor, Tensor)");
+      " float negative_slope, Tensor? multiplier, Tensor? input_bias=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "fused_group_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd,"
       " Tensor? weight, Tensor? bias, int num_groups, Tensor? scale, Tensor? shift,"
@@ -251,8 +255,8 @@ TORCH_LIBRARY(fusednorm, m) {
   m.def(
       "group_norm(Tensor input, int num_groups, Tensor? weight=None, Tensor? bias=None,"
       " float eps=1e-05, *, str? activation=None, float negative_slope=0.01,"
-      " Tensor? scale=None, Tensor? shift=None, Tensor? residual=None, Tensor? multiplier=None)"
-      " -> Tensor");
+      " Tensor? scale=None, Tensor? shift=None, Tensor? residual=None, Tensor? multiplier=None,"
+      " Tensor? input_bias=None) -> Tensor");
   m.def(
       "instance_norm(Tensor input, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None,"
       " Tensor? weight=None, Tensor? bias=None, bool use_input_stats=True, float momentum=0.1,"

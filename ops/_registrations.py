@@ -161,11 +161,31 @@ def _check_epilogue_args(input, scale, shift, residual, activation, multiplier) 
         torch._check_type(t.dtype == input.dtype, lambda: f"Expected {name} to have the input's dtype ({input.dtype}), but got {t.dtype}")
 
 
+def _check_input_bias(input: Tensor, input_bias: Tensor) -> None:
+    # As check_input_bias in csrc/group_norm.cpp.
+    _check_same_device("input_bias", input_bias, input)
+    N, C = input.shape[0], input.shape[1]
+    t = input_bias
+    if t.dim() == 1:
+        ok = t.shape[0] == C
+    else:
+        ok = 2 <= t.dim() <= input.dim() and t.shape[0] == N and t.shape[1] == C and all(s == 1 for s in t.shape[2:])
+    torch._check(
+        ok,
+        lambda: f"Expected input_bias of shape (C,), (N, C) or (N, C, 1, ..., 1) with (N, C) = ({N}, {C}), but got input_bias of shape {tuple(t.shape)}",
+    )
+    torch._check_type(
+        t.dtype == input.dtype, lambda: f"Expected input_bias to have the input's dtype ({input.dtype}), but got {t.dtype}"
+    )
+
+
 @register_fake("fused_group_norm_forward")
 def _fused_group_norm_forward_fake(input, num_groups, weight, bias, eps, scale, shift, residual, activation,
-                                   negative_slope, multiplier):
+                                   negative_slope, multiplier, input_bias=None):
     _check_group_norm_args(input, num_groups, weight, bias)
     _check_epilogue_args(input, scale, shift, residual, activation, multiplier)
+    if input_bias is not None:
+        _check_input_bias(input, input_bias)
     return _group_norm_forward_fake(input, num_groups, weight, bias, eps)
 
 

@@ -154,6 +154,7 @@ def group_norm(
     shift: Optional[Tensor] = None,
     residual: Optional[Tensor] = None,
     multiplier: Optional[Tensor] = None,
+    input_bias: Optional[Tensor] = None,
 ) -> Tensor:
     _check_tensor("group_norm", "input", 1, input)
     _check_int("group_norm", "num_groups", 2, num_groups)
@@ -171,15 +172,23 @@ def group_norm(
     nc = input.size(0) * input.size(1)
     if nc // num_groups == 1 and input.numel() == nc:
         _verify_batch_size([nc // num_groups, num_groups] + list(input.size()[2:]))
-    if _no_operands(scale, shift, residual, multiplier):
+    if input_bias is None and _no_operands(scale, shift, residual, multiplier):
         if activation is not None:
             _check_activation_types("group_norm", activation, negative_slope)
         return _group_norm_without_operands(input, num_groups, weight, bias, eps, activation, negative_slope)
     _check_epilogue_types("group_norm", activation, negative_slope, scale, shift, residual, multiplier)
+    _check_tensor("group_norm", "input_bias", None, input_bias)
+    if input_bias is None:
+        return _GROUP_NORM(
+            input, num_groups, weight, bias, eps,
+            activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+            residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
+        )
     return _GROUP_NORM(
         input, num_groups, weight, bias, eps,
         activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
         residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
+        input_bias=_same_dtype(input_bias, input.dtype),
     )
 
 
@@ -188,6 +197,13 @@ group_norm.__doc__ = """Group normalization, as :func:`torch.nn.functional.group
     Statistics over (C / num_groups) channels x all spatial positions per sample and group, biased
     variance, optional per-channel ``weight`` and ``bias``. Any rank >= 2; contiguous,
     channels_last and channels_last_3d inputs keep their memory format.
+
+    ``input_bias`` (keyword-only; shape (C,), (N, C) or (N, C, 1, ..., 1)) is added to the input
+    before the normalization: ``group_norm(input, ..., input_bias=b)`` is
+    ``group_norm(input + b[..., None, None], ...)`` in one pass, for a convolution's bias (plus a
+    per-sample embedding) that a graph would otherwise add in a pass of its own. It is cast to the
+    input's dtype; channels-last CUDA inputs add it in float32, other inputs are given
+    ``input + input_bias`` in the input's dtype (docs/design.md, "Input bias").
 """ + _EPILOGUE_DOC
 
 

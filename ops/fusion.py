@@ -36,6 +36,13 @@ the fused op would have it written to memory and read back. In the SD1.5 UNet th
 graphs, fusing them cost 5% at batch 2 and leaving them all cost 1.5% at batch 8, whose larger ones the
 rule fuses (docs/performance.md, "The fusion backend's rule").
 
+Before the norm, a group norm also takes over the bias of the convolution that feeds it
+(``F.conv1d/2d/3d``, ``torch.conv1d/2d/3d``) and an embedding of shape (N, C, 1, ..., 1) added to
+that convolution's output (the UNet's ``conv1(h) + temb``), when each is used only by the next and
+has the norm's dtype: the convolution runs without its bias and the fused op gets
+``input_bias = bias [+ embedding]`` (docs/design.md, "Input bias"). The Inductor rule above is
+applied first; a norm with such a prologue and no step after it is fused too.
+
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
 it reads the running statistics the norm updates (it would see them before the update), or when
 a node between it and the previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
@@ -88,6 +95,7 @@ _MUTATING_METHODS = {f"__{f.__name__}__" for f in _MUTATING}  # __setitem__, __i
 _RUNNING_STATS = {F.batch_norm, F.instance_norm, torch.batch_norm, torch.instance_norm}  # update buffers
 _ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div}
 _ELEMENTWISE_METHODS = {"add", "sub", "mul", "div"}
+_CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
 # A chain whose input Inductor would compute inside its own norm kernels is left to it below this
 # size (docs/performance.md, "The fusion backend's rule"): at 8 MiB and over, the fused op wins
 # even though the input is then written and read back.
@@ -298,6 +306,65 @@ def _inductor_prologue(node: Any, source: torch.Tensor) -> bool:
     return numel is not None and numel * source.element_size() < INDUCTOR_PROLOGUE_MAX_BYTES
 
 
+def _conv_bias(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Tuple[fx.Node, Optional[fx.Node]]]:
+    """(conv, its bias node or None) when `node` is a convolution (F.conv1d/2d/3d, torch.conv1d/2d/3d)
+    that nothing else uses, whose bias, if any, is a vector of ref's dtype not modified in place."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CONVS
+            and len(node.users) == 1):
+        return None
+    bias = _arg(node, 2, "bias", None)
+    if bias is None:
+        return node, None
+    value = _value(bias)
+    if value is None or value.dtype != ref.dtype or value.device != ref.device or value.dim() != 1 \
+            or not _eq(value.shape[0], ref.shape[1]) or _mutated(gm, bias):
+        return None
+    return node, bias
+
+
+def _prologue(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Dict[str, Any]]:
+    """The input_bias the group norm of input `node` can take over (docs/design.md, "Input bias"):
+    `node` is conv(h, w, b), or conv(h, w, b) + e with e of shape (N, C, 1, ..., 1) (a timestep
+    embedding), each used only by the next. Returns {"conv", "bias", "embedding", "add"} (absent
+    ones None), or None when there is nothing to take (no bias and no embedding)."""
+    add, embedding, conv = None, None, node
+    binary = _binary(node) if isinstance(node, fx.Node) else None
+    if binary is not None and binary[:2] == ("add", False) and len(node.users) == 1:
+        a, b = binary[2:]
+        for c, e in ((a, b), (b, a)):
+            if isinstance(e, fx.Node) and _is_per_channel(_value(e), ref) and not _mutated(gm, e) \
+                    and _conv_bias(gm, c, ref) is not None:
+                add, embedding, conv = node, e, c
+                break
+    found = _conv_bias(gm, conv, ref)
+    if found is None or (found[1] is None and embedding is None):
+        return None
+    return {"conv": found[0], "bias": found[1], "embedding": embedding, "add": add}
+
+
+def _take_prologue(gm: fx.GraphModule, prologue: Dict[str, Any], rank: int) -> Tuple[fx.Node, fx.Node]:
+    """Removes the bias from the convolution and the embedding's add; returns (the convolution,
+    the input_bias node), inserted before the convolution's old user."""
+    graph = gm.graph
+    conv, bias, embedding, add = (prologue[k] for k in ("conv", "bias", "embedding", "add"))
+    if bias is not None:
+        if len(conv.args) > 2:
+            conv.update_arg(2, None)
+        else:
+            conv.update_kwarg("bias", None)
+    if embedding is None:
+        return conv, bias
+    if bias is None:
+        input_bias = embedding
+    else:
+        with graph.inserting_before(add):
+            column = graph.call_method("view", (bias, -1) + (1,) * (rank - 2))
+            input_bias = graph.call_function(operator.add, (embedding, column))
+    add.replace_all_uses_with(conv)
+    graph.erase_node(add)
+    return conv, input_bias
+
+
 def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) -> bool:
     norm = _norm(gm, node)
     ref = _value(node)
@@ -309,6 +376,7 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
         return False
     if leave_to_inductor and _inductor_prologue(args["input"], source):
         return False
+    prologue = _prologue(gm, args["input"], ref) if op == "group_norm" and ref.dim() >= 3 else None
     # The running-statistics update moves with the norm to where the chain ends: a read of the
     # statistics in between would see them before the update (the module docstring).
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -329,10 +397,12 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
         epilogue.update(step[1])
         chain.append(cur)
         dying += step[2]
-    if not chain:
+    if not chain and prologue is None:
         return False
 
     graph = gm.graph
+    if prologue is not None:
+        args["input"], epilogue["input_bias"] = _take_prologue(gm, prologue, ref.dim())
     with graph.inserting_before(node):
         for name, value in args.items():
             if isinstance(value, tuple) and value[:1] == ("get_attr",):

@@ -30,12 +30,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cpu(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
     double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
-    c10::string_view activation, double negative_slope, const OptTensor& multiplier) {
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier,
+    const OptTensor& input_bias) {
   const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
   const Layout layout = layout_for(input);
-  const at::Tensor x = to_layout(input, layout);
+  at::Tensor x = to_layout(input, layout);
   const Epilogue ep =
       make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+  // The CPU kernels normalize input + input_bias materialized (docs/design.md, "Input bias").
+  if (defined(input_bias)) x = to_layout(add_input_bias(x, make_input_bias(x, sh, *input_bias)), layout);
   return kernels().forward(x, weight, bias, eps, sh, layout, ep);
 }
 

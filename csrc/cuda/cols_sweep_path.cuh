@@ -192,11 +192,16 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     }
   }
   // Per channel, the tile's sum of x - K: each thread's nr * (T - K) + q1, added up over the rows.
-  acc_t K[V], TK[V];  // loaded after the loop (registers); TK = T - K
+  // With input_bias p the kernel normalizes x' = x + p, and K is x'-s first element: the sums of
+  // x' - T' (T' = T + p_c) are those of x - T, and only T' - K = T - (K - p_c) changes
+  // (docs/design.md, "Input bias").
+  acc_t TK[V];  // loaded after the loop (registers)
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    K[j] = static_cast<acc_t>(o.x[sample + ((c0 + j) / D) * D]);
-    TK[j] = static_cast<acc_t>(T.v[j]) - K[j];
+    const int64_t c = c0 + j, c_first = (c / D) * D;
+    const acc_t K = static_cast<acc_t>(o.x[sample + c_first]) +
+                    (o.epi.input_bias.template at<acc_t>(n, c_first) - o.epi.input_bias.template at<acc_t>(n, c));
+    TK[j] = static_cast<acc_t>(T.v[j]) - K;
   }
   const acc_t cnt = static_cast<acc_t>(nr);
   const acc_t rows_n = static_cast<acc_t>(s_end - s_begin);  // a channel's count in the tile
@@ -259,7 +264,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   for (int j = 0; j < V; ++j) {
     const int64_t c = c0 + j;
     const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
-    K[j] = rec[0];
+    K[j] = rec[0] - e.input_bias.template at<acc_t>(n, c);  // x' - K' = x - (K' - p_c)
     sm[j] = rec[1];
     const Affine<acc_t> cf = output_coefficients(o, n, c, rec[2]);
     ca[j] = cf.w;
@@ -317,7 +322,7 @@ void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Ten
   cols_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor rec =
-      finalize_moments_pass<scalar_t>(part, a.split, x, eps, sh, layout, mean, rstd, /*dependent=*/true);
+      finalize_moments_pass<scalar_t>(part, a.split, x, eps, sh, layout, mean, rstd, /*dependent=*/true, o.epi.input_bias);
   a.rec = rec.data_ptr<acc_t>();
   a.rows = out_threads / a.cpr;
   a.chunk = pl.output.chunk;

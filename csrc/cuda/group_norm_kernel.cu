@@ -164,6 +164,14 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
   const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
+  if (ep.input_bias.defined() && pl.path != plan::Path::ColsSweep && pl.path != plan::Path::ColsShared) {
+    // Only the channels-last sweep and one-pass kernels add input_bias on the fly (docs/design.md,
+    // "Input bias"); the others normalize input + input_bias materialized.
+    Epilogue rest = ep;
+    rest.input_bias = at::Tensor();
+    return forward_impl<scalar_t>(to_layout(add_input_bias(x, ep.input_bias), layout), weight, bias, eps, sh,
+        layout, rest, y, mean, rstd);
+  }
   if (pl.path == plan::Path::Team) {
     if (team_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
     prob.team_refused = true;  // another context holds part of the device
@@ -337,10 +345,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cuda(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
     double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
-    c10::string_view activation, double negative_slope, const OptTensor& multiplier) {
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier,
+    const OptTensor& input_bias) {
   return forward_cuda(input, num_groups, weight, bias, eps,
       [&](const at::Tensor& x, const GroupNormShape& sh, Layout layout) {
-        return make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+        Epilogue ep = make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+        if (defined(input_bias)) ep.input_bias = make_input_bias(x, sh, *input_bias);
+        return ep;
       });
 }
 

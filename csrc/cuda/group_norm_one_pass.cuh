@@ -259,6 +259,28 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   return s;
 }
 
+// The same with a shift a lane, K[j] for the pack's element j (the channels-last kernel's lanes are
+// channels, and with input_bias each channel has its own shift: docs/design.md, "Input bias").
+template <typename acc_t, typename scalar_t, int V>
+__device__ __forceinline__ acc_t pack_shifted_sum(const Pack<scalar_t, V>& p, const acc_t (&K)[V]) {
+  acc_t s = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < V; ++j) s += static_cast<acc_t>(p.v[j]) - K[j];
+  return s;
+}
+
+template <typename acc_t, typename scalar_t, int V>
+__device__ __forceinline__ acc_t pack_squared_deviations(
+    const Pack<scalar_t, V>& p, const acc_t (&K)[V], acc_t shifted_mean) {
+  acc_t s = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const acc_t d = (static_cast<acc_t>(p.v[j]) - K[j]) - shifted_mean;
+    s += d * d;
+  }
+  return s;
+}
+
 // The sum over the cluster of each CTA's total of slot q (the same in every thread of a CTA that
 // passes q), added in rank order so that every CTA gets the same bits: in each CTA the thread that
 // is slot q's `writer` publishes it in slots[q], this CTA's shared exchange slots, which may be
@@ -816,22 +838,35 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     const int64_t g = g0 + q;
 
     const acc_t K = static_cast<acc_t>(a.x[base + q * a.D]);
+    // With input_bias p the kernel normalizes x' = x + p, shifted by K' = K + p at the group's
+    // first channel: lane j sums x' - K' = x - KL[j], KL[j] = K' - p at its own channel
+    // (docs/design.md, "Input bias").
+    const InputBiasRef<scalar_t>& ib = a.epi.input_bias;
+    const bool biased = ib.ptr != nullptr && place.active();
+    const acc_t p_first = ib.template at<acc_t>(n, g * a.D);
+    // p at lane j's channel less p at the group's first: K - KL[j].
+    const auto lane_delta = [&](int j) {
+      return ib.template at<acc_t>(n, g0 * a.D + place.lane * V + j) - p_first;
+    };
+    acc_t KL[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) KL[j] = biased ? K - lane_delta(j) : K;
     acc_t sum = acc_t(0);
     // (Packs copied out of shared memory whole: one V-wide load each.)
-    for (int64_t s = r_begin + row0; s < r_end; s += step) sum += pack_shifted_sum(P(xs[place.dense(s - r_begin)]), K);
+    for (int64_t s = r_begin + row0; s < r_end; s += step) sum += pack_shifted_sum(P(xs[place.dense(s - r_begin)]), KL);
     const acc_t total = static_cast<acc_t>(a.len);
     const acc_t shifted_mean =
         one_pass_cluster_slot_sum(one_pass_slot_sum(sum, q, span, red), q, slot_writer, exchange[0], a.cluster) / total;
     acc_t m2 = acc_t(0);
     for (int64_t s = r_begin + row0; s < r_end; s += step) {
-      m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), K, shifted_mean);
+      m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), KL, shifted_mean);
     }
     const acc_t var =
         one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster) / total;
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     if (rank == 0 && slot_writer) {
-      a.mean[n * a.G + g] = K + shifted_mean;
+      a.mean[n * a.G + g] = (K + p_first) + shifted_mean;
       a.rstd[n * a.G + g] = group_rstd;
     }
     if (r_begin + row0 >= r_end) continue;  // (the next slab's block sums still need this thread)
@@ -839,6 +874,12 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
     acc_t lane_a[V], lane_b[V];
     out.lane_coefficients(place.lane * V - static_cast<int>(q * a.D), lane_a, lane_b);
+    if (biased) {
+      // ((x - KL[j]) - mean') * a + b = ((x - K) - mean') * a + (b + (K - KL[j]) * a): the output
+      // loop keeps its one shift K.
+#pragma unroll
+      for (int j = 0; j < V; ++j) lane_b[j] += lane_delta(j) * lane_a[j];
+    }
     const EpiArgs<scalar_t>& e = a.epi;
     // E >= 1: stream 0 is the residual if given, else the multiplier (both when they are one
     // tensor); E == 2: stream 1 is the multiplier.

@@ -24,6 +24,8 @@ struct MomentsFinalizeArgs {
   const scalar_t* x;        // to read the shift K, the first element of each group
   int64_t items, entries;   // items = N * G
   int64_t G, sample_stride, group_stride;  // element offset of group (n, g)'s first element
+  int64_t D;                // channels a group
+  InputBiasRef<scalar_t> input_bias;  // the channels-last sweep's: K is that of x + input_bias
   acc_t eps;
   acc_t* mean;              // (N, G) outputs
   acc_t* rstd;
@@ -60,7 +62,8 @@ __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const Moment
     if (lane == 0 && item < a.items) {
       const int64_t n = div_nn(item, a.G);
       const int64_t g = item - n * a.G;
-      const acc_t K = static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]);
+      const acc_t K = static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]) +
+                      a.input_bias.template at<acc_t>(n, g * a.D);
       // !(m2 <= 0), not m2 > 0: a NaN M2 (chunks whose overflowed M2 met in the merge as inf - inf)
       // must stay NaN, not become variance 0 and a finite rstd of 1 / sqrt(eps).
       const acc_t var = st.n > acc_t(0) && !(st.m2[0] <= acc_t(0)) ? st.m2[0] / st.n : acc_t(0);

@@ -283,7 +283,8 @@ int finalize_grid(int64_t items, int log_iw) {
 // programmatic dependent of its moments kernel (`dependent`).
 template <typename scalar_t>
 at::Tensor finalize_moments_pass(const at::Tensor& part, int64_t entries, const at::Tensor& x, double eps,
-    const GroupNormShape& sh, Layout layout, at::Tensor& mean, at::Tensor& rstd, bool dependent = false) {
+    const GroupNormShape& sh, Layout layout, at::Tensor& mean, at::Tensor& rstd, bool dependent = false,
+    const InputBiasRef<scalar_t>& input_bias = {nullptr, 0}) {
   using acc_t = acc_type<scalar_t>;
   at::Tensor rec = at::detail::empty_cuda({sh.N * sh.G * kRec}, part.options());
   MomentsFinalizeArgs<scalar_t> f{};
@@ -294,6 +295,8 @@ at::Tensor finalize_moments_pass(const at::Tensor& part, int64_t entries, const 
   f.G = sh.G;
   f.sample_stride = sh.C * sh.S;
   f.group_stride = layout == Layout::ChannelsFirst ? sh.D * sh.S : sh.D;
+  f.D = sh.D;
+  f.input_bias = input_bias;
   f.eps = static_cast<acc_t>(eps);
   f.mean = mean.data_ptr<acc_t>();
   f.rstd = rstd.data_ptr<acc_t>();

@@ -16,6 +16,21 @@ namespace {
 // pointers, tested per launch (uniform branches), so that presence does not multiply the
 // instantiations; the residual is also null where p is not needed.
 
+// The prologue input_bias (group_norm.h, make_input_bias; docs/design.md, "Input bias"), in the
+// input's dtype: (C,) (sample_stride 0) or (N, C) (sample_stride C); null: absent. Only the
+// channels-last sweep and one-pass forwards read it (the other paths are given input + input_bias).
+template <typename scalar_t>
+struct InputBiasRef {
+  const scalar_t* ptr;
+  int64_t sample_stride;
+
+  // input_bias at (n, c), 0 where absent.
+  template <typename acc_t>
+  __device__ __forceinline__ acc_t at(int64_t n, int64_t c) const {
+    return ptr == nullptr ? acc_t(0) : static_cast<acc_t>(ptr[n * sample_stride + c]);
+  }
+};
+
 template <typename scalar_t>
 struct EpiArgs {
   using acc_t = acc_type<scalar_t>;
@@ -31,6 +46,7 @@ struct EpiArgs {
   // pass has them already).
   const acc_t* rstd;
   ParamRef bias;
+  InputBiasRef<scalar_t> input_bias;  // forward only
 };
 
 // The argument struct of an EPI kernel: the plain kernel's, then the epilogue. The plain

@@ -64,6 +64,12 @@ ParamRef param_ref(const at::Tensor& t) {
       t.defined() ? t.scalar_type() : c10::CppTypeToScalarType<scalar_t>::value};
 }
 
+template <typename scalar_t>
+InputBiasRef<scalar_t> input_bias_ref(const at::Tensor& t) {
+  if (!t.defined()) return {nullptr, 0};
+  return {t.data_ptr<scalar_t>(), t.dim() == 2 ? t.size(1) : 0};
+}
+
 // Host side: calls f(std::integral_constant<Activation, act>()), the activation as a template
 // argument of the one-pass and team kernels (every activation: their loops are small).
 template <typename F>
@@ -114,6 +120,7 @@ EpiArgs<scalar_t> epi_args(const Epilogue& ep, bool with_residual) {
   e.grad_multiplier = nullptr;
   e.act = ep.activation;
   e.slope = static_cast<acc_t>(ep.negative_slope);
+  e.input_bias = input_bias_ref<scalar_t>(ep.input_bias);
   return e;
 }
 
