@@ -245,9 +245,13 @@ def _whole_count(plan: _Plan, input_local: Tensor) -> Tensor:
 
 
 def _forward(op, input, num_groups, weight, bias, eps, scale=None, shift=None, residual=None, activation="none",
-             negative_slope=0.01, multiplier=None, fused=False):
+             negative_slope=0.01, multiplier=None, input_bias=None, fused=False):
     from . import distributed as _dist  # here: distributed imports this module
 
+    if input_bias is not None:
+        # The prologue materialized by DTensor's own add, as the kernels off the channels-last
+        # CUDA paths are given it (docs/design.md, "Input bias").
+        input = input + input_bias.reshape((-1, input.shape[1]) + (1,) * (input.dim() - 2))
     input = _replicated_input(input)
     plan = _Plan(input, num_groups)
     x = input.to_local()

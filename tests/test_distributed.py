@@ -17,6 +17,7 @@ import traceback
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -517,6 +518,43 @@ def test_dtensor_channel_shards_off_group_boundaries_raise(pool):
     else:
         for r in results:
             assert r[0] == (Shard(1),)
+
+
+def _task_dtensor_input_bias(rank, world, spec, x, p, grad_out):
+    """fusednorm.group_norm(x, input_bias=p) on DTensors, p replicated: (placements, output without and
+    with a graph, the gradients of x and p)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    dx = distribute_tensor(x, mesh, [_placement(spec)])
+    dp = distribute_tensor(p, mesh, [Replicate()])
+    with torch.no_grad():  # the op itself takes input_bias
+        plain = fusednorm.group_norm(dx, 4, activation="silu", input_bias=dp)
+    dx.requires_grad_()
+    dp.requires_grad_()
+    out = fusednorm.group_norm(dx, 4, activation="silu", input_bias=dp)  # autograd adds it first
+    out.backward(distribute_tensor(grad_out, mesh, [_placement(spec)]))
+    return (tuple(plain.placements), plain.full_tensor(), out.full_tensor(), dx.grad.full_tensor(),
+            dp.grad.full_tensor())
+
+
+@needs_dtensor
+@pytest.mark.parametrize("p_shape", ["C", "NC"])
+@pytest.mark.parametrize("spec", ["replicate", 0, 2])
+def test_dtensor_input_bias(pool, spec, p_shape):
+    torch.manual_seed(0)
+    x = torch.randn(2 * pool.world, 8, 6, 5, dtype=torch.float64)
+    p = torch.randn((8,) if p_shape == "C" else (2 * pool.world, 8), dtype=torch.float64)
+    grad_out = torch.randn(x.shape, dtype=torch.float64)
+    xr, pr = x.clone().requires_grad_(), p.clone().requires_grad_()
+    want = F.silu(F.group_norm(xr + pr.reshape(-1, 8, 1, 1), 4))
+    want.backward(grad_out)
+    for placements, plain, out, gx, gp in pool.run(_task_dtensor_input_bias, spec, x, p, grad_out):
+        assert placements == (_placement(spec),)
+        assert_close(plain, want, torch.float64)
+        assert_close(out, want, torch.float64)
+        assert_close(gx, xr.grad, torch.float64, scale=10)
+        assert_close(gp, pr.grad, torch.float64, scale=10)
 
 
 # -- DDP and FSDP2 --------------------------------------------------------------------------------------
