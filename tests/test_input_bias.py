@@ -261,3 +261,24 @@ def test_before_inductor(embedding, height, taken):
                                    atol=1e-4, rtol=1e-4)
     assert counts == [taken]
     assert ("input_bias" in codes[0]) == bool(taken), codes[0]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
+def test_torchscript_and_export():
+    def f(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fusednorm.group_norm(x, 4, activation="silu", input_bias=b)
+
+    class Module(nn.Module):
+        def forward(self, x, b):
+            return f(x, b)
+
+    torch.manual_seed(0)
+    x, b = torch.randn(2, 8, 4, 4), torch.randn(2, 8)
+    want = F.silu(F.group_norm(x + b[:, :, None, None], 4))
+    torch.testing.assert_close(torch.jit.script(f)(x, b), want, atol=1e-5, rtol=1e-5)
+    if not hasattr(torch, "export"):
+        return
+    program = torch.export.export(Module(), (x, b))
+    assert any("input_bias" in str(n.kwargs) or len(n.args) > 11 for n in program.graph.nodes
+               if n.op == "call_function" and "fusednorm" in str(n.target)), program.graph
+    torch.testing.assert_close(program.module()(x, b), want, atol=1e-5, rtol=1e-5)

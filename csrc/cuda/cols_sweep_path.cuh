@@ -133,7 +133,9 @@ __device__ __forceinline__ void cols_sweep_store_lanes(acc_t* red, int64_t at, c
   }
 }
 
-template <typename scalar_t, int V>
+// kBias: with input_bias (docs/design.md, "Input bias"), its own instantiation (its loads of p
+// took the kernel without it from 80 to 172 bytes of spill loads around the loop).
+template <typename scalar_t, int V, bool kBias>
 __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     cols_sweep_moments_kernel(const __grid_constant__ ColsSweepArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
@@ -192,16 +194,18 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     }
   }
   // Per channel, the tile's sum of x - K: each thread's nr * (T - K) + q1, added up over the rows.
-  // With input_bias p the kernel normalizes x' = x + p, and K is x'-s first element: the sums of
-  // x' - T' (T' = T + p_c) are those of x - T, and only T' - K = T - (K - p_c) changes
-  // (docs/design.md, "Input bias").
-  acc_t TK[V];  // loaded after the loop (registers)
+  // kBias: the kernel normalizes x' = x + p, and K is the first element of x'-s group: the sums of
+  // x' - T' (T' = T + p_c) are those of x - T, and only T' - K = T - (K - p_c) changes.
+  acc_t K[V], TK[V];  // loaded after the loop (registers); TK = T - K
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const int64_t c = c0 + j, c_first = (c / D) * D;
-    const acc_t K = static_cast<acc_t>(o.x[sample + c_first]) +
-                    (o.epi.input_bias.template at<acc_t>(n, c_first) - o.epi.input_bias.template at<acc_t>(n, c));
-    TK[j] = static_cast<acc_t>(T.v[j]) - K;
+    const int64_t c_first = ((c0 + j) / D) * D;
+    K[j] = static_cast<acc_t>(o.x[sample + c_first]);
+    if constexpr (kBias) {
+      const InputBiasRef<scalar_t>& ib = o.epi.input_bias;
+      K[j] += ib.template at<acc_t>(n, c_first) - ib.template at<acc_t>(n, c0 + j);
+    }
+    TK[j] = static_cast<acc_t>(T.v[j]) - K[j];
   }
   const acc_t cnt = static_cast<acc_t>(nr);
   const acc_t rows_n = static_cast<acc_t>(s_end - s_begin);  // a channel's count in the tile
@@ -264,11 +268,15 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   for (int j = 0; j < V; ++j) {
     const int64_t c = c0 + j;
     const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
-    K[j] = rec[0] - e.input_bias.template at<acc_t>(n, c);  // x' - K' = x - (K' - p_c)
+    K[j] = rec[0];
     sm[j] = rec[1];
     const Affine<acc_t> cf = output_coefficients(o, n, c, rec[2]);
     ca[j] = cf.w;
     cb[j] = cf.b;
+  }
+  if (e.input_bias.ptr != nullptr) {  // x' - K' = x - (K' - p_c) (docs/design.md, "Input bias")
+#pragma unroll
+    for (int j = 0; j < V; ++j) K[j] -= static_cast<acc_t>(e.input_bias.ptr[n * e.input_bias.sample_stride + c0 + j]);
   }
   const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p);
   const uint4* rs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.residual, sample)) + p);
@@ -319,7 +327,11 @@ void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Ten
   at::Tensor part = at::detail::empty_cuda({sh.N * sh.G * a.split * 3}, x.options().dtype(at::kFloat));
   a.part = part.data_ptr<acc_t>();
   const auto stream = at::cuda::getCurrentCUDAStream();
-  cols_sweep_moments_kernel<scalar_t, V><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
+  if (o.epi.input_bias.ptr != nullptr) {
+    cols_sweep_moments_kernel<scalar_t, V, true><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
+  } else {
+    cols_sweep_moments_kernel<scalar_t, V, false><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor rec =
       finalize_moments_pass<scalar_t>(part, a.split, x, eps, sh, layout, mean, rstd, /*dependent=*/true, o.epi.input_bias);

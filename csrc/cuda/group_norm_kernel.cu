@@ -164,9 +164,10 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
   const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
-  if (ep.input_bias.defined() && pl.path != plan::Path::ColsSweep && pl.path != plan::Path::ColsShared) {
-    // Only the channels-last sweep and one-pass kernels add input_bias on the fly (docs/design.md,
-    // "Input bias"); the others normalize input + input_bias materialized.
+  if (ep.input_bias.defined() && pl.path != plan::Path::ColsSweep && (pl.path != plan::Path::ColsShared || streams > 1)) {
+    // Only the channels-last sweep and one-pass kernels (the latter without a residual or
+    // multiplier) add input_bias on the fly (docs/design.md, "Input bias"); the others normalize
+    // input + input_bias materialized.
     Epilogue rest = ep;
     rest.input_bias = at::Tensor();
     return forward_impl<scalar_t>(to_layout(add_input_bias(x, ep.input_bias), layout), weight, bias, eps, sh,

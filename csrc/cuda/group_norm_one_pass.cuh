@@ -782,7 +782,11 @@ constexpr int kColsOperandBatch = 4;
 // sums over distributed shared memory in rank order (one_pass_cluster_slot_sum), for slabs too
 // large for one CTA or too few to fill the GPU one a CTA (docs/design.md, "Channels-last
 // one-pass"). items: the slabs, N * G / span.
-template <typename scalar_t, int V, Activation A, int E>
+//
+// kBias (E = 0 only): with input_bias (docs/design.md, "Input bias"), its own instantiation: the
+// per-lane shifts took the kernels without it 8-18 registers more (ptxas, sm_90), and some from
+// three CTAs an SM to two.
+template <typename scalar_t, int V, Activation A, int E, bool kBias = false>
 __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_kernel(
     const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs, int span) {
   using acc_t = acc_type<scalar_t>;
@@ -838,35 +842,51 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     const int64_t g = g0 + q;
 
     const acc_t K = static_cast<acc_t>(a.x[base + q * a.D]);
-    // With input_bias p the kernel normalizes x' = x + p, shifted by K' = K + p at the group's
-    // first channel: lane j sums x' - K' = x - KL[j], KL[j] = K' - p at its own channel
-    // (docs/design.md, "Input bias").
+    // kBias: the kernel normalizes x' = x + p, shifted by K' = K + p at the group's first channel:
+    // lane j sums x' - K' = x - KL[j], KL[j] = K' - p at its own channel.
     const InputBiasRef<scalar_t>& ib = a.epi.input_bias;
-    const bool biased = ib.ptr != nullptr && place.active();
-    const acc_t p_first = ib.template at<acc_t>(n, g * a.D);
+    [[maybe_unused]] const bool biased = kBias && place.active();
+    const acc_t p_first = kBias ? ib.template at<acc_t>(n, g * a.D) : acc_t(0);
     // p at lane j's channel less p at the group's first: K - KL[j].
-    const auto lane_delta = [&](int j) {
+    [[maybe_unused]] const auto lane_delta = [&](int j) {
       return ib.template at<acc_t>(n, g0 * a.D + place.lane * V + j) - p_first;
     };
-    acc_t KL[V];
+    acc_t KL[kBias ? V : 1];
+    if constexpr (kBias) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) KL[j] = biased ? K - lane_delta(j) : K;
+      for (int j = 0; j < V; ++j) KL[j] = biased ? K - lane_delta(j) : K;
+    }
+    const auto shifted_sum = [&](const P& x) {
+      if constexpr (kBias) {
+        return pack_shifted_sum(x, KL);
+      } else {
+        return pack_shifted_sum(x, K);
+      }
+    };
     acc_t sum = acc_t(0);
     // (Packs copied out of shared memory whole: one V-wide load each.)
-    for (int64_t s = r_begin + row0; s < r_end; s += step) sum += pack_shifted_sum(P(xs[place.dense(s - r_begin)]), KL);
+    for (int64_t s = r_begin + row0; s < r_end; s += step) sum += shifted_sum(P(xs[place.dense(s - r_begin)]));
     const acc_t total = static_cast<acc_t>(a.len);
     const acc_t shifted_mean =
         one_pass_cluster_slot_sum(one_pass_slot_sum(sum, q, span, red), q, slot_writer, exchange[0], a.cluster) / total;
     acc_t m2 = acc_t(0);
     for (int64_t s = r_begin + row0; s < r_end; s += step) {
-      m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), KL, shifted_mean);
+      if constexpr (kBias) {
+        m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), KL, shifted_mean);
+      } else {
+        m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), K, shifted_mean);
+      }
     }
     const acc_t var =
         one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster) / total;
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     if (rank == 0 && slot_writer) {
-      a.mean[n * a.G + g] = (K + p_first) + shifted_mean;
+      if constexpr (kBias) {
+        a.mean[n * a.G + g] = (K + p_first) + shifted_mean;
+      } else {
+        a.mean[n * a.G + g] = K + shifted_mean;
+      }
       a.rstd[n * a.G + g] = group_rstd;
     }
     if (r_begin + row0 >= r_end) continue;  // (the next slab's block sums still need this thread)
@@ -874,7 +894,7 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     OnePassOutput<scalar_t, V, A> out(a, n, g, K, shifted_mean, group_rstd);
     acc_t lane_a[V], lane_b[V];
     out.lane_coefficients(place.lane * V - static_cast<int>(q * a.D), lane_a, lane_b);
-    if (biased) {
+    if constexpr (kBias) {
       // ((x - KL[j]) - mean') * a + b = ((x - K) - mean') * a + (b + (K - KL[j]) * a): the output
       // loop keeps its one shift K.
 #pragma unroll
@@ -994,11 +1014,13 @@ void launch_registers_planned(const OnePassArgs<scalar_t>& a, int64_t items, con
 // resident at once where the plan says so (buffer_packs > 0). Calls f(kernel) with the kernel
 // instantiated for the call's pack width, activation (none, SiLU, ReLU) and extra streams.
 template <typename scalar_t, typename F>
-void with_cols_one_pass_kernel(Activation act, int streams, int pack_bytes, const F& f) {
+void with_cols_one_pass_kernel(Activation act, int streams, int pack_bytes, const F& f, bool input_bias = false) {
+  TORCH_INTERNAL_ASSERT(!input_bias || streams == 1, "channels-last one-pass kernel with input_bias and operands");
   const auto with_width = [&](auto width) {
     constexpr int V = decltype(width)::value / static_cast<int>(sizeof(scalar_t));
     const bool found = dispatch_common_activation(act, [&](auto a) {
       constexpr Activation kA = decltype(a)::value;
+      if (input_bias) return f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0, true>);
       switch (streams) {
         case 1: f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0>); break;
         case 2: f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 1>); break;
@@ -1036,7 +1058,7 @@ void launch_cols_one_pass(OnePassArgs<scalar_t> a, int64_t groups, const plan::P
     allow_dynamic_smem(kernel, smem);
     launch_clustered(kernel, static_cast<unsigned>(pl.grid), kOnePassThreads, smem, a.cluster,
         at::cuda::getCurrentCUDAStream(), a, items, pl.buffer_packs, pl.span);
-  });
+  }, /*input_bias=*/a.epi.input_bias.ptr != nullptr);
 }
 
 // Runs the one-pass forward as planned: path Registers, Shared or Cluster, or with
