@@ -178,17 +178,12 @@ def group_norm(
         return _group_norm_without_operands(input, num_groups, weight, bias, eps, activation, negative_slope)
     _check_epilogue_types("group_norm", activation, negative_slope, scale, shift, residual, multiplier)
     _check_tensor("group_norm", "input_bias", None, input_bias)
-    if input_bias is None:
-        return _GROUP_NORM(
-            input, num_groups, weight, bias, eps,
-            activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
-            residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
-        )
+    # input_bias only where given (each keyword is parsed on every call; see _no_operands).
+    prologue = {} if input_bias is None else {"input_bias": _same_dtype(input_bias, input.dtype)}
     return _GROUP_NORM(
         input, num_groups, weight, bias, eps,
         activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
-        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
-        input_bias=_same_dtype(input_bias, input.dtype),
+        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype), **prologue,
     )
 
 

@@ -327,16 +327,18 @@ def _prologue(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Dict
     `node` is conv(h, w, b), or conv(h, w, b) + e with e of shape (N, C, 1, ..., 1) (a timestep
     embedding), each used only by the next. Returns {"conv", "bias", "embedding", "add"} (absent
     ones None), or None when there is nothing to take (no bias and no embedding)."""
-    add, embedding, conv = None, None, node
+    add, embedding, found = None, None, None
     binary = _binary(node) if isinstance(node, fx.Node) else None
     if binary is not None and binary[:2] == ("add", False) and len(node.users) == 1:
         a, b = binary[2:]
         for c, e in ((a, b), (b, a)):
-            if isinstance(e, fx.Node) and _is_per_channel(_value(e), ref) and not _mutated(gm, e) \
-                    and _conv_bias(gm, c, ref) is not None:
-                add, embedding, conv = node, e, c
-                break
-    found = _conv_bias(gm, conv, ref)
+            if isinstance(e, fx.Node) and _is_per_channel(_value(e), ref) and not _mutated(gm, e):
+                found = _conv_bias(gm, c, ref)
+                if found is not None:
+                    add, embedding = node, e
+                    break
+    if found is None:
+        found = _conv_bias(gm, node, ref)
     if found is None or (found[1] is None and embedding is None):
         return None
     return {"conv": found[0], "bias": found[1], "embedding": embedding, "add": add}

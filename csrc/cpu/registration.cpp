@@ -38,7 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cpu(
   const Epilogue ep =
       make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
   // The CPU kernels normalize input + input_bias materialized (docs/design.md, "Input bias").
-  if (defined(input_bias)) x = to_layout(add_input_bias(x, make_input_bias(x, sh, *input_bias)), layout);
+  if (defined(input_bias)) {
+    check_input_bias(x, *input_bias);
+    x = to_layout(add_input_bias(x, *input_bias), layout);
+  }
   return kernels().forward(x, weight, bias, eps, sh, layout, ep);
 }
 

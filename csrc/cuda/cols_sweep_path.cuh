@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   }
   if (e.input_bias.ptr != nullptr) {  // x' - K' = x - (K' - p_c) (docs/design.md, "Input bias")
 #pragma unroll
-    for (int j = 0; j < V; ++j) K[j] -= static_cast<acc_t>(e.input_bias.ptr[n * e.input_bias.sample_stride + c0 + j]);
+    for (int j = 0; j < V; ++j) K[j] -= e.input_bias.template at<acc_t>(n, c0 + j);
   }
   const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p);
   const uint4* rs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.residual, sample)) + p);

@@ -863,6 +863,13 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
         return pack_shifted_sum(x, K);
       }
     };
+    const auto squared_deviations = [&](const P& x, acc_t shifted_mean) {
+      if constexpr (kBias) {
+        return pack_squared_deviations(x, KL, shifted_mean);
+      } else {
+        return pack_squared_deviations(x, K, shifted_mean);
+      }
+    };
     acc_t sum = acc_t(0);
     // (Packs copied out of shared memory whole: one V-wide load each.)
     for (int64_t s = r_begin + row0; s < r_end; s += step) sum += shifted_sum(P(xs[place.dense(s - r_begin)]));
@@ -871,11 +878,7 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
         one_pass_cluster_slot_sum(one_pass_slot_sum(sum, q, span, red), q, slot_writer, exchange[0], a.cluster) / total;
     acc_t m2 = acc_t(0);
     for (int64_t s = r_begin + row0; s < r_end; s += step) {
-      if constexpr (kBias) {
-        m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), KL, shifted_mean);
-      } else {
-        m2 += pack_squared_deviations(P(xs[place.dense(s - r_begin)]), K, shifted_mean);
-      }
+      m2 += squared_deviations(P(xs[place.dense(s - r_begin)]), shifted_mean);
     }
     const acc_t var =
         one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster) / total;
