@@ -28,6 +28,7 @@
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/common/output_packs.cuh"
+#include "cuda/common/pack_ring.cuh"
 #include "cuda/group_norm_one_pass.cuh"
 #include "cuda/paths.h"
 #include "cuda/split_path.cuh"
@@ -49,6 +50,18 @@ constexpr int kColsSweepOutputThreads = plan::kColsSweepOutputThreads;
 constexpr int kColsSweepOutputMinBlocks = plan::kColsSweepOutputBlocksPerSM;
 // Rows each thread loads before using any (a pack of each): 32 KB in flight a CTA of 512 threads.
 constexpr int kColsSweepUnroll = plan::kColsSweepUnroll;
+// Packs a thread of either kernel has in flight, less one (its PackRing's slots): 7 x 16 bytes
+// where the registers held 4 (docs/design.md, "Channels-last sweep").
+constexpr int kColsSweepStages = 8;
+using ColsSweepRing = PackRing<kColsSweepStages>;
+
+// The moments kernel's dynamic shared memory: the ring, then (in the same bytes) two per-thread,
+// per-channel arrays of acc_t.
+template <typename acc_t, int V>
+constexpr size_t cols_sweep_moments_smem(int threads) {
+  const size_t red = 2 * static_cast<size_t>(threads) * V * sizeof(acc_t);
+  return ColsSweepRing::bytes(threads) > red ? ColsSweepRing::bytes(threads) : red;
+}
 
 template <typename scalar_t>
 struct ColsSweepArgs {
@@ -141,30 +154,35 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   static_assert(sizeof(P) == 16, "the channels-last sweep reads 16-byte packs");
-  // Per-thread, per-channel values (rows x C), reduced to channel totals in row 0.
-  __shared__ __align__(16) acc_t red1[kColsSweepThreads * V];
-  __shared__ __align__(16) acc_t red2[kColsSweepThreads * V];
+  // The ring's slots during the loop, then the per-thread, per-channel values (rows x C, reduced
+  // to channel totals in row 0) in red1 and red2 (cols_sweep_moments_smem).
+  extern __shared__ __align__(16) unsigned char cols_sweep_smem[];
   const OnePassArgs<scalar_t>& o = a.op;
   const int C = static_cast<int>(o.C);
   const int D = static_cast<int>(o.D);
   const ColsSweepTile tile = cols_sweep_tile(a);
   const int p = tile.p, r = tile.r;
   const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
-  const P* xs = reinterpret_cast<const P*>(o.x + sample) + p;  // row s's pack at xs + s * cpr
+  // Row s_begin + r + i * step's pack at xs + i * stride.
+  const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p) + (s_begin + r) * a.cpr;
   const int c0 = p * V;
   const int64_t step = a.rows;
+  const int64_t stride = step * a.cpr;
   // The thread's rows s_begin + r, + step, ...: nr of them.
   const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
+  const ColsSweepRing ring{reinterpret_cast<uint4*>(cols_sweep_smem) + threadIdx.x, static_cast<int>(blockDim.x)};
+#pragma unroll
+  for (int i = 0; i < kColsSweepStages - 1; ++i) ring.issue(i, i < nr, xs + i * stride);
   // Two shifts a channel (docs/design.md, "Channels-last sweep"): the thread sums x - T, T its
   // own first element of the channel, so that M2 = q2 - q1^2 / nr loses digits only to an outlier
   // among its own few rows (no second pass over the tile, whatever the data); the sums it hands
   // on are of x - K, K the first element of the channel's group in the sample, the finalize's
   // shift (finalize_moments_kernel).
-  // T stays in the input's type (half the registers of acc_t for 16-bit types: the loop's four
-  // packs in flight and its sums need the rest).
+  // T stays in the input's type (half the registers of acc_t for 16-bit types).
   P T;
   if (nr > 0) {
-    T = xs[(s_begin + r) * a.cpr];
+    const uint4 w = ring.take(0);
+    memcpy(&T, &w, sizeof(P));
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) T.v[j] = scalar_t(0);
@@ -173,26 +191,23 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   acc_t q1[V], q2[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) q1[j] = q2[j] = acc_t(0);
-  for (int64_t s = s_begin + r; s < s_end; s += kColsSweepUnroll * step) {
-    uint4 w[kColsSweepUnroll];
+  for (int64_t i = 0; i < nr; ++i) {
+    const uint4 w = ring.take(i);
+    const int64_t ahead = i + kColsSweepStages - 1;
+    ring.issue(ahead, ahead < nr, xs + ahead * stride);
+    P xp;
+    memcpy(&xp, &w, sizeof(P));
 #pragma unroll
-    for (int u = 0; u < kColsSweepUnroll; ++u) {
-      if (s + u * step < s_end) w[u] = __ldg(reinterpret_cast<const uint4*>(xs + (s + u * step) * a.cpr));
-    }
-#pragma unroll
-    for (int u = 0; u < kColsSweepUnroll; ++u) {
-      if (s + u * step < s_end) {
-        P xp;
-        memcpy(&xp, &w[u], sizeof(P));
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const acc_t d = static_cast<acc_t>(xp.v[j]) - static_cast<acc_t>(T.v[j]);
-          q1[j] += d;
-          q2[j] += d * d;
-        }
-      }
+    for (int j = 0; j < V; ++j) {
+      const acc_t d = static_cast<acc_t>(xp.v[j]) - static_cast<acc_t>(T.v[j]);
+      q1[j] += d;
+      q2[j] += d * d;
     }
   }
+  __pipeline_wait_prior(0);  // (only empty groups can be left)
+  __syncthreads();           // every thread done with its slots: red1 and red2 take their place
+  acc_t* red1 = reinterpret_cast<acc_t*>(cols_sweep_smem);
+  acc_t* red2 = red1 + static_cast<int64_t>(blockDim.x) * V;
   // Per channel, the tile's sum of x - K: each thread's nr * (T - K) + q1, added up over the rows.
   // kBias: the kernel normalizes x' = x + p, and K is the first element of x'-s group: the sums of
   // x' - T' (T' = T + p_c) are those of x - T, and only T' - K = T - (K - p_c) changes.
@@ -249,7 +264,41 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   }
 }
 
-// OPS: with a residual or a multiplier (more streams, fewer rows in flight).
+// The output kernel's per-channel constants of a thread's V channels [c0, c0 + V) in sample n:
+// K, the shifted mean, and the coefficients of output_element.
+template <typename acc_t, int V>
+struct OutputChannels {
+  acc_t K[V], sm[V], ca[V], cb[V];
+};
+
+// Waits for the finalize's records (the output kernel is its programmatic dependent), then
+// computes the thread's OutputChannels once.
+template <int V, typename scalar_t, typename acc_t = acc_type<scalar_t>>
+__device__ __forceinline__ OutputChannels<acc_t, V> cols_sweep_output_channels(
+    const ColsSweepArgs<scalar_t>& a, int64_t n, int c0) {
+  const OnePassArgs<scalar_t>& o = a.op;
+  const EpiArgs<scalar_t>& e = o.epi;
+  wait_for_primary();  // the finalize's records
+  OutputChannels<acc_t, V> ch;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t c = c0 + j;
+    const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
+    ch.K[j] = rec[0];
+    ch.sm[j] = rec[1];
+    const Affine<acc_t> cf = output_coefficients(o, n, c, rec[2]);
+    ch.ca[j] = cf.w;
+    ch.cb[j] = cf.b;
+  }
+  if (e.input_bias.ptr != nullptr) {  // x' - K' = x - (K' - p_c) (docs/design.md, "Input bias")
+#pragma unroll
+    for (int j = 0; j < V; ++j) ch.K[j] -= e.input_bias.template at<acc_t>(n, c0 + j);
+  }
+  return ch;
+}
+
+// OPS: with a residual or a multiplier (more streams, fewer rows in flight: loaded into registers,
+// as output_packs does; without them x takes the thread's ring).
 template <typename scalar_t, int V, Activation A, bool OPS>
 __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBlocks)
     cols_sweep_output_kernel(const __grid_constant__ ColsSweepArgs<scalar_t> a) {
@@ -261,39 +310,51 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   const int p = tile.p, r = tile.r;
   const int64_t n = tile.n, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const int c0 = p * V;
-  wait_for_primary();  // the finalize's records
-  // The thread's channels' coefficients, once.
-  acc_t K[V], sm[V], ca[V], cb[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int64_t c = c0 + j;
-    const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
-    K[j] = rec[0];
-    sm[j] = rec[1];
-    const Affine<acc_t> cf = output_coefficients(o, n, c, rec[2]);
-    ca[j] = cf.w;
-    cb[j] = cf.b;
-  }
-  if (e.input_bias.ptr != nullptr) {  // x' - K' = x - (K' - p_c) (docs/design.md, "Input bias")
-#pragma unroll
-    for (int j = 0; j < V; ++j) K[j] -= e.input_bias.template at<acc_t>(n, c0 + j);
-  }
   const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p);
-  const uint4* rs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.residual, sample)) + p);
-  const uint4* ms = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.multiplier, sample)) + p);
   uint4* ys = reinterpret_cast<uint4*>(reinterpret_cast<P*>(o.y + sample) + p);
-  const bool has_r = OPS && e.residual != nullptr;
-  const bool has_m = OPS && e.multiplier != nullptr;
-  constexpr int U = OPS ? kColsSweepUnroll / 2 : kColsSweepUnroll;
   const int64_t step = a.rows;
   const int64_t stride = step * a.cpr;  // packs between a thread's rows
-  for (int64_t s = s_begin + r; s < s_end; s += U * step) {
-    const int64_t v = s * a.cpr;
-    output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m, [&](int u) { return s + u * step < s_end; },
-        [&](int u) { return v + u * stride; },
-        [&](int j, const P& xp, const P& rp, const P& mp) {
-          return output_element<A>(e, K[j], sm[j], ca[j], cb[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
-        });
+  if constexpr (!OPS) {
+    // x through the thread's ring, its first rows in flight before the wait for the finalize and
+    // the coefficients' loads (x is the moments kernel's input: written before it began).
+    __shared__ uint4 slots[ColsSweepRing::bytes(kColsSweepOutputThreads) / sizeof(uint4)];
+    const ColsSweepRing ring{slots + threadIdx.x, static_cast<int>(blockDim.x)};
+    const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
+    const int64_t v0 = (s_begin + r) * a.cpr;
+#pragma unroll
+    for (int i = 0; i < kColsSweepStages - 1; ++i) ring.issue(i, i < nr, xs + v0 + i * stride);
+    const OutputChannels<acc_t, V> ch = cols_sweep_output_channels<V>(a, n, c0);
+    for (int64_t i = 0; i < nr; ++i) {
+      const uint4 w = ring.take(i);
+      const int64_t ahead = i + kColsSweepStages - 1;
+      ring.issue(ahead, ahead < nr, xs + v0 + ahead * stride);
+      P xp;
+      memcpy(&xp, &w, sizeof(P));
+      acc_t z[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        z[j] = output_element<A>(e, ch.K[j], ch.sm[j], ch.ca[j], ch.cb[j], xp.v[j], xp.v[j], false, xp.v[j], false);
+      }
+      const P yp = round_pack<scalar_t, V>(z);
+      uint4 yw;
+      memcpy(&yw, &yp, sizeof(P));
+      ys[v0 + i * stride] = yw;
+    }
+  } else {
+    const OutputChannels<acc_t, V> ch = cols_sweep_output_channels<V>(a, n, c0);
+    const uint4* rs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.residual, sample)) + p);
+    const uint4* ms = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(offset_or_null(e.multiplier, sample)) + p);
+    const bool has_r = e.residual != nullptr;
+    const bool has_m = e.multiplier != nullptr;
+    constexpr int U = kColsSweepUnroll / 2;  // more streams, fewer rows in flight
+    for (int64_t s = s_begin + r; s < s_end; s += U * step) {
+      const int64_t v = s * a.cpr;
+      output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m, [&](int u) { return s + u * step < s_end; },
+          [&](int u) { return v + u * stride; },
+          [&](int j, const P& xp, const P& rp, const P& mp) {
+            return output_element<A>(e, ch.K[j], ch.sm[j], ch.ca[j], ch.cb[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+          });
+    }
   }
 }
 
@@ -327,12 +388,17 @@ void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Ten
   at::Tensor part = at::detail::empty_cuda({sh.N * sh.G * a.split * 3}, x.options().dtype(at::kFloat));
   a.part = part.data_ptr<acc_t>();
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = cols_sweep_moments_smem<acc_t, V>(pl.threads);
+  const auto moments = [&](auto kernel) {
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<static_cast<unsigned>(tiles), pl.threads, smem, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
   if (o.epi.input_bias.ptr != nullptr) {
-    cols_sweep_moments_kernel<scalar_t, V, true><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
+    moments(cols_sweep_moments_kernel<scalar_t, V, true>);
   } else {
-    cols_sweep_moments_kernel<scalar_t, V, false><<<static_cast<unsigned>(tiles), pl.threads, 0, stream>>>(a);
+    moments(cols_sweep_moments_kernel<scalar_t, V, false>);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor rec =
       finalize_moments_pass<scalar_t>(part, a.split, x, eps, sh, layout, mean, rstd, /*dependent=*/true, o.epi.input_bias);
   a.rec = rec.data_ptr<acc_t>();

@@ -1,0 +1,43 @@
+// A thread's own pipeline of 16-byte loads through shared memory (docs/design.md, "Channels-last
+// sweep"): row i's pack is copied by cp.async into slot i % S of the thread's S slots, S - 1 rows
+// ahead of its use, so that S - 1 packs a thread are in flight without holding a register each
+// (the streaming kernels' register caps left them four, loaded and then used in bursts). Each
+// thread reads back only what it copied itself, so no barrier is needed; a slot is refilled only
+// after the thread has used the pack it held (one row later). On architectures without cp.async
+// (before sm_80) the copies are synchronous: the same values, no overlap.
+#pragma once
+
+#include <cuda_pipeline.h>
+
+#include <cstdint>
+
+namespace fusednorm {
+namespace {
+
+template <int S>
+struct PackRing {
+  static_assert(S >= 2 && (S & (S - 1)) == 0, "a power of two of slots");
+  uint4* base;  // the thread's slot 0; slot k at base + k * stride
+  int stride;   // threads of the CTA (consecutive threads' slots adjacent: no bank conflicts)
+
+  // The bytes of shared memory a CTA of `threads` threads needs.
+  static constexpr size_t bytes(int threads) { return static_cast<size_t>(S) * threads * sizeof(uint4); }
+
+  __device__ __forceinline__ uint4* slot(int64_t i) const { return base + static_cast<int>(i & (S - 1)) * stride; }
+
+  // Starts the copy of row i's pack from src where `valid`, and closes a commit group either way
+  // (take counts groups, one a row).
+  __device__ __forceinline__ void issue(int64_t i, bool valid, const uint4* src) const {
+    if (valid) __pipeline_memcpy_async(slot(i), src, sizeof(uint4));
+    __pipeline_commit();
+  }
+
+  // Row i's pack, once issued rows 0 .. i + S - 2 (exactly) have been: waits for row i's copy.
+  __device__ __forceinline__ uint4 take(int64_t i) const {
+    __pipeline_wait_prior(S - 2);
+    return *slot(i);
+  }
+};
+
+}  // namespace
+}  // namespace fusednorm
