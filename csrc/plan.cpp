@@ -103,10 +103,14 @@ constexpr int64_t kSweepMinBytes = 4 << 20;
 // ((2,320,64,64) 0.0197 against 0.0207-0.0250 ms, (1,512,128,128) 0.0332 against 0.0348), from
 // 32 MB on the sweep ((1,256,256,256) 0.054 against 0.063, (1,128,512,512) 0.077 against 0.097,
 // the video VAE's (1,128,20,256,256) 0.273 against 0.355). One wave of moments tiles against two
-// and four: 0.897, 0.949 and 0.994 of the split passes' time (geometric mean of ten rows).
+// and four: 0.897, 0.949 and 0.994 of the split passes' time (geometric mean of ten rows). Output
+// tiles in two waves since its loads go through a ring (common/pack_ring.cuh; H200, fp16 GN+SiLU,
+// kernel time, 4 waves / 2 / 8): (1,256,256,256) 0.0507 / 0.0428 / 0.0567 ms, (1,128,512,512)
+// 0.0712 / 0.0686 / 0.0860, (1,128,1024,1024) 0.2176 / 0.2187 / 0.2139; two waves of moments tiles
+// lost 3-14%.
 constexpr int64_t kColsSweepMinBytes = 32 << 20;
 constexpr int64_t kColsSweepWaves = 1;
-constexpr int64_t kColsSweepOutputWaves = 4;
+constexpr int64_t kColsSweepOutputWaves = 2;
 // docs/design.md, "Team prefetch": before it waits at a round's barrier, a CTA brings k / 8 of its
 // next chunk into L2, so that the DRAM has work while the team synchronises. On an H100, with
 // three teams of 88 CTAs (the GroupNorm problem) the barrier's wait cost 1.3 ms of 6.9; 3/8 gave

@@ -105,7 +105,7 @@ ROWS = [
         forward='path=sweep split=32 tiles=1024',
         backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 512, 512), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
-        forward='path=cols_sweep threads=512 split=264 tiles=264 output_tiles=1580',
+        forward='path=cols_sweep threads=512 split=264 tiles=264 output_tiles=792',
         backward='path=split split=512 tiles=512 param_grad_parts=8'),
     Row('Attention GN', (16, 512, 4096), 32, BF16, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=cluster cluster=2 chunk=4096 smem=65536 ctas=1024',
@@ -114,7 +114,7 @@ ROWS = [
         forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
         backward='path=split split=33 tiles=2112 param_grad_parts=2'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=True, activation=None, operands=(), affine=True,
-        forward='path=cols_sweep threads=512 split=132 tiles=264 output_tiles=1584',
+        forward='path=cols_sweep threads=512 split=132 tiles=264 output_tiles=792',
         backward='path=split split=256 tiles=512 param_grad_parts=8'),
     Row('SD AdaGN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=('scale', 'shift'), affine=True,
         forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
@@ -205,12 +205,12 @@ def test_cols_sweep_takes_the_channels_last_groups_the_one_pass_kernels_do_not(m
     def forward(shape, dtype, G=32, **kw):
         return kernel_paths.plan(shape, G, dtype, activation="silu", channels_last=True, **kw)
     # The VAE's channels-last groups of 2 MB: moments tiles of whole rows in one wave of two CTAs
-    # an SM, output tiles in four waves of three.
+    # an SM, output tiles in two waves of three.
     assert forward((1, 128, 512, 512), torch.half) == \
-        "path=cols_sweep threads=512 split=264 tiles=264 output_tiles=1580"
+        "path=cols_sweep threads=512 split=264 tiles=264 output_tiles=792"
     # 80 packs a row: CTAs of 6 rows (480 threads) for the moments.
     assert forward((2, 320, 128, 128), torch.float32) == \
-        "path=cols_sweep threads=480 split=132 tiles=264 output_tiles=1562"
+        "path=cols_sweep threads=480 split=132 tiles=264 output_tiles=782"
     assert _path(forward((1, 128, 512, 512), torch.bfloat16, operands=True)) == "cols_sweep"
     # Small groups stay with the one-pass kernels, inputs under 32 MB with the one-pass kernels in
     # clusters or the split passes; rows of more than 256 packs, double and contiguous inputs never

@@ -829,6 +829,23 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
   int b = 0;
   for (int64_t item = first_item; item < items; item += item_stride) {
     P* xs = buffers + b * buffer_packs;
+    int64_t n, g0;
+    const int64_t base = slab_base(item, n, g0);
+    const int64_t g = g0 + q;
+    const acc_t K = static_cast<acc_t>(a.x[base + q * a.D]);  // (loaded during the copy, as p is)
+    // kBias: the kernel normalizes x' = x + p, shifted by K' = K + p at the group's first channel:
+    // lane j sums x' - K' = x - KL[j], KL[j] = K' - p at its own channel = K - delta[j]. p is
+    // loaded once, while the slab's copy is in flight (docs/design.md, "Input bias").
+    acc_t delta[kBias ? V : 1];
+    acc_t p_first = acc_t(0);
+    if constexpr (kBias) {
+      const InputBiasRef<scalar_t>& ib = a.epi.input_bias;
+      p_first = ib.template at<acc_t>(n, g * a.D);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        delta[j] = place.active() ? ib.template at<acc_t>(n, g0 * a.D + place.lane * V + j) - p_first : acc_t(0);
+      }
+    }
     const int64_t next = item + item_stride;
     if (pipelined && next < items) {
       b ^= 1;
@@ -837,24 +854,11 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
     } else {
       __pipeline_wait_prior(0);  // (unpipelined, the grid is one CTA a slab: one pass of this loop)
     }
-    int64_t n, g0;
-    const int64_t base = slab_base(item, n, g0);
-    const int64_t g = g0 + q;
 
-    const acc_t K = static_cast<acc_t>(a.x[base + q * a.D]);
-    // kBias: the kernel normalizes x' = x + p, shifted by K' = K + p at the group's first channel:
-    // lane j sums x' - K' = x - KL[j], KL[j] = K' - p at its own channel.
-    const InputBiasRef<scalar_t>& ib = a.epi.input_bias;
-    [[maybe_unused]] const bool biased = kBias && place.active();
-    const acc_t p_first = kBias ? ib.template at<acc_t>(n, g * a.D) : acc_t(0);
-    // p at lane j's channel less p at the group's first: K - KL[j].
-    [[maybe_unused]] const auto lane_delta = [&](int j) {
-      return ib.template at<acc_t>(n, g0 * a.D + place.lane * V + j) - p_first;
-    };
     acc_t KL[kBias ? V : 1];
     if constexpr (kBias) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) KL[j] = biased ? K - lane_delta(j) : K;
+      for (int j = 0; j < V; ++j) KL[j] = K - delta[j];
     }
     const auto shifted_sum = [&](const P& x) {
       if constexpr (kBias) {
@@ -901,7 +905,7 @@ __global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_k
       // ((x - KL[j]) - mean') * a + b = ((x - K) - mean') * a + (b + (K - KL[j]) * a): the output
       // loop keeps its one shift K.
 #pragma unroll
-      for (int j = 0; j < V; ++j) lane_b[j] += lane_delta(j) * lane_a[j];
+      for (int j = 0; j < V; ++j) lane_b[j] += delta[j] * lane_a[j];
     }
     const EpiArgs<scalar_t>& e = a.epi;
     // E >= 1: stream 0 is the residual if given, else the multiplier (both when they are one
