@@ -195,7 +195,7 @@ constexpr int kSplitMinBlocks = 2;  // CTAs an SM the kernels' register cap guar
 constexpr int64_t kMaxEntries = 4096;      // partials one finalize item merges
 // The channels-last sweep's CTAs (at most; whole rows of C / V packs) and the CTAs an SM their
 // register caps guarantee (cols_sweep_path.cuh's launch bounds), for the moments and the output
-// kernels, and the rows a thread loads before using any. The output kernel keeps four
+// kernels, and the fewest rows the planner gives a thread. The output kernel keeps four
 // coefficients a channel: in CTAs of 512 threads (64 registers) ptxas spilled them.
 constexpr int kColsSweepThreads = 512;
 constexpr int kColsSweepBlocksPerSM = 2;

@@ -48,7 +48,8 @@ constexpr int kColsSweepThreads = plan::kColsSweepThreads;
 constexpr int kColsSweepMinBlocks = plan::kColsSweepBlocksPerSM;
 constexpr int kColsSweepOutputThreads = plan::kColsSweepOutputThreads;
 constexpr int kColsSweepOutputMinBlocks = plan::kColsSweepOutputBlocksPerSM;
-// Rows each thread loads before using any (a pack of each): 32 KB in flight a CTA of 512 threads.
+// The fewest rows the planner gives a thread; with a residual or multiplier the output kernel
+// loads half as many rows of each stream before using any (the rest take the ring below).
 constexpr int kColsSweepUnroll = plan::kColsSweepUnroll;
 // Packs a thread of either kernel has in flight, less one (its PackRing's slots): 7 x 16 bytes
 // where the registers held 4 (docs/design.md, "Channels-last sweep").
