@@ -134,9 +134,10 @@ plan::Problem problem_of(const GroupNormShape& sh, Layout layout, const Epilogue
 }
 
 // The CUDA answers to the planner's residency questions about this call's kernels (scalar_t, the
-// epilogue's activation, in the backward what its sums keep, in the forward the streams).
+// epilogue's activation, in the backward what its sums keep, in the forward the streams and
+// whether the channels-last one-pass kernel would add input_bias: its own instantiation).
 template <typename scalar_t>
-plan::Residency residency_of(Activation act, bool backward, Keep keep, int forward_streams) {
+plan::Residency residency_of(Activation act, bool backward, Keep keep, int forward_streams, bool input_bias = false) {
   using acc_t = acc_type<scalar_t>;
   plan::Residency r;
   constexpr int V = pack_width<scalar_t>();
@@ -144,8 +145,8 @@ plan::Residency residency_of(Activation act, bool backward, Keep keep, int forwa
     r.team_ctas_per_sm = [act, backward, keep](int64_t smem) {
       return team_residency<scalar_t>(act, backward, static_cast<int>(keep), smem);
     };
-    r.cols_ctas_per_sm = [act, forward_streams](int pack_bytes, int64_t smem) {
-      return cols_one_pass_residency<scalar_t>(act, forward_streams, pack_bytes, smem);
+    r.cols_ctas_per_sm = [act, forward_streams, input_bias](int pack_bytes, int64_t smem) {
+      return cols_one_pass_residency<scalar_t>(act, forward_streams, pack_bytes, smem, input_bias);
     };
   }
   r.param_grad_clusters = [](bool per_sample, int parts) { return param_grad_residency<acc_t>(per_sample, parts); };
@@ -162,7 +163,8 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   prob.aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(residual) && aligned16(multiplier);
   const plan::DeviceInfo dev = device_info();
   const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
-  const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams);
+  const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams,
+      /*input_bias=*/ep.input_bias.defined() && streams == 1);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
   if (ep.input_bias.defined() && pl.path != plan::Path::ColsSweep && (pl.path != plan::Path::ColsShared || streams > 1)) {
     // Only the channels-last sweep and one-pass kernels (the latter without a residual or

@@ -783,11 +783,12 @@ constexpr int kColsOperandBatch = 4;
 // large for one CTA or too few to fill the GPU one a CTA (docs/design.md, "Channels-last
 // one-pass"). items: the slabs, N * G / span.
 //
-// kBias (E = 0 only): with input_bias (docs/design.md, "Input bias"), its own instantiation: the
-// per-lane shifts took the kernels without it 8-18 registers more (ptxas, sm_90), and some from
-// three CTAs an SM to two.
+// kBias (E = 0 only): with input_bias (docs/design.md, "Input bias"), its own instantiation (the
+// per-lane shifts took the kernels without it 8-18 registers more, ptxas sm_90), held to three
+// CTAs an SM like the kernel without it (80 registers): at two, the clusters of 8 of the 256-CTA
+// plans did not all fit at once (GPCs hold whole clusters) and the rows took 1.25-1.6x as long.
 template <typename scalar_t, int V, Activation A, int E, bool kBias = false>
-__global__ void __launch_bounds__(kOnePassThreads, 2) group_norm_cols_one_pass_kernel(
+__global__ void __launch_bounds__(kOnePassThreads, kBias ? 3 : 2) group_norm_cols_one_pass_kernel(
     const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs, int span) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
@@ -1044,12 +1045,12 @@ void with_cols_one_pass_kernel(Activation act, int streams, int pack_bytes, cons
 // The planner's residency question about the channels-last kernel of a call: CTAs an SM with
 // `smem` bytes each (the kernel allowed that much first).
 template <typename scalar_t>
-int cols_one_pass_ctas_per_sm(Activation act, int streams, int pack_bytes, int64_t smem) {
+int cols_one_pass_ctas_per_sm(Activation act, int streams, int pack_bytes, int64_t smem, bool input_bias) {
   int per_sm = 0;
   with_cols_one_pass_kernel<scalar_t>(act, streams, pack_bytes, [&](auto kernel) {
     allow_dynamic_smem(kernel, static_cast<size_t>(smem));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kOnePassThreads, static_cast<size_t>(smem)));
-  });
+  }, input_bias);
   return per_sm;
 }
 
@@ -1117,8 +1118,8 @@ void cols_one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::
 }
 
 template <typename scalar_t>
-int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem) {
-  return cols_one_pass_ctas_per_sm<scalar_t>(act, streams, pack_bytes, smem);
+int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem, bool input_bias) {
+  return cols_one_pass_ctas_per_sm<scalar_t>(act, streams, pack_bytes, smem, input_bias);
 }
 
 }  // namespace fusednorm
@@ -1131,4 +1132,4 @@ int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t
   template void fusednorm::cols_one_pass_forward<T>(const plan::Plan&, const at::Tensor&, const at::Tensor&,  \
       const at::Tensor&, double, const GroupNormShape&, Layout, const Epilogue&, at::Tensor&, at::Tensor&,  \
       at::Tensor&);                                                                                           \
-  template int fusednorm::cols_one_pass_residency<T>(Activation, int, int, int64_t)
+  template int fusednorm::cols_one_pass_residency<T>(Activation, int, int, int64_t, bool)

@@ -29,9 +29,10 @@ template <typename scalar_t>
 void cols_one_pass_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& bias, double eps, const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y,
     at::Tensor& mean, at::Tensor& rstd);
-// The planner's residency question about the channels-last one-pass kernel of a call.
+// The planner's residency question about the channels-last one-pass kernel of a call (with
+// input_bias: the kernel that adds it, streams == 1 only).
 template <typename scalar_t>
-int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem);
+int cols_one_pass_residency(Activation act, int streams, int pack_bytes, int64_t smem, bool input_bias);
 
 // One-CTA backward: path OneCta (kernels/<dtype>_team.cu).
 template <typename scalar_t>
