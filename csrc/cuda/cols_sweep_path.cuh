@@ -172,8 +172,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   // The thread's rows s_begin + r, + step, ...: nr of them.
   const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
   const ColsSweepRing ring{reinterpret_cast<uint4*>(cols_sweep_smem) + threadIdx.x, static_cast<int>(blockDim.x)};
-#pragma unroll
-  for (int i = 0; i < kColsSweepStages - 1; ++i) ring.issue(i, i < nr, xs + i * stride);
+  ring.start(nr, xs, stride);
   // Two shifts a channel (docs/design.md, "Channels-last sweep"): the thread sums x - T, T its
   // own first element of the channel, so that M2 = q2 - q1^2 / nr loses digits only to an outlier
   // among its own few rows (no second pass over the tile, whatever the data); the sums it hands
@@ -193,9 +192,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
 #pragma unroll
   for (int j = 0; j < V; ++j) q1[j] = q2[j] = acc_t(0);
   for (int64_t i = 0; i < nr; ++i) {
-    const uint4 w = ring.take(i);
-    const int64_t ahead = i + kColsSweepStages - 1;
-    ring.issue(ahead, ahead < nr, xs + ahead * stride);
+    const uint4 w = ring.next(i, nr, xs, stride);
     P xp;
     memcpy(&xp, &w, sizeof(P));
 #pragma unroll
@@ -322,13 +319,10 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
     const ColsSweepRing ring{slots + threadIdx.x, static_cast<int>(blockDim.x)};
     const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
     const int64_t v0 = (s_begin + r) * a.cpr;
-#pragma unroll
-    for (int i = 0; i < kColsSweepStages - 1; ++i) ring.issue(i, i < nr, xs + v0 + i * stride);
+    ring.start(nr, xs + v0, stride);
     const OutputChannels<acc_t, V> ch = cols_sweep_output_channels<V>(a, n, c0);
     for (int64_t i = 0; i < nr; ++i) {
-      const uint4 w = ring.take(i);
-      const int64_t ahead = i + kColsSweepStages - 1;
-      ring.issue(ahead, ahead < nr, xs + v0 + ahead * stride);
+      const uint4 w = ring.next(i, nr, xs + v0, stride);
       P xp;
       memcpy(&xp, &w, sizeof(P));
       acc_t z[V];

@@ -37,6 +37,20 @@ struct PackRing {
     __pipeline_wait_prior(S - 2);
     return *slot(i);
   }
+
+  // The streaming protocol over a thread's rows 0 .. rows - 1, row i at src + i * stride:
+  // start() issues rows 0 .. S - 2; next(i), for i = 0, 1, ..., rows - 1 in turn, returns row i
+  // and issues row i + S - 1 (an empty commit group past the last row).
+  __device__ __forceinline__ void start(int64_t rows, const uint4* src, int64_t stride) const {
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i, i < rows, src + i * stride);
+  }
+  __device__ __forceinline__ uint4 next(int64_t i, int64_t rows, const uint4* src, int64_t stride) const {
+    const uint4 w = take(i);
+    const int64_t ahead = i + S - 1;
+    issue(ahead, ahead < rows, src + ahead * stride);
+    return w;
+  }
 };
 
 }  // namespace
