@@ -96,6 +96,11 @@ __device__ __forceinline__ ColsSweepTile cols_sweep_tile(const ColsSweepArgs<sca
   return t;
 }
 
+// The calling thread's rows of its tile, t.s_begin + t.r, + step, ...: how many (step: a.rows).
+__device__ __forceinline__ int64_t cols_sweep_thread_rows(const ColsSweepTile& t, int64_t step) {
+  return t.s_end - t.s_begin > t.r ? (t.s_end - t.s_begin - t.r + step - 1) / step : 0;
+}
+
 // The CTA's per-thread, per-channel values v (rows x C, row-major in `red`) summed per channel:
 // the totals end in row 0 of `red`. Each column is added by T = blockDim.x / C threads (at least
 // one) over every T-th row, then by one over those T partials: a fixed order.
@@ -169,8 +174,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   const int c0 = p * V;
   const int64_t step = a.rows;
   const int64_t stride = step * a.cpr;
-  // The thread's rows s_begin + r, + step, ...: nr of them.
-  const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
+  const int64_t nr = cols_sweep_thread_rows(tile, step);
   const ColsSweepRing ring{reinterpret_cast<uint4*>(cols_sweep_smem) + threadIdx.x, static_cast<int>(blockDim.x)};
   ring.start(nr, xs, stride);
   // Two shifts a channel (docs/design.md, "Channels-last sweep"): the thread sums x - T, T its
@@ -317,7 +321,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
     // the coefficients' loads (x is the moments kernel's input: written before it began).
     __shared__ uint4 slots[ColsSweepRing::bytes(kColsSweepOutputThreads) / sizeof(uint4)];
     const ColsSweepRing ring{slots + threadIdx.x, static_cast<int>(blockDim.x)};
-    const int64_t nr = s_end - s_begin > r ? (s_end - s_begin - r + step - 1) / step : 0;
+    const int64_t nr = cols_sweep_thread_rows(tile, step);
     const int64_t v0 = (s_begin + r) * a.cpr;
     ring.start(nr, xs + v0, stride);
     const OutputChannels<acc_t, V> ch = cols_sweep_output_channels<V>(a, n, c0);
