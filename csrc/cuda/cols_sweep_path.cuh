@@ -76,20 +76,21 @@ struct ColsSweepArgs {
   int rows;                  // rows a CTA reads at once: blockDim.x / cpr (each kernel its own)
 };
 
-// The tile of a CTA of either kernel, sample n's rows [s_begin, s_end), and the calling thread's
-// place in it: pack p of every row it reads (channels [p * V, (p + 1) * V)), rows r, r + rows, ...
+// Tile `index` of either kernel (the moments kernel takes them last to first, the output kernel
+// first to last), sample n's rows [s_begin, s_end), and the calling thread's place in it: pack p
+// of every row it reads (channels [p * V, (p + 1) * V)), rows r, r + rows, ...
 struct ColsSweepTile {
   int p, r;
   int64_t n, k, s_begin, s_end, sample;  // sample: the element offset of sample n
 };
 
 template <typename scalar_t>
-__device__ __forceinline__ ColsSweepTile cols_sweep_tile(const ColsSweepArgs<scalar_t>& a) {
+__device__ __forceinline__ ColsSweepTile cols_sweep_tile(const ColsSweepArgs<scalar_t>& a, int64_t index) {
   ColsSweepTile t;
   t.p = static_cast<int>(threadIdx.x) % a.cpr;
   t.r = static_cast<int>(threadIdx.x) / a.cpr;
-  t.n = static_cast<int64_t>(blockIdx.x) / a.split;
-  t.k = static_cast<int64_t>(blockIdx.x) - t.n * a.split;
+  t.n = index / a.split;
+  t.k = index - t.n * a.split;
   t.s_begin = t.k * a.chunk;
   t.s_end = imin(a.op.S, t.s_begin + a.chunk);
   t.sample = t.n * a.op.S * a.op.C;
@@ -166,7 +167,10 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   const OnePassArgs<scalar_t>& o = a.op;
   const int C = static_cast<int>(o.C);
   const int D = static_cast<int>(o.D);
-  const ColsSweepTile tile = cols_sweep_tile(a);
+  // The tiles last to first: the first waves read the end of x, which its writer (a convolution)
+  // wrote last and L2 may still hold, and the output kernel (first to last) then starts on the
+  // tiles read here last (docs/design.md, "Channels-last sweep").
+  const ColsSweepTile tile = cols_sweep_tile(a, static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x);
   const int p = tile.p, r = tile.r;
   const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   // Row s_begin + r + i * step's pack at xs + i * stride.
@@ -308,7 +312,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
   using P = Pack<scalar_t, V>;
   const OnePassArgs<scalar_t>& o = a.op;
   const EpiArgs<scalar_t>& e = o.epi;
-  const ColsSweepTile tile = cols_sweep_tile(a);
+  const ColsSweepTile tile = cols_sweep_tile(a, blockIdx.x);
   const int p = tile.p, r = tile.r;
   const int64_t n = tile.n, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
   const int c0 = p * V;
