@@ -278,27 +278,31 @@ struct OutputChannels {
 };
 
 // Waits for the finalize's records (the output kernel is its programmatic dependent), then
-// computes the thread's OutputChannels once.
+// computes the thread's OutputChannels once. The parameters and input_bias are loaded before the
+// wait (the finalize does not write them): after it, only the records' loads stand between the
+// finalize's end and the first row.
 template <int V, typename scalar_t, typename acc_t = acc_type<scalar_t>>
 __device__ __forceinline__ OutputChannels<acc_t, V> cols_sweep_output_channels(
     const ColsSweepArgs<scalar_t>& a, int64_t n, int c0) {
   const OnePassArgs<scalar_t>& o = a.op;
   const EpiArgs<scalar_t>& e = o.epi;
+  Affine<acc_t> m[V];
+  acc_t p[V];  // input_bias (x' - K' = x - (K' - p_c), docs/design.md, "Input bias")
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    m[j] = channel_affine<acc_t>(o, n, c0 + j);
+    p[j] = e.input_bias.ptr != nullptr ? e.input_bias.template at<acc_t>(n, c0 + j) : acc_t(0);
+  }
   wait_for_primary();  // the finalize's records
   OutputChannels<acc_t, V> ch;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const int64_t c = c0 + j;
-    const acc_t* rec = a.rec + (n * o.G + c / o.D) * kRec;
-    ch.K[j] = rec[0];
+    const acc_t* rec = a.rec + (n * o.G + (c0 + j) / o.D) * kRec;
+    ch.K[j] = e.input_bias.ptr != nullptr ? rec[0] - p[j] : rec[0];
     ch.sm[j] = rec[1];
-    const Affine<acc_t> cf = output_coefficients(o, n, c, rec[2]);
+    const Affine<acc_t> cf = output_coefficients(m[j], rec[2]);
     ch.ca[j] = cf.w;
     ch.cb[j] = cf.b;
-  }
-  if (e.input_bias.ptr != nullptr) {  // x' - K' = x - (K' - p_c) (docs/design.md, "Input bias")
-#pragma unroll
-    for (int j = 0; j < V; ++j) ch.K[j] -= e.input_bias.template at<acc_t>(n, c0 + j);
   }
   return ch;
 }

@@ -307,17 +307,22 @@ __device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* sl
   return one_pass_cluster_slot_sum(cta_total, 0, threadIdx.x == 0, slot, cluster);
 }
 
-// y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
-// of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
-// channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation,
-// fixed at compile time.
+// (w_eff, b_eff) of channel c of sample n: the affine parameters with the per-(n, c) modulation
+// folded in (modulate, epilogue.h). No statistics: the channels-last sweep's output kernel loads
+// them before it waits for its records.
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ Affine<acc_t> channel_affine(const OnePassArgs<scalar_t>& a, int64_t n, int64_t c) {
+  return modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
+}
 // The coefficients of channel c of sample n in y = (x - mean) * a_c + b_c: a_c = rstd * w_eff,
-// b_c = b_eff, the modulation folded into the affine parameters (modulate).
+// b_c = b_eff.
+template <typename acc_t>
+__device__ __forceinline__ Affine<acc_t> output_coefficients(const Affine<acc_t>& m, acc_t rstd) {
+  return {rstd * m.w, m.b};
+}
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ Affine<acc_t> output_coefficients(const OnePassArgs<scalar_t>& a, int64_t n, int64_t c, acc_t rstd) {
-  const Affine<acc_t> m =
-      modulate(a.epi, n * a.C + c, load_param(a.weight, c, acc_t(1)), load_param(a.bias, c, acc_t(0)));
-  return {rstd * m.w, m.b};
+  return output_coefficients(channel_affine<acc_t>(a, n, c), rstd);
 }
 
 // One element of y, before its rounding to scalar_t, of a group shifted by K whose mean is
@@ -334,6 +339,10 @@ __device__ __forceinline__ acc_t output_element(const EpiArgs<scalar_t>& e, acc_
   return z;
 }
 
+// y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
+// of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
+// channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation,
+// fixed at compile time.
 template <typename scalar_t, int V, Activation A>
 struct OnePassOutput {
   using acc_t = acc_type<scalar_t>;

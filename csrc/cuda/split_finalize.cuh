@@ -33,18 +33,31 @@ struct MomentsFinalizeArgs {
   int log_iw;
 };
 
+// The shift K of item (n, g): the first element of its group in x + input_bias.
+template <typename scalar_t, typename acc_t = acc_type<scalar_t>>
+__device__ __forceinline__ acc_t finalize_shift(const MomentsFinalizeArgs<scalar_t>& a, int64_t item) {
+  const int64_t n = div_nn(item, a.G);
+  const int64_t g = item - n * a.G;
+  return static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]) + a.input_bias.template at<acc_t>(n, g * a.D);
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const MomentsFinalizeArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   __shared__ Moments<acc_t, 1> smem[kThreads / kWarp];
+  const int lane = threadIdx.x & ((1 << a.log_iw) - 1);
+  const int per_block = kThreads >> a.log_iw;
+  const int64_t first_base = static_cast<int64_t>(blockIdx.x) * per_block;
+  // The shift K of the thread's first item (the first element of its group in x + input_bias),
+  // read before the wait: the moments kernel does not write x, and after the wait this load would
+  // stand between the moments' end and the records.
+  const int64_t first_item = first_base + (threadIdx.x >> a.log_iw);
+  const acc_t first_K = lane == 0 && first_item < a.items ? finalize_shift(a, first_item) : acc_t(0);
   // Launched as a programmatic dependent of the channels-last sweep's moments kernel, and the
   // output kernel of its own (cols_sweep_path.cuh); no-ops otherwise.
   wait_for_primary();
   launch_dependents();
-  const int lane = threadIdx.x & ((1 << a.log_iw) - 1);
-  const int per_block = kThreads >> a.log_iw;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * per_block; base < a.items;
-       base += static_cast<int64_t>(gridDim.x) * per_block) {
+  for (int64_t base = first_base; base < a.items; base += static_cast<int64_t>(gridDim.x) * per_block) {
     const int64_t item = base + (threadIdx.x >> a.log_iw);
     Moments<acc_t, 1> st;
     clear(st);
@@ -60,10 +73,7 @@ __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const Moment
     }
     st = segment_reduce(st, a.log_iw, smem);
     if (lane == 0 && item < a.items) {
-      const int64_t n = div_nn(item, a.G);
-      const int64_t g = item - n * a.G;
-      const acc_t K = static_cast<acc_t>(a.x[n * a.sample_stride + g * a.group_stride]) +
-                      a.input_bias.template at<acc_t>(n, g * a.D);
+      const acc_t K = base == first_base ? first_K : finalize_shift(a, item);
       // !(m2 <= 0), not m2 > 0: a NaN M2 (chunks whose overflowed M2 met in the merge as inf - inf)
       // must stay NaN, not become variance 0 and a finite rstd of 1 / sqrt(eps).
       const acc_t var = st.n > acc_t(0) && !(st.m2[0] <= acc_t(0)) ? st.m2[0] / st.n : acc_t(0);

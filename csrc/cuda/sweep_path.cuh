@@ -126,6 +126,9 @@ __global__ void __launch_bounds__(kSweepThreads, 2) group_norm_sweep_output_kern
   const int64_t v0 = g_begin + k * a.chunk;
   const int64_t v1 = g_begin + imin(a.lenv, (k + 1) * a.chunk);
   const acc_t* slots = a.part + g * a.split * 3;  // the group's tiles, written by the moments sweep
+  // The shift, read before the wait (the moments sweep does not write x): after it, this load
+  // would follow the fold's barriers.
+  const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
   wait_for_primary();
   const ChunkMoments<acc_t> m = team_fold(
       ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, a.split,
@@ -134,7 +137,6 @@ __global__ void __launch_bounds__(kSweepThreads, 2) group_norm_sweep_output_kern
   // As the team forward: a NaN M2 stays NaN, an overflowed one gives NaN, not rstd 0.
   const acc_t var = !(m.m2 <= acc_t(0)) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
   const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);
-  const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
   if (k == 0 && threadIdx.x == 0) {
     o.mean[g] = K + m.mean;
     o.rstd[g] = rstd;
