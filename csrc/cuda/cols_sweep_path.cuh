@@ -291,7 +291,7 @@ __device__ __forceinline__ OutputChannels<acc_t, V> cols_sweep_output_channels(
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     m[j] = channel_affine<acc_t>(o, n, c0 + j);
-    p[j] = e.input_bias.ptr != nullptr ? e.input_bias.template at<acc_t>(n, c0 + j) : acc_t(0);
+    p[j] = e.input_bias.template at<acc_t>(n, c0 + j);  // (0 without one)
   }
   wait_for_primary();  // the finalize's records
   OutputChannels<acc_t, V> ch;
