@@ -381,11 +381,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
   return {out[0], stats.mean, stats.rstd};
 }
 
+using AddForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&,
+    const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
+
+// The residual-add prologue: without a graph or a tangent the kernels compute the sum; otherwise
+// ATen does (input + other + input_bias, which it differentiates) and the fused op normalizes it,
+// the sum's gradient then that of both uses (docs/design.md, "Residual-add prologue").
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_group_norm_forward_autograd(
+    const at::Tensor& input, const at::Tensor& other, int64_t num_groups, const OptTensor& weight,
+    const OptTensor& bias, double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier, const OptTensor& input_bias) {
+  const OptTensor x(input), o(other);
+  const std::initializer_list<const OptTensor*> all{
+      &x, &o, &weight, &bias, &scale, &shift, &residual, &multiplier, &input_bias};
+  const bool graph = records_graph(all);
+  if (!graph && !needs_composition(all, graph)) {
+    static auto op = find_op<AddForwardFn>("fusednorm::add_group_norm_forward");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(input, other, num_groups, weight, bias, eps, scale, shift, residual, activation, negative_slope,
+        multiplier, input_bias);
+  }
+  const at::Tensor sum = add_operands(input, other, input_bias);
+  auto [output, mean, rstd] = fused_group_norm_forward_autograd(sum, num_groups, weight, bias, eps, scale, shift,
+      residual, activation, negative_slope, multiplier, c10::nullopt);
+  return {output, sum, mean, rstd};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
   m.impl("group_norm_forward", &group_norm_forward_autograd);
   m.impl("fused_group_norm_forward", &fused_group_norm_forward_autograd);
+  m.impl("add_group_norm_forward", &add_group_norm_forward_autograd);
 }
 
 }  // namespace fusednorm

@@ -229,6 +229,24 @@ at::Tensor add_input_bias(const at::Tensor& input, const at::Tensor& input_bias)
   return at::add(input, p);
 }
 
+void check_addend(const at::Tensor& input, const at::Tensor& other) {
+  check_same_device("other", other, input);
+  TORCH_CHECK(other.sym_sizes() == input.sym_sizes(), "Expected other of the input's shape ", input.sym_sizes(),
+      ", but got other of shape ", other.sym_sizes());
+  TORCH_CHECK_TYPE(other.scalar_type() == input.scalar_type(), "Expected other to have the input's dtype (",
+      input.scalar_type(), "), but got ", other.scalar_type());
+}
+
+at::Tensor add_operands(const at::Tensor& input, const at::Tensor& other, const c10::optional<at::Tensor>& input_bias) {
+  check_addend(input, other);
+  at::Tensor sum = at::add(input, other);
+  if (defined(input_bias)) {
+    check_input_bias(input, *input_bias);
+    sum = add_input_bias(sum, *input_bias);
+  }
+  return sum;
+}
+
 at::ScalarType param_grad_dtype(const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, at::ScalarType input_dtype) {
   if (defined(bias)) return bias->scalar_type();

@@ -83,6 +83,10 @@ struct Epilogue {
   // The prologue: the operand added to the input before the normalization (make_input_bias),
   // undefined, or (C,) or (N, C) contiguous in the input's dtype. empty() does not look at it.
   at::Tensor input_bias;
+  // The residual-add prologue (add_group_norm_forward): the kernels normalize
+  // sum = input + addend (+ input_bias) and write that sum out. Undefined, or the input's shape,
+  // dtype and kernel layout (addend) and an output buffer of the same (sum).
+  at::Tensor addend, sum;
   Activation activation = Activation::None;
   double negative_slope = 0.01;
 
@@ -121,6 +125,15 @@ at::Tensor make_input_bias(const at::Tensor& input, const GroupNormShape& shape,
 // materialized, for the kernels that do not add it on the fly and for autograd (docs/design.md,
 // "Input bias").
 at::Tensor add_input_bias(const at::Tensor& input, const at::Tensor& input_bias);
+
+// Validates the residual-add prologue's `other` (add_group_norm_forward): the input's shape, dtype
+// and device. Works on symbolic shapes too.
+void check_addend(const at::Tensor& input, const at::Tensor& other);
+
+// input + other (+ input_bias, as add_input_bias) with differentiable ATen ops, in the input's
+// dtype (the memory format ATen's add gives): the residual-add prologue's sum materialized, for the kernels that do
+// not compute it on the fly and for autograd (docs/design.md, "Residual-add prologue").
+at::Tensor add_operands(const at::Tensor& input, const at::Tensor& other, const c10::optional<at::Tensor>& input_bias);
 
 // The epilogue keywords of the composite ops, as passed ("none" for no activation).
 struct EpilogueArgs {

@@ -17,8 +17,14 @@
 //                          returns the gradients of input, weight, bias, scale, shift, residual and
 //                          multiplier (FusedGrads in group_norm.h), each parameter's gradient in
 //                          that parameter's dtype
+//   add_group_norm_forward -> (output, sum, mean, rstd): the residual-add prologue (docs/design.md,
+//                          "Residual-add prologue"): fused_group_norm_forward of
+//                          sum = input + other (+ input_bias), which it also returns (the input's
+//                          dtype and kernel layout); its backward is the autograd kernel's, on the
+//                          sum materialized by ATen
 // Composite ops (this file):
 //   group_norm     F.group_norm semantics, plus the optional epilogue keywords and input_bias
+//   add_group_norm (group_norm(input + other, ...), input + other): the residual-add prologue
 //   instance_norm  F.instance_norm semantics, running statistics updated in place, plus the
 //                  optional epilogue keywords
 #include <ATen/TensorOperators.h>
@@ -92,20 +98,43 @@ void check_has_channels(const at::Tensor& input) {
   TORCH_CHECK(input.sym_size(1) != 0, "Expected number of channels to be greater than 0, got 0");
 }
 
-at::Tensor group_norm(
-    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
-    double eps, OptString activation, double negative_slope, const OptTensor& scale,
-    const OptTensor& shift, const OptTensor& residual, const OptTensor& multiplier,
-    const OptTensor& input_bias) {
-  // As F.group_norm (it also runs where the Python wrapper does not, e.g. in TorchScript).
+// F.group_norm's own checks, in its order (the composite ops also run where the Python wrapper
+// does not, e.g. in TorchScript).
+void check_group_norm_call(const at::Tensor& input, int64_t num_groups) {
   TORCH_CHECK(input.dim() >= 2,
       "Expected at least 2 dimensions for input tensor but received ", input.dim());
   TORCH_CHECK(num_groups > 0, "Expected num_groups to be positive, but got num_groups=", num_groups);
   check_has_channels(input);
   TORCH_CHECK_VALUE(input.sym_size(0) * input.sym_size(1) / num_groups * spatial_numel(input) != 1,
       "Expected more than 1 value per channel when training, got input size ", input.sym_sizes());
+}
+
+at::Tensor group_norm(
+    const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+    double eps, OptString activation, double negative_slope, const OptTensor& scale,
+    const OptTensor& shift, const OptTensor& residual, const OptTensor& multiplier,
+    const OptTensor& input_bias) {
+  check_group_norm_call(input, num_groups);
   const EpilogueArgs ep{activation_or_none(activation), negative_slope, scale, shift, residual, multiplier};
   return std::get<0>(call_forward(input, num_groups, weight, bias, eps, ep, input_bias));
+}
+
+using AddForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&,
+    const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
+
+std::tuple<at::Tensor, at::Tensor> add_group_norm(
+    const at::Tensor& input, const at::Tensor& other, int64_t num_groups, const OptTensor& weight,
+    const OptTensor& bias, double eps, OptString activation, double negative_slope, const OptTensor& scale,
+    const OptTensor& shift, const OptTensor& residual, const OptTensor& multiplier,
+    const OptTensor& input_bias) {
+  check_group_norm_call(input, num_groups);  // (on the sum's shape, the input's)
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fusednorm::add_group_norm_forward", "")
+                       .typed<AddForwardFn>();
+  auto [output, sum, mean, rstd] = op.call(input, other, num_groups, weight, bias, eps, scale, shift, residual,
+      activation_or_none(activation), negative_slope, multiplier, input_bias);
+  return {output, sum};
 }
 
 // Per-channel view (C, 1, ..., 1) of a (C,) tensor, broadcastable against (N, C, *).
@@ -253,10 +282,20 @@ TORCH_LIBRARY(fusednorm, m) {
       " bool[7] output_mask, bool sum_residual_multiplier_grads=False)"
       " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "add_group_norm_forward(Tensor input, Tensor other, int num_groups, Tensor? weight, Tensor? bias,"
+      " float eps, Tensor? scale, Tensor? shift, Tensor? residual, str activation,"
+      " float negative_slope, Tensor? multiplier, Tensor? input_bias=None)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "group_norm(Tensor input, int num_groups, Tensor? weight=None, Tensor? bias=None,"
       " float eps=1e-05, *, str? activation=None, float negative_slope=0.01,"
       " Tensor? scale=None, Tensor? shift=None, Tensor? residual=None, Tensor? multiplier=None,"
       " Tensor? input_bias=None) -> Tensor");
+  m.def(
+      "add_group_norm(Tensor input, Tensor other, int num_groups, Tensor? weight=None, Tensor? bias=None,"
+      " float eps=1e-05, *, str? activation=None, float negative_slope=0.01,"
+      " Tensor? scale=None, Tensor? shift=None, Tensor? residual=None, Tensor? multiplier=None,"
+      " Tensor? input_bias=None) -> (Tensor, Tensor)");
   m.def(
       "instance_norm(Tensor input, Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None,"
       " Tensor? weight=None, Tensor? bias=None, bool use_input_stats=True, float momentum=0.1,"
@@ -272,6 +311,7 @@ TORCH_LIBRARY(fusednorm, m) {
 
 TORCH_LIBRARY_IMPL(fusednorm, CompositeImplicitAutograd, m) {
   m.impl("group_norm", &group_norm);
+  m.impl("add_group_norm", &add_group_norm);
   m.impl("instance_norm", &instance_norm);
 }
 

@@ -340,6 +340,22 @@ def _fused_group_norm_forward_handler(op_call, args, kwargs):
     return _forward(op_call, *args, **kwargs, fused=True)
 
 
+def _add_group_norm_forward_handler(op_call, args, kwargs):
+    # The residual-add prologue: the sum by DTensor's own add (it is an output too), then the fused
+    # op's forward on it (docs/design.md, "Residual-add prologue").
+    names = ("input", "other", "num_groups", "weight", "bias", "eps", "scale", "shift", "residual", "activation",
+             "negative_slope", "multiplier", "input_bias")
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    total = a["input"] + a["other"]
+    if a.get("input_bias") is not None:
+        total = total + a["input_bias"].reshape((-1, total.shape[1]) + (1,) * (total.dim() - 2))
+    out, mean, rstd = _forward(torch.ops.fusednorm.fused_group_norm_forward.default, total, a["num_groups"],
+                               a["weight"], a["bias"], a["eps"], a["scale"], a["shift"], a["residual"],
+                               a["activation"], a["negative_slope"], a["multiplier"], fused=True)
+    return out, total, mean, rstd
+
+
 def _group_norm_backward_handler(op_call, args, kwargs):
     grad_out, input, mean, rstd, weight, num_groups, output_mask = args
     return _backward(op_call, grad_out, input, mean, rstd, weight, None, num_groups, None, None, None, "none", 0.01,
@@ -371,6 +387,7 @@ def register() -> bool:
     ops = torch.ops.fusednorm
     handlers[ops.group_norm_forward.default] = _group_norm_forward_handler
     handlers[ops.fused_group_norm_forward.default] = _fused_group_norm_forward_handler
+    handlers[ops.add_group_norm_forward.default] = _add_group_norm_forward_handler
     handlers[ops.group_norm_backward.default] = _group_norm_backward_handler
     handlers[ops.fused_group_norm_backward.default] = _fused_group_norm_backward_handler
     _REGISTERED = True

@@ -189,6 +189,30 @@ def _fused_group_norm_forward_fake(input, num_groups, weight, bias, eps, scale, 
     return _group_norm_forward_fake(input, num_groups, weight, bias, eps)
 
 
+# -- add_group_norm_forward -------------------------------------------------------------------------
+
+
+def _check_addend(input: Tensor, other: Tensor) -> None:
+    # As check_addend in csrc/group_norm.cpp.
+    _check_same_device("other", other, input)
+    torch._check(
+        other.shape == input.shape,
+        lambda: f"Expected other of the input's shape {tuple(input.shape)}, but got other of shape {tuple(other.shape)}",
+    )
+    torch._check_type(
+        other.dtype == input.dtype, lambda: f"Expected other to have the input's dtype ({input.dtype}), but got {other.dtype}"
+    )
+
+
+@register_fake("add_group_norm_forward")
+def _add_group_norm_forward_fake(input, other, num_groups, weight, bias, eps, scale, shift, residual, activation,
+                                 negative_slope, multiplier, input_bias=None):
+    output, mean, rstd = _fused_group_norm_forward_fake(input, num_groups, weight, bias, eps, scale, shift, residual,
+                                                        activation, negative_slope, multiplier, input_bias)
+    _check_addend(input, other)
+    return output, _empty_like_kernel_output(input, input.dtype), mean, rstd
+
+
 @register_fake("fused_group_norm_backward")
 def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, num_groups, scale, shift, residual,
                                     activation, negative_slope, multiplier, output_mask: List[bool],

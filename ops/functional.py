@@ -7,7 +7,7 @@ as a TorchScript builtin of its op: scripted code that calls ``fusednorm.group_n
 the same keywords) compiles to the op itself, which performs the same checks.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ from . import _dtensor
 # The ops' overloads, looked up once: calling an overload skips the packet's per-call resolution
 # (~0.5 us of host time; docs/design.md, "Host time").
 _GROUP_NORM = torch.ops.fusednorm.group_norm.default
+_ADD_GROUP_NORM = torch.ops.fusednorm.add_group_norm.default
 _INSTANCE_NORM = torch.ops.fusednorm.instance_norm.default
 
 # The activations (None: no activation). Mirrors csrc/epilogue.h.
@@ -202,6 +203,54 @@ group_norm.__doc__ = """Group normalization, as :func:`torch.nn.functional.group
 """ + _EPILOGUE_DOC
 
 
+def add_group_norm(
+    input: Tensor,
+    other: Tensor,
+    num_groups: int,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    *,
+    activation: Optional[str] = None,
+    negative_slope: float = 0.01,
+    scale: Optional[Tensor] = None,
+    shift: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    multiplier: Optional[Tensor] = None,
+    input_bias: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    _check_tensor("add_group_norm", "input", 1, input)
+    _check_tensor("add_group_norm", "other", 2, other)
+    _check_int("add_group_norm", "num_groups", 3, num_groups)
+    _check_tensor("add_group_norm", "weight", 4, weight)
+    _check_tensor("add_group_norm", "bias", 5, bias)
+    _check_float("add_group_norm", "eps", 6, eps)
+    _check_epilogue_types("add_group_norm", activation, negative_slope, scale, shift, residual, multiplier)
+    _check_tensor("add_group_norm", "input_bias", None, input_bias)
+    if _dtensor.DTensor is not None and isinstance(input, _dtensor.DTensor):  # docs/distributed.md, 'DTensor'
+        _dtensor.check_supported()
+    prologue = {} if input_bias is None else {"input_bias": _same_dtype(input_bias, input.dtype)}
+    return _ADD_GROUP_NORM(
+        input, other, num_groups, weight, bias, eps,
+        activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype), **prologue,
+    )
+
+
+add_group_norm.__doc__ = """Group normalization of ``input + other``, returning ``(output, input + other)``.
+
+    ``add_group_norm(x, r, G, ...)`` is ``s = x + r; (group_norm(s, G, ...), s)`` in fewer passes
+    over memory: a resnet block's residual add before the next block's norm, whose sum the next
+    block reads again (as ``fused_add_rmsnorm`` does for transformers). ``other`` has the input's
+    shape and dtype (no broadcasting); ``input_bias`` (keyword-only, see :func:`group_norm`) is
+    part of the sum: ``s = x + r + input_bias[..., None, None]``, in the input's dtype and memory
+    format. Channels-last CUDA inputs that take the channels-last sweep compute ``s`` in float32
+    and round it once; other inputs are given ``s`` by ATen's adds (docs/design.md, "Residual-add
+    prologue"). Gradients flow through both outputs. The fusion backend
+    (:mod:`fusednorm.fusion`) writes it for ``(shortcut + conv(h)) / 1`` before a group norm.
+""" + _EPILOGUE_DOC
+
+
 def instance_norm(
     input: Tensor,
     running_mean: Optional[Tensor] = None,
@@ -261,6 +310,7 @@ def _register_torchscript_builtins() -> None:
     from torch.jit._builtins import _register_builtin
 
     _register_builtin(group_norm, "fusednorm::group_norm")
+    _register_builtin(add_group_norm, "fusednorm::add_group_norm")
     _register_builtin(instance_norm, "fusednorm::instance_norm")
 
 

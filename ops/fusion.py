@@ -43,6 +43,13 @@ has the norm's dtype: the convolution runs without its bias and the fused op get
 ``input_bias = bias [+ embedding]`` (docs/design.md, "Input bias"). The Inductor rule above is
 applied first; a norm with such a prologue and no step after it is fused too.
 
+A group norm whose input is a residual add, ``a + b`` or ``(a + b) / 1`` (a ResnetBlock's output
+at ``output_scale_factor=1``) with a and b of its shape and dtype and at least one of them a
+convolution with a bias used only by the add, becomes ``torch.ops.fusednorm.add_group_norm(a, b,
+..., input_bias=the biases)``, whose second output (the sum) replaces the add's other uses; only
+when those come after the chain, and only where the CUDA planner gives the call the channels-last
+sweep, the one path that computes the sum on the fly (docs/design.md, "Residual-add prologue").
+
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
 it reads the running statistics the norm updates (it would see them before the update), or when
 a node between it and the previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
@@ -367,6 +374,78 @@ def _take_prologue(gm: fx.GraphModule, prologue: Dict[str, Any], rank: int) -> T
     return conv, input_bias
 
 
+def _residual_add(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Dict[str, Any]]:
+    """The residual-add prologue the group norm of input `node` can take over (docs/design.md,
+    "Residual-add prologue"): `node` is a + b, or (a + b) / 1 (diffusers' ``/ output_scale_factor``
+    at its default), a and b of ref's shape and dtype, at least one of them a convolution with a
+    bias that only the add uses (a resnet's ``conv2(h) + shortcut``). The sum may have other users
+    (the next block's shortcut): they get the fused op's second output. Returns {"add", "div",
+    "operands", "convs"} (div None without one; convs: the (conv, bias) pairs whose bias the op
+    takes over), or None."""
+    div = None
+    if isinstance(node, fx.Node) and len(node.args) == 2 and not node.kwargs and (
+            (node.op == "call_function" and node.target in (operator.truediv, torch.div))
+            or (node.op == "call_method" and node.target == "div")):
+        one = node.args[1]
+        if type(one) in (int, float) and one == 1 and isinstance(node.args[0], fx.Node) \
+                and len(node.args[0].users) == 1:
+            div, node = node, node.args[0]
+    binary = _binary(node) if isinstance(node, fx.Node) else None
+    if binary is None or binary[:2] != ("add", False):
+        return None
+    operands = binary[2:]
+    if not all(isinstance(t, fx.Node) and _is_full(_value(t), ref) and not _mutated(gm, t) for t in operands) \
+            or operands[0] is operands[1]:
+        return None
+    convs = [c for c in (_conv_bias(gm, t, ref) for t in operands) if c is not None and c[1] is not None]
+    if not convs:
+        return None
+    return {"add": node, "div": div, "operands": operands, "convs": convs}
+
+
+def _residual_add_pays(ref: torch.Tensor, num_groups: Any, epilogue: Dict[str, Any], inductor: bool) -> bool:
+    """Whether the op computes the residual-add prologue's sum on the fly for this call: the CUDA
+    planner gives it the channels-last sweep (the one path that does; the others would have the sum
+    written by an add of their own, no better than Inductor's). Inductor lays a convolution's
+    output out channels-last, so under it the plan is that of a channels-last input."""
+    if ref.device.type != "cuda" or not isinstance(num_groups, int):
+        return False
+    shape = []
+    for size in ref.shape:
+        hint = size if isinstance(size, int) else getattr(getattr(size, "node", None), "hint", None)
+        if hint is None:
+            return False
+        shape.append(int(hint))
+    from . import kernel_paths
+
+    channels_last = inductor or (ref.dim() >= 3 and ref.movedim(1, -1).is_contiguous() and not ref.is_contiguous())
+    operands = [name for name in ("scale", "shift", "residual", "multiplier") if name in epilogue]
+    try:
+        plan = kernel_paths.plan(shape, num_groups, ref.dtype, channels_last=channels_last,
+                                 activation=epilogue.get("activation"), operands=operands, device=ref.device,
+                                 affine=False)
+    except (RuntimeError, ValueError):
+        return False
+    return plan.startswith("path=cols_sweep")
+
+
+def _take_residual_add(gm: fx.GraphModule, found: Dict[str, Any], before: fx.Node) -> Optional[fx.Node]:
+    """Removes the biases of the residual add's convolutions; returns the input_bias node (their
+    sum, inserted before `before`), or None without bias."""
+    biases = []
+    for conv, bias in found["convs"]:
+        if len(conv.args) > 2:
+            conv.update_arg(2, None)
+        else:
+            conv.update_kwarg("bias", None)
+        biases.append(bias)
+    input_bias = biases[0]
+    if len(biases) > 1:
+        with gm.graph.inserting_before(before):
+            input_bias = gm.graph.call_function(operator.add, (biases[0], biases[1]))
+    return input_bias
+
+
 def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) -> bool:
     norm = _norm(gm, node)
     ref = _value(node)
@@ -399,12 +478,24 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
         epilogue.update(step[1])
         chain.append(cur)
         dying += step[2]
-    if not chain and prologue is None:
+    added = None
+    if op == "group_norm" and ref.dim() >= 3 and prologue is None:
+        added = _residual_add(gm, args["input"], ref)
+        # The add moves to where the chain ends: the sum's other users must come after it, and
+        # nothing between the add and the norm may change its operands.
+        if added is not None and not (
+                all(position[u] > position[cur] for u in args["input"].users if u is not node)
+                and _untouched_between(gm, added["add"], node)
+                and _residual_add_pays(ref, args["num_groups"], epilogue, leave_to_inductor)):
+            added = None
+    if not chain and prologue is None and added is None:
         return False
 
     graph = gm.graph
     if prologue is not None:
         args["input"], epilogue["input_bias"] = _take_prologue(gm, prologue, ref.dim())
+    if added is not None:
+        return _fuse_residual_add(gm, node, cur, chain, dying, args, epilogue, added)
     with graph.inserting_before(node):
         for name, value in args.items():
             if isinstance(value, tuple) and value[:1] == ("get_attr",):
@@ -417,6 +508,43 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
     cur.replace_all_uses_with(fused)
     for dead in reversed([node] + chain):
         graph.erase_node(dead)
+    for dead in dying:
+        if not dead.users:
+            graph.erase_node(dead)
+    return True
+
+
+def _fuse_residual_add(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, chain: List[fx.Node], dying: List[fx.Node],
+                       args: Dict[str, Any], epilogue: Dict[str, Any], added: Dict[str, Any]) -> bool:
+    """The rewrite of _fuse with a residual-add prologue: ``add_group_norm(a, b, ...)`` where the
+    chain ends, its output replacing the chain's and its sum the add's (or the division's) other
+    uses."""
+    graph = gm.graph
+    total = args["input"]  # the sum: the add, or the division by one
+    input_bias = _take_residual_add(gm, added, cur)
+    if input_bias is not None:
+        epilogue["input_bias"] = input_bias
+    with graph.inserting_before(node):
+        for name, value in args.items():
+            if isinstance(value, tuple) and value[:1] == ("get_attr",):
+                args[name] = graph.get_attr(value[1])
+    with graph.inserting_before(cur):
+        a, b = added["operands"]
+        params = tuple(args[name] for name in _OP_PARAMS["group_norm"][1:])
+        fused = graph.call_function(torch.ops.fusednorm.add_group_norm.default, (a, b) + params, epilogue)
+        output = graph.call_function(operator.getitem, (fused, 0))
+        result = graph.call_function(operator.getitem, (fused, 1))
+    fused.meta.update(node.meta)
+    fused.meta["example_value"] = (cur.meta["example_value"], total.meta["example_value"])
+    output.meta["example_value"] = cur.meta["example_value"]
+    result.meta["example_value"] = total.meta["example_value"]
+    cur.replace_all_uses_with(output)
+    for dead in reversed([node] + chain):
+        graph.erase_node(dead)
+    total.replace_all_uses_with(result)
+    for dead in (added["div"], added["add"]):
+        if dead is not None:
+            graph.erase_node(dead)
     for dead in dying:
         if not dead.users:
             graph.erase_node(dead)

@@ -557,6 +557,46 @@ def test_dtensor_input_bias(pool, spec, p_shape):
         assert_close(gp, pr.grad, torch.float64, scale=10)
 
 
+def _task_dtensor_add_group_norm(rank, world, spec, x, other, p, grad_out):
+    """torch.ops.fusednorm.add_group_norm(x, other, input_bias=p) on DTensors, p replicated:
+    (placements, output and sum, the gradients of x, other and p)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    dx, do = (distribute_tensor(t, mesh, [_placement(spec)]) for t in (x, other))
+    dp = distribute_tensor(p, mesh, [Replicate()])
+    with torch.no_grad():  # the op itself (its DTensor rule)
+        plain, plain_total = torch.ops.fusednorm.add_group_norm(dx, do, 4, activation="silu", input_bias=dp)
+    for t in (dx, do, dp):
+        t.requires_grad_()
+    out, total = torch.ops.fusednorm.add_group_norm(dx, do, 4, activation="silu", input_bias=dp)  # autograd's sum
+    (out * total).backward(distribute_tensor(grad_out, mesh, [_placement(spec)]))
+    return (tuple(plain.placements), tuple(out.placements), plain.full_tensor(), plain_total.full_tensor(),
+            out.full_tensor(), total.full_tensor(), dx.grad.full_tensor(), do.grad.full_tensor(),
+            dp.grad.full_tensor())
+
+
+@needs_dtensor
+@pytest.mark.parametrize("spec", ["replicate", 0, 2])
+def test_dtensor_add_group_norm(pool, spec):
+    torch.manual_seed(0)
+    x, other = (torch.randn(2 * pool.world, 8, 6, 5, dtype=torch.float64) for _ in range(2))
+    p = torch.randn(8, dtype=torch.float64)
+    grad_out = torch.randn(x.shape, dtype=torch.float64)
+    xr, orr, pr = (t.clone().requires_grad_() for t in (x, other, p))
+    total = xr + orr + pr.reshape(-1, 8, 1, 1)
+    want = F.silu(F.group_norm(total, 4))
+    (want * total).backward(grad_out)
+    for result in pool.run(_task_dtensor_add_group_norm, spec, x, other, p, grad_out):
+        placements, placements_graph, plain, plain_total, out, got_total, gx, go, gp = result
+        assert placements == placements_graph == (_placement(spec),)
+        for got, expected in ((plain, want), (plain_total, total), (out, want), (got_total, total)):
+            assert_close(got, expected, torch.float64)
+        assert_close(gx, xr.grad, torch.float64, scale=10)
+        assert_close(go, orr.grad, torch.float64, scale=10)
+        assert_close(gp, pr.grad, torch.float64, scale=10)
+
+
 # -- DDP and FSDP2 --------------------------------------------------------------------------------------
 
 

@@ -45,6 +45,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cpu(
   return kernels().forward(x, weight, bias, eps, sh, layout, ep);
 }
 
+// The CPU kernels normalize the residual-add prologue's sum materialized (docs/design.md,
+// "Residual-add prologue").
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_group_norm_forward_cpu(
+    const at::Tensor& input, const at::Tensor& other, int64_t num_groups, const OptTensor& weight,
+    const OptTensor& bias, double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier, const OptTensor& input_bias) {
+  check_group_norm_args(input, num_groups, weight, bias);
+  const at::Tensor sum = to_layout(add_operands(input, other, input_bias), layout_for(input));
+  auto [output, mean, rstd] = fused_group_norm_forward_cpu(sum, num_groups, weight, bias, eps, scale, shift,
+      residual, activation, negative_slope, multiplier, c10::nullopt);
+  return {output, sum, mean, rstd};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& rstd, const OptTensor& weight, int64_t num_groups,
@@ -88,6 +101,7 @@ TORCH_LIBRARY_IMPL(fusednorm, CPU, m) {
   m.impl("group_norm_forward", &group_norm_forward_cpu);
   m.impl("group_norm_backward", &group_norm_backward_cpu);
   m.impl("fused_group_norm_forward", &fused_group_norm_forward_cpu);
+  m.impl("add_group_norm_forward", &add_group_norm_forward_cpu);
   m.impl("fused_group_norm_backward", &fused_group_norm_backward_cpu);
 }
 

@@ -74,6 +74,10 @@ struct ColsSweepArgs {
   int split;                 // tiles a sample
   int cpr;                   // packs a row, C / V
   int rows;                  // rows a CTA reads at once: blockDim.x / cpr (each kernel its own)
+  // The residual-add prologue (cols_sweep_add_moments_kernel): x's second operand and the sum
+  // written, x's shape and layout; null without it.
+  const scalar_t* addend;
+  scalar_t* sum;
 };
 
 // Tile `index` of either kernel (the moments kernel takes them last to first, the output kernel
@@ -153,6 +157,61 @@ __device__ __forceinline__ void cols_sweep_store_lanes(acc_t* red, int64_t at, c
   }
 }
 
+// The CTA's per-channel sums (q1 = sum (x - T), q2 = sum (x - T)^2 over each thread's nr rows, TK
+// = T - K, K the finalize's shift) combined per channel, then per group, into the tile's count,
+// mean of x - K and M2 in a.part. Called by every thread once its ring's slots are free (they
+// become red1 and red2).
+template <int V, typename scalar_t, typename acc_t = acc_type<scalar_t>>
+__device__ __forceinline__ void cols_sweep_tile_moments(const ColsSweepArgs<scalar_t>& a, const ColsSweepTile& tile,
+    int64_t nr, const acc_t (&TK)[V], const acc_t (&q1)[V], const acc_t (&q2)[V], unsigned char* smem) {
+  const OnePassArgs<scalar_t>& o = a.op;
+  const int C = static_cast<int>(o.C);
+  const int c0 = tile.p * V;
+  acc_t* red1 = reinterpret_cast<acc_t*>(smem);
+  acc_t* red2 = red1 + static_cast<int64_t>(blockDim.x) * V;
+  // Per channel, the tile's sum of x - K: each thread's nr * (T - K) + q1, added up over the rows.
+  const acc_t cnt = static_cast<acc_t>(nr);
+  const acc_t rows_n = static_cast<acc_t>(tile.s_end - tile.s_begin);  // a channel's count in the tile
+  acc_t v[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = nr > 0 ? cnt * TK[j] + q1[j] : acc_t(0);
+  cols_sweep_store_lanes<V>(red1, static_cast<int64_t>(tile.r) * C + c0, v);
+  __syncthreads();
+  cols_sweep_channel_totals(red1, a.rows, C);
+  // Per channel, the tile's M2: each thread's own M2 plus nr times its mean's squared distance
+  // from the channel's (the two-step form of Chan's merge, in plain sums).
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (nr > 0) {
+      const acc_t mean_t = q1[j] / cnt;                      // of x - T
+      const acc_t d = TK[j] + mean_t - red1[c0 + j] / rows_n;  // thread's mean - channel's
+      v[j] = (q2[j] - q1[j] * mean_t) + cnt * d * d;
+    } else {
+      v[j] = acc_t(0);
+    }
+  }
+  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(tile.r) * C + c0, v);
+  __syncthreads();
+  cols_sweep_channel_totals(red2, a.rows, C);
+  // Per group, the same two steps over its D channels (equal counts).
+  const int warp = static_cast<int>(threadIdx.x >> kLogWarp);
+  const int warps = static_cast<int>(blockDim.x >> kLogWarp);
+  const acc_t count = rows_n * static_cast<acc_t>(o.D);
+  for (int64_t g = warp; g < o.G; g += warps) {
+    const acc_t mean = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) { return red1[c]; }) / count;
+    const acc_t m2 = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) {
+      const acc_t d = red1[c] / rows_n - mean;
+      return red2[c] + rows_n * d * d;
+    });
+    if ((threadIdx.x & (kWarp - 1)) == 0) {
+      acc_t* slot = a.part + ((tile.n * o.G + g) * a.split + tile.k) * 3;
+      slot[0] = count;
+      slot[1] = mean;
+      slot[2] = m2;
+    }
+  }
+}
+
 // kBias: with input_bias (docs/design.md, "Input bias"), its own instantiation (its loads of p
 // took the kernel without it from 80 to 172 bytes of spill loads around the loop).
 template <typename scalar_t, int V, bool kBias>
@@ -165,14 +224,13 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   // to channel totals in row 0) in red1 and red2 (cols_sweep_moments_smem).
   extern __shared__ __align__(16) unsigned char cols_sweep_smem[];
   const OnePassArgs<scalar_t>& o = a.op;
-  const int C = static_cast<int>(o.C);
   const int D = static_cast<int>(o.D);
   // The tiles last to first: the first waves read the end of x, which its writer (a convolution)
   // wrote last and L2 may still hold, and the output kernel (first to last) then starts on the
   // tiles read here last (docs/design.md, "Channels-last sweep").
   const ColsSweepTile tile = cols_sweep_tile(a, static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x);
   const int p = tile.p, r = tile.r;
-  const int64_t n = tile.n, k = tile.k, s_begin = tile.s_begin, s_end = tile.s_end, sample = tile.sample;
+  const int64_t n = tile.n, s_begin = tile.s_begin, sample = tile.sample;
   // Row s_begin + r + i * step's pack at xs + i * stride.
   const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p) + (s_begin + r) * a.cpr;
   const int c0 = p * V;
@@ -212,62 +270,114 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   }
   __pipeline_wait_prior(0);  // (only empty groups can be left)
   __syncthreads();           // every thread done with its slots: red1 and red2 take their place
-  acc_t* red1 = reinterpret_cast<acc_t*>(cols_sweep_smem);
-  acc_t* red2 = red1 + static_cast<int64_t>(blockDim.x) * V;
-  // Per channel, the tile's sum of x - K: each thread's nr * (T - K) + q1, added up over the rows.
   // kBias: the kernel normalizes x' = x + p, and K is the first element of x'-s group: the sums of
   // x' - T' (T' = T + p_c) are those of x - T, and only T' - K = T - (K - p_c) changes.
-  acc_t K[V], TK[V];  // loaded after the loop (registers); TK = T - K
+  acc_t TK[V];  // loaded after the loop (registers); TK = T - K
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int64_t c_first = ((c0 + j) / D) * D;
-    K[j] = static_cast<acc_t>(o.x[sample + c_first]);
+    acc_t K = static_cast<acc_t>(o.x[sample + c_first]);
     if constexpr (kBias) {
       const InputBiasRef<scalar_t>& ib = o.epi.input_bias;
-      K[j] += ib.template at<acc_t>(n, c_first) - ib.template at<acc_t>(n, c0 + j);
+      K += ib.template at<acc_t>(n, c_first) - ib.template at<acc_t>(n, c0 + j);
     }
-    TK[j] = static_cast<acc_t>(T.v[j]) - K[j];
+    TK[j] = static_cast<acc_t>(T.v[j]) - K;
   }
-  const acc_t cnt = static_cast<acc_t>(nr);
-  const acc_t rows_n = static_cast<acc_t>(s_end - s_begin);  // a channel's count in the tile
-  acc_t v[V];
+  cols_sweep_tile_moments<V>(a, tile, nr, TK, q1, q2, cols_sweep_smem);
+}
+
+// The residual-add prologue (docs/design.md, "Residual-add prologue"): the moments kernel of
+// sum = x + addend (+ input_bias), each element added in acc_t and rounded once to scalar_t,
+// which it writes to a.sum and sums as the kernel above sums x (the statistics are the written
+// sum's). Its two streams share the ring's bytes (half the rows ahead each). The shift K stays
+// the finalize's, x + input_bias at the group's first element (finalize_shift), not an element
+// of the sum: any K is exact, and this one the finalize can read before its wait.
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
+    cols_sweep_add_moments_kernel(const __grid_constant__ ColsSweepArgs<scalar_t> a) {
+  using acc_t = acc_type<scalar_t>;
+  using P = Pack<scalar_t, V>;
+  using Ring = PairRing<kColsSweepStages / 2>;
+  static_assert(Ring::bytes(kColsSweepThreads) == ColsSweepRing::bytes(kColsSweepThreads), "the same bytes");
+  extern __shared__ __align__(16) unsigned char cols_sweep_smem[];
+  const OnePassArgs<scalar_t>& o = a.op;
+  const int D = static_cast<int>(o.D);
+  const ColsSweepTile tile = cols_sweep_tile(a, static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x);
+  const int p = tile.p, r = tile.r;
+  const int64_t n = tile.n, s_begin = tile.s_begin, sample = tile.sample;
+  const int64_t v0 = (s_begin + r) * a.cpr;
+  const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p) + v0;
+  const uint4* as = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(a.addend + sample) + p) + v0;
+  uint4* ss = reinterpret_cast<uint4*>(reinterpret_cast<P*>(a.sum + sample) + p) + v0;
+  const int c0 = p * V;
+  const int64_t step = a.rows;
+  const int64_t stride = step * a.cpr;
+  const int64_t nr = cols_sweep_thread_rows(tile, step);
+  const Ring ring{reinterpret_cast<uint4*>(cols_sweep_smem) + threadIdx.x, static_cast<int>(blockDim.x)};
+  ring.start(nr, xs, as, stride);
+  // input_bias at the thread's channels (0 without one), and T, the thread's own first element
+  // of the sum a channel (as the kernel above), kept as packs (4 registers each).
+  uint4 pw;
+  {
+    P pb;
 #pragma unroll
-  for (int j = 0; j < V; ++j) v[j] = nr > 0 ? cnt * TK[j] + q1[j] : acc_t(0);
-  cols_sweep_store_lanes<V>(red1, static_cast<int64_t>(r) * C + c0, v);
+    for (int j = 0; j < V; ++j) pb.v[j] = o.epi.input_bias.template at<scalar_t>(n, c0 + j);
+    memcpy(&pw, &pb, sizeof(P));
+  }
+  const auto add = [&](const uint4& wx, const uint4& wa) {
+    P xp, ap, pb, sp;
+    memcpy(&xp, &wx, sizeof(P));
+    memcpy(&ap, &wa, sizeof(P));
+    memcpy(&pb, &pw, sizeof(P));
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      sp.v[j] = static_cast<scalar_t>(
+          static_cast<acc_t>(xp.v[j]) + static_cast<acc_t>(ap.v[j]) + static_cast<acc_t>(pb.v[j]));
+    }
+    uint4 ws;
+    memcpy(&ws, &sp, sizeof(P));
+    return ws;
+  };
+  uint4 Tw = make_uint4(0, 0, 0, 0);  // (0 in every 2- and 4-byte floating type)
+  if (nr > 0) {
+    uint4 wx, wa;
+    ring.take(0, wx, wa);
+    Tw = add(wx, wa);
+  }
+  launch_dependents();
+  acc_t q1[V], q2[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) q1[j] = q2[j] = acc_t(0);
+  // One row at a time: unrolled by two, as the compiler would, it spills twice as much and ran
+  // 3-6% slower (docs/design.md, "Measured and not kept").
+#pragma unroll 1
+  for (int64_t i = 0; i < nr; ++i) {
+    uint4 wx, wa;
+    ring.next(i, nr, xs, as, stride, wx, wa);
+    const uint4 ws = add(wx, wa);
+    ss[i * stride] = ws;
+    P sp, T;
+    memcpy(&sp, &ws, sizeof(P));
+    memcpy(&T, &Tw, sizeof(P));
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const acc_t d = static_cast<acc_t>(sp.v[j]) - static_cast<acc_t>(T.v[j]);
+      q1[j] += d;
+      q2[j] += d * d;
+    }
+  }
+  __pipeline_wait_prior(0);
   __syncthreads();
-  cols_sweep_channel_totals(red1, a.rows, C);
-  // Per channel, the tile's M2: each thread's own M2 plus nr times its mean's squared distance
-  // from the channel's (the two-step form of Chan's merge, in plain sums).
+  acc_t TK[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    if (nr > 0) {
-      const acc_t mean_t = q1[j] / cnt;                      // of x - T
-      const acc_t d = TK[j] + mean_t - red1[c0 + j] / rows_n;  // thread's mean - channel's
-      v[j] = (q2[j] - q1[j] * mean_t) + cnt * d * d;
-    } else {
-      v[j] = acc_t(0);
-    }
+    const int64_t c_first = ((c0 + j) / D) * D;
+    const acc_t K = static_cast<acc_t>(o.x[sample + c_first]) + o.epi.input_bias.template at<acc_t>(n, c_first);
+    P T;
+    memcpy(&T, &Tw, sizeof(P));
+    TK[j] = static_cast<acc_t>(T.v[j]) - K;
   }
-  cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(r) * C + c0, v);
-  __syncthreads();
-  cols_sweep_channel_totals(red2, a.rows, C);
-  // Per group, the same two steps over its D channels (equal counts).
-  const int warp = static_cast<int>(threadIdx.x >> kLogWarp);
-  const int warps = static_cast<int>(blockDim.x >> kLogWarp);
-  const acc_t count = rows_n * static_cast<acc_t>(o.D);
-  for (int64_t g = warp; g < o.G; g += warps) {
-    const acc_t mean = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) { return red1[c]; }) / count;
-    const acc_t m2 = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) {
-      const acc_t d = red1[c] / rows_n - mean;
-      return red2[c] + rows_n * d * d;
-    });
-    if ((threadIdx.x & (kWarp - 1)) == 0) {
-      acc_t* slot = a.part + ((n * o.G + g) * a.split + k) * 3;
-      slot[0] = count;
-      slot[1] = mean;
-      slot[2] = m2;
-    }
-  }
+  cols_sweep_tile_moments<V>(a, tile, nr, TK, q1, q2, cols_sweep_smem);
 }
 
 // The output kernel's per-channel constants of a thread's V channels [c0, c0 + V) in sample n:
@@ -401,7 +511,11 @@ void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Ten
     kernel<<<static_cast<unsigned>(tiles), pl.threads, smem, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (o.epi.input_bias.ptr != nullptr) {
+  if (ep.addend.defined()) {
+    a.addend = ep.addend.data_ptr<scalar_t>();
+    a.sum = ep.sum.data_ptr<scalar_t>();
+    moments(cols_sweep_add_moments_kernel<scalar_t, V>);
+  } else if (o.epi.input_bias.ptr != nullptr) {
     moments(cols_sweep_moments_kernel<scalar_t, V, true>);
   } else {
     moments(cols_sweep_moments_kernel<scalar_t, V, false>);
@@ -409,6 +523,14 @@ void cols_sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Ten
   const at::Tensor rec =
       finalize_moments_pass<scalar_t>(part, a.split, x, eps, sh, layout, mean, rstd, /*dependent=*/true, o.epi.input_bias);
   a.rec = rec.data_ptr<acc_t>();
+  if (ep.addend.defined()) {
+    // The output kernel normalizes the sum, input_bias included. Its ring's first rows, issued
+    // before it waits for the finalize, read what the moments kernel wrote: the finalize lets
+    // it start only once it has waited for the moments kernel's end, and 16-byte cp.async reads
+    // L2 (docs/design.md, "Residual-add prologue").
+    o.x = a.sum;
+    o.epi.input_bias = InputBiasRef<scalar_t>{nullptr, 0};
+  }
   a.rows = out_threads / a.cpr;
   a.chunk = pl.output.chunk;
   a.split = static_cast<int>(pl.output.split);

@@ -73,6 +73,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/EmptyTensor.h>
+#include <ATen/ops/add.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -87,6 +88,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace fusednorm {
 namespace {
@@ -166,6 +168,22 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams,
       /*input_bias=*/ep.input_bias.defined() && streams == 1);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
+  if (ep.addend.defined() && (pl.path != plan::Path::ColsSweep || !aligned16(ep.addend.data_ptr()) ||
+                                 !aligned16(ep.sum.data_ptr()))) {
+    // Only the channels-last sweep computes the residual-add prologue's sum on the fly
+    // (docs/design.md, "Residual-add prologue"); the others normalize it written out by ATen.
+    at::Tensor sum = ep.sum;
+    at::add_out(sum, x, ep.addend);
+    if (ep.input_bias.defined()) {
+      std::vector<int64_t> shape(x.dim(), 1);  // (1 or N, C, 1, ..., 1)
+      shape[0] = ep.input_bias.dim() == 1 ? 1 : sh.N;
+      shape[1] = sh.C;
+      sum.add_(ep.input_bias.view(shape));
+    }
+    Epilogue rest = ep;
+    rest.addend = rest.sum = rest.input_bias = at::Tensor();
+    return forward_impl<scalar_t>(ep.sum, weight, bias, eps, sh, layout, rest, y, mean, rstd);
+  }
   if (ep.input_bias.defined() && pl.path != plan::Path::ColsSweep && (pl.path != plan::Path::ColsShared || streams > 1)) {
     // Only the channels-last sweep and one-pass kernels (the latter without a residual or
     // multiplier) add input_bias on the fly (docs/design.md, "Input bias"); the others normalize
@@ -358,6 +376,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_cuda(
       });
 }
 
+// The residual-add prologue: the forward of sum = input + other (+ input_bias), returned too
+// (docs/design.md, "Residual-add prologue").
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_group_norm_forward_cuda(
+    const at::Tensor& input, const at::Tensor& other, int64_t num_groups, const OptTensor& weight,
+    const OptTensor& bias, double eps, const OptTensor& scale, const OptTensor& shift, const OptTensor& residual,
+    c10::string_view activation, double negative_slope, const OptTensor& multiplier, const OptTensor& input_bias) {
+  at::Tensor sum;
+  auto [output, mean, rstd] = forward_cuda(input, num_groups, weight, bias, eps,
+      [&](const at::Tensor& x, const GroupNormShape& sh, Layout layout) {
+        check_addend(x, other);  // (after group_norm's own checks, as the sum's)
+        Epilogue ep = make_epilogue(x, sh, layout, scale, shift, residual, activation, negative_slope, multiplier);
+        if (defined(input_bias)) ep.input_bias = make_input_bias(x, sh, *input_bias);
+        ep.addend = to_layout(other, layout);
+        ep.sum = sum = empty_in_layout(x, layout, x.scalar_type());
+        return ep;
+      });
+  return {output, sum, mean, rstd};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 fused_group_norm_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
@@ -380,6 +417,7 @@ TORCH_LIBRARY_IMPL(fusednorm, CUDA, m) {
   m.impl("group_norm_backward", &group_norm_backward_cuda);
   m.impl("fused_group_norm_forward", &fused_group_norm_forward_cuda);
   m.impl("fused_group_norm_backward", &fused_group_norm_backward_cuda);
+  m.impl("add_group_norm_forward", &add_group_norm_forward_cuda);
 }
 
 }  // namespace fusednorm

@@ -53,5 +53,48 @@ struct PackRing {
   }
 };
 
+// PackRing's protocol over two streams read row by row together (the residual-add prologue's
+// input and addend): each row's two packs are one commit group, in slots i % S of the thread's
+// two sets of S slots; S - 1 rows ahead, as PackRing.
+template <int S>
+struct PairRing {
+  static_assert(S >= 2 && (S & (S - 1)) == 0, "a power of two of slots");
+  uint4* base;  // the thread's slot 0 of the first stream; the second's S * stride further
+  int stride;   // threads of the CTA
+
+  static constexpr size_t bytes(int threads) { return 2 * static_cast<size_t>(S) * threads * sizeof(uint4); }
+
+  __device__ __forceinline__ uint4* slot(int64_t i) const { return base + static_cast<int>(i & (S - 1)) * stride; }
+
+  __device__ __forceinline__ void issue(int64_t i, bool valid, const uint4* a, const uint4* b) const {
+    if (valid) {
+      uint4* s = slot(i);
+      __pipeline_memcpy_async(s, a, sizeof(uint4));
+      __pipeline_memcpy_async(s + S * stride, b, sizeof(uint4));
+    }
+    __pipeline_commit();
+  }
+
+  // Row i's two packs, once issued rows 0 .. i + S - 2 (exactly) have been.
+  __device__ __forceinline__ void take(int64_t i, uint4& a, uint4& b) const {
+    __pipeline_wait_prior(S - 2);
+    const uint4* s = slot(i);
+    a = s[0];
+    b = s[S * stride];
+  }
+
+  // Row i of each stream at a + i * step, b + i * step.
+  __device__ __forceinline__ void start(int64_t rows, const uint4* a, const uint4* b, int64_t step) const {
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i, i < rows, a + i * step, b + i * step);
+  }
+  __device__ __forceinline__ void next(int64_t i, int64_t rows, const uint4* a, const uint4* b, int64_t step,
+      uint4& wa, uint4& wb) const {
+    take(i, wa, wb);
+    const int64_t ahead = i + S - 1;
+    issue(ahead, ahead < rows, a + ahead * step, b + ahead * step);
+  }
+};
+
 }  // namespace
 }  // namespace fusednorm
