@@ -207,9 +207,10 @@ def _check_addend(input: Tensor, other: Tensor) -> None:
 @register_fake("add_group_norm_forward")
 def _add_group_norm_forward_fake(input, other, num_groups, weight, bias, eps, scale, shift, residual, activation,
                                  negative_slope, multiplier, input_bias=None):
+    _check_group_norm_args(input, num_groups, weight, bias)  # group_norm's checks, then other's, as the kernels
+    _check_addend(input, other)
     output, mean, rstd = _fused_group_norm_forward_fake(input, num_groups, weight, bias, eps, scale, shift, residual,
                                                         activation, negative_slope, multiplier, input_bias)
-    _check_addend(input, other)
     return output, _empty_like_kernel_output(input, input.dtype), mean, rstd
 
 
