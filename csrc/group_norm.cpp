@@ -222,11 +222,15 @@ at::Tensor make_input_bias(const at::Tensor& input, const GroupNormShape& sh, co
   return input_bias.dim() == 1 ? input_bias.contiguous() : input_bias.reshape({sh.N, sh.C}).contiguous();
 }
 
-at::Tensor add_input_bias(const at::Tensor& input, const at::Tensor& input_bias) {
+at::Tensor input_bias_column(const at::Tensor& input, const at::Tensor& input_bias) {
   // (1, C) or (N, C), then a 1 a spatial dimension: no sizes read (symbolic under torch.compile).
   at::Tensor p = input_bias.dim() == 1 ? input_bias.unsqueeze(0) : input_bias.flatten(1);
   for (int64_t d = 2; d < input.dim(); ++d) p = p.unsqueeze(-1);
-  return at::add(input, p);
+  return p;
+}
+
+at::Tensor add_input_bias(const at::Tensor& input, const at::Tensor& input_bias) {
+  return at::add(input, input_bias_column(input, input_bias));
 }
 
 void check_addend(const at::Tensor& input, const at::Tensor& other) {

@@ -120,6 +120,10 @@ void check_input_bias(const at::Tensor& input, const at::Tensor& input_bias);
 // check_input_bias, then input_bias as the kernels read it: (C,) or (N, C), contiguous.
 at::Tensor make_input_bias(const at::Tensor& input, const GroupNormShape& shape, const at::Tensor& input_bias);
 
+// input_bias (any shape check_input_bias accepts) as a view of shape (1 or N, C, 1, ..., 1),
+// broadcastable against the input.
+at::Tensor input_bias_column(const at::Tensor& input, const at::Tensor& input_bias);
+
 // input + input_bias (any shape check_input_bias accepts) broadcast over the spatial dimensions,
 // in the input's dtype and memory format, with differentiable ATen ops: the prologue
 // materialized, for the kernels that do not add it on the fly and for autograd (docs/design.md,

@@ -244,6 +244,11 @@ def _whole_count(plan: _Plan, input_local: Tensor) -> Tensor:
 # -- handlers -----------------------------------------------------------------------------------------
 
 
+def _add_input_bias(input, input_bias):
+    """input + input_bias ((C,), (N, C) or (N, C, 1, ..., 1)) broadcast over the spatial dimensions."""
+    return input + input_bias.reshape((-1, input.shape[1]) + (1,) * (input.dim() - 2))
+
+
 def _forward(op, input, num_groups, weight, bias, eps, scale=None, shift=None, residual=None, activation="none",
              negative_slope=0.01, multiplier=None, input_bias=None, fused=False):
     from . import distributed as _dist  # here: distributed imports this module
@@ -251,7 +256,7 @@ def _forward(op, input, num_groups, weight, bias, eps, scale=None, shift=None, r
     if input_bias is not None:
         # The prologue materialized by DTensor's own add, as the kernels off the channels-last
         # CUDA paths are given it (docs/design.md, "Input bias").
-        input = input + input_bias.reshape((-1, input.shape[1]) + (1,) * (input.dim() - 2))
+        input = _add_input_bias(input, input_bias)
     input = _replicated_input(input)
     plan = _Plan(input, num_groups)
     x = input.to_local()
@@ -349,7 +354,7 @@ def _add_group_norm_forward_handler(op_call, args, kwargs):
     a.update(kwargs)
     total = a["input"] + a["other"]
     if a.get("input_bias") is not None:
-        total = total + a["input_bias"].reshape((-1, total.shape[1]) + (1,) * (total.dim() - 2))
+        total = _add_input_bias(total, a["input_bias"])
     out, mean, rstd = _forward(torch.ops.fusednorm.fused_group_norm_forward.default, total, a["num_groups"],
                                a["weight"], a["bias"], a["eps"], a["scale"], a["shift"], a["residual"],
                                a["activation"], a["negative_slope"], a["multiplier"], fused=True)

@@ -291,13 +291,17 @@ def _running_stats_readers(gm: fx.GraphModule, norm: fx.Node, args: Dict[str, An
     return readers
 
 
-def _numel_hint(t: torch.Tensor) -> Optional[int]:
-    """t.numel(), read without adding a guard: a symbolic size's hint; None without one."""
-    n = t.numel()
+def _hint(n: Any) -> Optional[int]:
+    """An int, or a symbolic size's hint, read without adding a guard; None without one."""
     if isinstance(n, int):
         return n
     hint = getattr(getattr(n, "node", None), "hint", None)
     return int(hint) if hint is not None else None
+
+
+def _numel_hint(t: torch.Tensor) -> Optional[int]:
+    """t.numel(), read without adding a guard (_hint)."""
+    return _hint(t.numel())
 
 
 def _inductor_prologue(node: Any, source: torch.Tensor) -> bool:
@@ -351,16 +355,21 @@ def _prologue(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Dict
     return {"conv": found[0], "bias": found[1], "embedding": embedding, "add": add}
 
 
+def _drop_conv_bias(conv: fx.Node) -> None:
+    """Calls the convolution `conv` without its bias (the fused op takes it over)."""
+    if len(conv.args) > 2:
+        conv.update_arg(2, None)
+    else:
+        conv.update_kwarg("bias", None)
+
+
 def _take_prologue(gm: fx.GraphModule, prologue: Dict[str, Any], rank: int) -> Tuple[fx.Node, fx.Node]:
     """Removes the bias from the convolution and the embedding's add; returns (the convolution,
     the input_bias node), inserted before the convolution's old user."""
     graph = gm.graph
     conv, bias, embedding, add = (prologue[k] for k in ("conv", "bias", "embedding", "add"))
     if bias is not None:
-        if len(conv.args) > 2:
-            conv.update_arg(2, None)
-        else:
-            conv.update_kwarg("bias", None)
+        _drop_conv_bias(conv)
     if embedding is None:
         return conv, bias
     if bias is None:
@@ -410,12 +419,9 @@ def _residual_add_pays(ref: torch.Tensor, num_groups: Any, epilogue: Dict[str, A
     output out channels-last, so under it the plan is that of a channels-last input."""
     if ref.device.type != "cuda" or not isinstance(num_groups, int):
         return False
-    shape = []
-    for size in ref.shape:
-        hint = size if isinstance(size, int) else getattr(getattr(size, "node", None), "hint", None)
-        if hint is None:
-            return False
-        shape.append(int(hint))
+    shape = [_hint(size) for size in ref.shape]
+    if None in shape:
+        return False
     from . import kernel_paths
 
     channels_last = inductor or (ref.dim() >= 3 and ref.movedim(1, -1).is_contiguous() and not ref.is_contiguous())
@@ -434,10 +440,7 @@ def _take_residual_add(gm: fx.GraphModule, found: Dict[str, Any], before: fx.Nod
     sum, inserted before `before`), or None without bias."""
     biases = []
     for conv, bias in found["convs"]:
-        if len(conv.args) > 2:
-            conv.update_arg(2, None)
-        else:
-            conv.update_kwarg("bias", None)
+        _drop_conv_bias(conv)
         biases.append(bias)
     input_bias = biases[0]
     if len(biases) > 1:
@@ -492,59 +495,39 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
         return False
 
     graph = gm.graph
+    total = args["input"]  # with a residual add: the sum (the add, or the division by one)
     if prologue is not None:
         args["input"], epilogue["input_bias"] = _take_prologue(gm, prologue, ref.dim())
     if added is not None:
-        return _fuse_residual_add(gm, node, cur, chain, dying, args, epilogue, added)
+        input_bias = _take_residual_add(gm, added, cur)
+        if input_bias is not None:
+            epilogue["input_bias"] = input_bias
     with graph.inserting_before(node):
         for name, value in args.items():
             if isinstance(value, tuple) and value[:1] == ("get_attr",):
                 args[name] = graph.get_attr(value[1])
+    params = tuple(args[name] for name in _OP_PARAMS[op])
     with graph.inserting_before(cur):
-        target = getattr(torch.ops.fusednorm, op).default
-        fused = graph.call_function(target, tuple(args[name] for name in _OP_PARAMS[op]), epilogue)
+        if added is None:
+            fused = output = graph.call_function(getattr(torch.ops.fusednorm, op).default, params, epilogue)
+        else:  # add_group_norm(a, b, ...): (output, the sum)
+            fused = graph.call_function(torch.ops.fusednorm.add_group_norm.default,
+                                        tuple(added["operands"]) + params[1:], epilogue)
+            output = graph.call_function(operator.getitem, (fused, 0))
+            result = graph.call_function(operator.getitem, (fused, 1))
     fused.meta.update(node.meta)
-    fused.meta["example_value"] = cur.meta["example_value"]
-    cur.replace_all_uses_with(fused)
-    for dead in reversed([node] + chain):
-        graph.erase_node(dead)
-    for dead in dying:
-        if not dead.users:
-            graph.erase_node(dead)
-    return True
-
-
-def _fuse_residual_add(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, chain: List[fx.Node], dying: List[fx.Node],
-                       args: Dict[str, Any], epilogue: Dict[str, Any], added: Dict[str, Any]) -> bool:
-    """The rewrite of _fuse with a residual-add prologue: ``add_group_norm(a, b, ...)`` where the
-    chain ends, its output replacing the chain's and its sum the add's (or the division's) other
-    uses."""
-    graph = gm.graph
-    total = args["input"]  # the sum: the add, or the division by one
-    input_bias = _take_residual_add(gm, added, cur)
-    if input_bias is not None:
-        epilogue["input_bias"] = input_bias
-    with graph.inserting_before(node):
-        for name, value in args.items():
-            if isinstance(value, tuple) and value[:1] == ("get_attr",):
-                args[name] = graph.get_attr(value[1])
-    with graph.inserting_before(cur):
-        a, b = added["operands"]
-        params = tuple(args[name] for name in _OP_PARAMS["group_norm"][1:])
-        fused = graph.call_function(torch.ops.fusednorm.add_group_norm.default, (a, b) + params, epilogue)
-        output = graph.call_function(operator.getitem, (fused, 0))
-        result = graph.call_function(operator.getitem, (fused, 1))
-    fused.meta.update(node.meta)
-    fused.meta["example_value"] = (cur.meta["example_value"], total.meta["example_value"])
     output.meta["example_value"] = cur.meta["example_value"]
-    result.meta["example_value"] = total.meta["example_value"]
+    if added is not None:
+        result.meta["example_value"] = total.meta["example_value"]
+        fused.meta["example_value"] = (output.meta["example_value"], result.meta["example_value"])
     cur.replace_all_uses_with(output)
     for dead in reversed([node] + chain):
         graph.erase_node(dead)
-    total.replace_all_uses_with(result)
-    for dead in (added["div"], added["add"]):
-        if dead is not None:
-            graph.erase_node(dead)
+    if added is not None:  # the sum's other users read the op's; the add (and division) go
+        total.replace_all_uses_with(result)
+        for dead in (added["div"], added["add"]):
+            if dead is not None:
+                graph.erase_node(dead)
     for dead in dying:
         if not dead.users:
             graph.erase_node(dead)

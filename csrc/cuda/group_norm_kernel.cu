@@ -88,7 +88,6 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
-#include <vector>
 
 namespace fusednorm {
 namespace {
@@ -174,12 +173,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     // (docs/design.md, "Residual-add prologue"); the others normalize it written out by ATen.
     at::Tensor sum = ep.sum;
     at::add_out(sum, x, ep.addend);
-    if (ep.input_bias.defined()) {
-      std::vector<int64_t> shape(x.dim(), 1);  // (1 or N, C, 1, ..., 1)
-      shape[0] = ep.input_bias.dim() == 1 ? 1 : sh.N;
-      shape[1] = sh.C;
-      sum.add_(ep.input_bias.view(shape));
-    }
+    if (ep.input_bias.defined()) sum.add_(input_bias_column(x, ep.input_bias));
     Epilogue rest = ep;
     rest.addend = rest.sum = rest.input_bias = at::Tensor();
     return forward_impl<scalar_t>(ep.sum, weight, bias, eps, sh, layout, rest, y, mean, rstd);
