@@ -306,6 +306,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   const int p = tile.p, r = tile.r;
   const int64_t n = tile.n, s_begin = tile.s_begin, sample = tile.sample;
   const int64_t v0 = (s_begin + r) * a.cpr;
+  // The ring's running pointers into x and the addend (PairRing::start / next), and the sum's.
   const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x + sample) + p) + v0;
   const uint4* as = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(a.addend + sample) + p) + v0;
   uint4* ss = reinterpret_cast<uint4*>(reinterpret_cast<P*>(a.sum + sample) + p) + v0;
@@ -355,7 +356,8 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     uint4 wx, wa;
     ring.next(i, nr, xs, as, stride, wx, wa);
     const uint4 ws = add(wx, wa);
-    ss[i * stride] = ws;
+    *ss = ws;
+    ss += stride;
     P sp, T;
     memcpy(&sp, &ws, sizeof(P));
     memcpy(&T, &Tw, sizeof(P));

@@ -83,16 +83,25 @@ struct PairRing {
     b = s[S * stride];
   }
 
-  // Row i of each stream at a + i * step, b + i * step.
-  __device__ __forceinline__ void start(int64_t rows, const uint4* a, const uint4* b, int64_t step) const {
+  // Row i of each stream at a + i * step, b + i * step. start() issues rows 0 .. S - 2 and moves a
+  // and b on to row S - 1; next(i) returns row i, issues the row a and b are at (i + S - 1) and
+  // moves them on a row: running pointers, not a + (i + S - 1) * step each row (the residual-add
+  // moments kernel's 64 registers spilled the products' operands; docs/design.md, "Residual-add
+  // prologue").
+  __device__ __forceinline__ void start(int64_t rows, const uint4*& a, const uint4*& b, int64_t step) const {
 #pragma unroll
-    for (int i = 0; i < S - 1; ++i) issue(i, i < rows, a + i * step, b + i * step);
+    for (int i = 0; i < S - 1; ++i) {
+      issue(i, i < rows, a, b);
+      a += step;
+      b += step;
+    }
   }
-  __device__ __forceinline__ void next(int64_t i, int64_t rows, const uint4* a, const uint4* b, int64_t step,
+  __device__ __forceinline__ void next(int64_t i, int64_t rows, const uint4*& a, const uint4*& b, int64_t step,
       uint4& wa, uint4& wb) const {
     take(i, wa, wb);
-    const int64_t ahead = i + S - 1;
-    issue(ahead, ahead < rows, a + ahead * step, b + ahead * step);
+    issue(i + S - 1, i + S - 1 < rows, a, b);
+    a += step;
+    b += step;
   }
 };
 
