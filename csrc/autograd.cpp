@@ -13,7 +13,6 @@
 //   - a call with a forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad), or
 //     one that records a graph under a functorch transform (torch.func.grad / vjp / jacrev /
 //     hessian, which refuse C++ autograd Functions), returns its output.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/FuncTorchTLS.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -23,18 +22,13 @@
 #include <vector>
 
 #include "group_norm.h"
+#include "kernel_ops.h"
 
 namespace fusednorm {
 namespace {
 
-using OptTensor = c10::optional<at::Tensor>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
 
 // Saved tensors are at::Tensor, undefined where an optional argument was absent.
 at::Tensor or_undefined(const OptTensor& t) {
@@ -184,11 +178,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> through_composition(
   return {z, std::get<1>(kernel_result), std::get<2>(kernel_result)};
 }
 
-using ForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double);
-using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, std::array<bool, 3>);
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_below_autograd(const at::Tensor& input,
     int64_t num_groups, const OptTensor& weight, const OptTensor& bias, double eps) {
   static auto op = find_op<ForwardFn>("fusednorm::group_norm_forward");
@@ -248,14 +237,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_autograd(const
   variable_list out = GroupNormForward::apply(input, num_groups, weight, bias, eps, &stats);
   return {out[0], stats.mean, stats.rstd};
 }
-
-using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t,
-    const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&, const OptTensor&,
-    c10::string_view, double, const OptTensor&, const OptTensor&);
-using FusedBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-    at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-    const OptTensor&, int64_t, const OptTensor&, const OptTensor&, const OptTensor&, c10::string_view, double,
-    const OptTensor&, std::array<bool, 7>, bool);
 
 // The arguments of fused_group_norm_forward besides input, weight and bias.
 struct FusedArgs {
@@ -380,10 +361,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_group_norm_forward_autograd
       residual, activation, negative_slope, multiplier_input, same, &stats);
   return {out[0], stats.mean, stats.rstd};
 }
-
-using AddForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
-    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&,
-    const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
 
 // The residual-add prologue: without a graph or a tangent the kernels compute the sum; otherwise
 // ATen does (input + other + input_bias, which it differentiates) and the fused op normalizes it,

@@ -29,7 +29,6 @@
 //                  optional epilogue keywords
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
@@ -41,20 +40,15 @@
 #include <torch/library.h>
 
 #include "group_norm.h"
+#include "kernel_ops.h"
 
 namespace fusednorm {
 namespace {
 
-using OptTensor = c10::optional<at::Tensor>;
-using ForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double);
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_group_norm_forward(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
     double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fusednorm::group_norm_forward", "")
-                       .typed<ForwardFn>();
+  static auto op = find_op<ForwardFn>("fusednorm::group_norm_forward");
   return op.call(input, num_groups, weight, bias, eps);
 }
 
@@ -65,19 +59,13 @@ c10::SymInt spatial_numel(const at::Tensor& input) {
   return n;
 }
 
-using FusedForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&,
-    const OptTensor&, const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
-
 // The plain kernel op when there is no epilogue and no input_bias (so graphs of plain calls stay
 // plain), else the fused one.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward(
     const at::Tensor& input, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
     double eps, const EpilogueArgs& ep, const OptTensor& input_bias = c10::nullopt) {
   if (ep.empty() && !defined(input_bias)) return call_group_norm_forward(input, num_groups, weight, bias, eps);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fusednorm::fused_group_norm_forward", "")
-                       .typed<FusedForwardFn>();
+  static auto op = find_op<FusedForwardFn>("fusednorm::fused_group_norm_forward");
   return op.call(input, num_groups, weight, bias, eps, ep.scale, ep.shift, ep.residual,
       ep.activation, ep.negative_slope, ep.multiplier, input_bias);
 }
@@ -119,19 +107,13 @@ at::Tensor group_norm(
   return std::get<0>(call_forward(input, num_groups, weight, bias, eps, ep, input_bias));
 }
 
-using AddForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
-    const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&,
-    const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
-
 std::tuple<at::Tensor, at::Tensor> add_group_norm(
     const at::Tensor& input, const at::Tensor& other, int64_t num_groups, const OptTensor& weight,
     const OptTensor& bias, double eps, OptString activation, double negative_slope, const OptTensor& scale,
     const OptTensor& shift, const OptTensor& residual, const OptTensor& multiplier,
     const OptTensor& input_bias) {
   check_group_norm_call(input, num_groups);  // (on the sum's shape, the input's)
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fusednorm::add_group_norm_forward", "")
-                       .typed<AddForwardFn>();
+  static auto op = find_op<AddForwardFn>("fusednorm::add_group_norm_forward");
   auto [output, sum, mean, rstd] = op.call(input, other, num_groups, weight, bias, eps, scale, shift, residual,
       activation_or_none(activation), negative_slope, multiplier, input_bias);
   return {output, sum};
