@@ -7,7 +7,7 @@ as a TorchScript builtin of its op: scripted code that calls ``fusednorm.group_n
 the same keywords) compiles to the op itself, which performs the same checks.
 """
 
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -142,6 +142,19 @@ def _same_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return t.to(dtype)
 
 
+def _epilogue_keywords(input: Tensor, activation: Optional[str], negative_slope: float, scale: Optional[Tensor],
+                       shift: Optional[Tensor], residual: Optional[Tensor], multiplier: Optional[Tensor],
+                       input_bias: Optional[Tensor] = None) -> Dict[str, Any]:
+    # The ops' epilogue keywords (arguments already checked), residual, multiplier and input_bias in
+    # the input's dtype; input_bias only where given (each keyword is parsed on every call; see
+    # _no_operands).
+    keywords = dict(activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
+                    residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype))
+    if input_bias is not None:
+        keywords["input_bias"] = _same_dtype(input_bias, input.dtype)
+    return keywords
+
+
 def group_norm(
     input: Tensor,
     num_groups: int,
@@ -179,13 +192,9 @@ def group_norm(
         return _group_norm_without_operands(input, num_groups, weight, bias, eps, activation, negative_slope)
     _check_epilogue_types("group_norm", activation, negative_slope, scale, shift, residual, multiplier)
     _check_tensor("group_norm", "input_bias", None, input_bias)
-    # input_bias only where given (each keyword is parsed on every call; see _no_operands).
-    prologue = {} if input_bias is None else {"input_bias": _same_dtype(input_bias, input.dtype)}
-    return _GROUP_NORM(
-        input, num_groups, weight, bias, eps,
-        activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
-        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype), **prologue,
-    )
+    return _GROUP_NORM(input, num_groups, weight, bias, eps,
+                       **_epilogue_keywords(input, activation, negative_slope, scale, shift, residual, multiplier,
+                                            input_bias))
 
 
 group_norm.__doc__ = """Group normalization, as :func:`torch.nn.functional.group_norm`.
@@ -229,12 +238,9 @@ def add_group_norm(
     _check_tensor("add_group_norm", "input_bias", None, input_bias)
     if _dtensor.DTensor is not None and isinstance(input, _dtensor.DTensor):  # docs/distributed.md, 'DTensor'
         _dtensor.check_supported()
-    prologue = {} if input_bias is None else {"input_bias": _same_dtype(input_bias, input.dtype)}
-    return _ADD_GROUP_NORM(
-        input, other, num_groups, weight, bias, eps,
-        activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
-        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype), **prologue,
-    )
+    return _ADD_GROUP_NORM(input, other, num_groups, weight, bias, eps,
+                           **_epilogue_keywords(input, activation, negative_slope, scale, shift, residual,
+                                                multiplier, input_bias))
 
 
 add_group_norm.__doc__ = """Group normalization of ``input + other``, returning ``(output, input + other)``.
@@ -289,11 +295,8 @@ def instance_norm(
         return _instance_norm_without_operands(input, running_mean, running_var, weight, bias, use_input_stats,
                                                momentum, eps, activation, negative_slope)
     _check_epilogue_types("instance_norm", activation, negative_slope, scale, shift, residual, multiplier)
-    return _INSTANCE_NORM(
-        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
-        activation=activation, negative_slope=negative_slope, scale=scale, shift=shift,
-        residual=_same_dtype(residual, input.dtype), multiplier=_same_dtype(multiplier, input.dtype),
-    )
+    return _INSTANCE_NORM(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                          **_epilogue_keywords(input, activation, negative_slope, scale, shift, residual, multiplier))
 
 
 instance_norm.__doc__ = """Instance normalization, as :func:`torch.nn.functional.instance_norm`.
