@@ -106,3 +106,18 @@ def epilogue_reference(y: Tensor, scale=None, shift=None, residual=None, activat
     if multiplier is not None:
         y = y * multiplier
     return y
+
+
+def assert_compiles_like_eager(f, inputs_for_shape, shapes=((2, 8, 5, 6), (3, 8, 7, 4))):
+    """f compiled in one graph (fullgraph, dynamic shapes, aot_eager) gives f's output and the
+    gradients of its sum with respect to every input, for inputs_for_shape(shape) at each shape
+    (the second shape reuses the first's graph)."""
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    for shape in shapes:
+        inputs = inputs_for_shape(shape)
+        got, want = compiled(*inputs), f(*inputs)
+        torch.testing.assert_close(got, want)
+        g = torch.autograd.grad(got.sum(), inputs)
+        g_ref = torch.autograd.grad(want.sum(), inputs)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b)

@@ -16,7 +16,7 @@ from torch import nn
 import fusednorm
 import kernel_paths
 from fusednorm import fusion
-from reference import assert_close, epilogue_reference, group_norm_reference, to_layout
+from reference import assert_close, assert_compiles_like_eager, epilogue_reference, group_norm_reference, to_layout
 from test_fusion import Recording, compile_and_compare
 from test_input_bias import BIAS_SHAPES, make_input_bias
 
@@ -160,15 +160,7 @@ def test_compile_without_graph_breaks():
         y, s = OP(x, other, 4, activation="silu")
         return y * s
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
-    for shape in [(2, 8, 5, 6), (3, 8, 7, 4)]:
-        x, other = (torch.randn(shape, requires_grad=True) for _ in range(2))
-        got, want = compiled(x, other), f(x, other)
-        torch.testing.assert_close(got, want)
-        g = torch.autograd.grad(got.sum(), (x, other))
-        g_ref = torch.autograd.grad(want.sum(), (x, other))
-        for a, b in zip(g, g_ref):
-            torch.testing.assert_close(a, b)
+    assert_compiles_like_eager(f, lambda shape: tuple(torch.randn(shape, requires_grad=True) for _ in range(2)))
 
 
 def test_bad_other_raises(device):

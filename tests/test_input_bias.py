@@ -15,7 +15,7 @@ from torch import nn
 import fusednorm
 import kernel_paths
 from fusednorm import fusion
-from reference import assert_close, epilogue_reference, group_norm_reference, to_layout
+from reference import assert_close, assert_compiles_like_eager, epilogue_reference, group_norm_reference, to_layout
 from test_fusion import Recording, compile_and_compare
 
 BIAS_SHAPES = ["C", "NC", "NC11"]
@@ -152,16 +152,8 @@ def test_compile_without_graph_breaks():
     def f(x, p):
         return fusednorm.group_norm(x, 4, activation="silu", input_bias=p)
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
-    for shape in [(2, 8, 5, 6), (3, 8, 7, 4)]:
-        x = torch.randn(shape, requires_grad=True)
-        p = torch.randn(shape[:2], requires_grad=True)
-        got, want = compiled(x, p), f(x, p)
-        torch.testing.assert_close(got, want)
-        g = torch.autograd.grad(got.sum(), (x, p))
-        g_ref = torch.autograd.grad(want.sum(), (x, p))
-        for a, b in zip(g, g_ref):
-            torch.testing.assert_close(a, b)
+    assert_compiles_like_eager(
+        f, lambda shape: (torch.randn(shape, requires_grad=True), torch.randn(shape[:2], requires_grad=True)))
 
 
 def test_bad_input_bias_raises(device):
