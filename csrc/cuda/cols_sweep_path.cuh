@@ -133,10 +133,10 @@ __device__ __forceinline__ void cols_sweep_channel_totals(acc_t* red, int rows, 
 
 // The total of value(c) over channels c in [g * D, (g + 1) * D), in every lane of the calling warp.
 template <typename acc_t, typename Value>
-__device__ __forceinline__ acc_t cols_sweep_group_total(int64_t g, int64_t D, const Value& value) {
+__device__ __forceinline__ acc_t cols_sweep_group_total(int g, int D, const Value& value) {
   const int lane = threadIdx.x & (kWarp - 1);
   acc_t u = acc_t(0);
-  for (int64_t i = lane; i < D; i += kWarp) u += value(g * D + i);
+  for (int i = lane; i < D; i += kWarp) u += value(g * D + i);
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
   return u;
@@ -154,6 +154,20 @@ __device__ __forceinline__ void cols_sweep_store_lanes(acc_t* red, int64_t at, c
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) red[at + j] = v[j];
+  }
+}
+
+// The first channel of the group of each of channels c0 .. c0 + V - 1 (D a group): one division,
+// then a step at each group boundary. The moments kernels' code after their loop runs in every
+// warp at once and is bound by issue: each division by a run-time integer was ~20 instructions
+// (docs/design.md, "Channels-last sweep").
+template <int V>
+__device__ __forceinline__ void cols_sweep_group_firsts(int c0, int D, int (&first)[V]) {
+  int f = (c0 / D) * D;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (c0 + j >= f + D) f += D;
+    first[j] = f;
   }
 }
 
@@ -179,16 +193,15 @@ __device__ __forceinline__ void cols_sweep_tile_moments(const ColsSweepArgs<scal
   __syncthreads();
   cols_sweep_channel_totals(red1, a.rows, C);
   // Per channel, the tile's M2: each thread's own M2 plus nr times its mean's squared distance
-  // from the channel's (the two-step form of Chan's merge, in plain sums).
+  // from the channel's (the two-step form of Chan's merge, in plain sums). Reciprocals, not
+  // divisions: this code is issue-bound (cols_sweep_group_firsts).
+  const acc_t inv_cnt = nr > 0 ? acc_t(1) / cnt : acc_t(0);
+  const acc_t inv_rows = acc_t(1) / rows_n;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    if (nr > 0) {
-      const acc_t mean_t = q1[j] / cnt;                      // of x - T
-      const acc_t d = TK[j] + mean_t - red1[c0 + j] / rows_n;  // thread's mean - channel's
-      v[j] = (q2[j] - q1[j] * mean_t) + cnt * d * d;
-    } else {
-      v[j] = acc_t(0);
-    }
+    const acc_t mean_t = q1[j] * inv_cnt;                      // of x - T
+    const acc_t d = TK[j] + mean_t - red1[c0 + j] * inv_rows;  // thread's mean - channel's
+    v[j] = nr > 0 ? (q2[j] - q1[j] * mean_t) + cnt * d * d : acc_t(0);
   }
   cols_sweep_store_lanes<V>(red2, static_cast<int64_t>(tile.r) * C + c0, v);
   __syncthreads();
@@ -196,11 +209,13 @@ __device__ __forceinline__ void cols_sweep_tile_moments(const ColsSweepArgs<scal
   // Per group, the same two steps over its D channels (equal counts).
   const int warp = static_cast<int>(threadIdx.x >> kLogWarp);
   const int warps = static_cast<int>(blockDim.x >> kLogWarp);
-  const acc_t count = rows_n * static_cast<acc_t>(o.D);
-  for (int64_t g = warp; g < o.G; g += warps) {
-    const acc_t mean = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) { return red1[c]; }) / count;
-    const acc_t m2 = cols_sweep_group_total<acc_t>(g, o.D, [&](int64_t c) {
-      const acc_t d = red1[c] / rows_n - mean;
+  const int D = static_cast<int>(o.D), G = static_cast<int>(o.G);
+  const acc_t count = rows_n * static_cast<acc_t>(D);
+  const acc_t inv_count = acc_t(1) / count;
+  for (int g = warp; g < G; g += warps) {
+    const acc_t mean = cols_sweep_group_total<acc_t>(g, D, [&](int c) { return red1[c]; }) * inv_count;
+    const acc_t m2 = cols_sweep_group_total<acc_t>(g, D, [&](int c) {
+      const acc_t d = red1[c] * inv_rows - mean;
       return red2[c] + rows_n * d * d;
     });
     if ((threadIdx.x & (kWarp - 1)) == 0) {
@@ -273,9 +288,11 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   // kBias: the kernel normalizes x' = x + p, and K is the first element of x'-s group: the sums of
   // x' - T' (T' = T + p_c) are those of x - T, and only T' - K = T - (K - p_c) changes.
   acc_t TK[V];  // loaded after the loop (registers); TK = T - K
+  int first[V];
+  cols_sweep_group_firsts<V>(c0, D, first);
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const int64_t c_first = ((c0 + j) / D) * D;
+    const int c_first = first[j];
     acc_t K = static_cast<acc_t>(o.x[sample + c_first]);
     if constexpr (kBias) {
       const InputBiasRef<scalar_t>& ib = o.epi.input_bias;
@@ -371,9 +388,11 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
   __pipeline_wait_prior(0);
   __syncthreads();
   acc_t TK[V];
+  int first[V];
+  cols_sweep_group_firsts<V>(c0, D, first);
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const int64_t c_first = ((c0 + j) / D) * D;
+    const int c_first = first[j];
     const acc_t K = static_cast<acc_t>(o.x[sample + c_first]) + o.epi.input_bias.template at<acc_t>(n, c_first);
     P T;
     memcpy(&T, &Tw, sizeof(P));
