@@ -83,20 +83,26 @@ EDITS = [
 ]
 
 
-def patch(dst):
-    """Copies the tree's tracked sources to `dst` and instruments its group_norm_team.cuh."""
+def instrumented_copy(dst, source, edits):
+    """Copies the tree's tracked files to `dst` and applies `edits` ((old, new) pairs, each `old`
+    found exactly once) to its `source` (also used by tools/sweep_phase_clocks.py)."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         os.makedirs(os.path.join(dst, os.path.dirname(f)), exist_ok=True)
         shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
-    path = os.path.join(dst, TEAM)
+    path = os.path.join(dst, source)
     s = open(path).read()
-    for old, new in EDITS:
+    for old, new in edits:
         if s.count(old) != 1:
-            sys.exit(f"found {s.count(old)} times (want 1), update EDITS:\n{old}")
+            sys.exit(f"found {s.count(old)} times (want 1), update the edits:\n{old}")
         s = s.replace(old, new)
     open(path, "w").write(s)
     print(f"instrumented copy in {dst}; build it there with `python setup.py build_ext --inplace`")
+
+
+def patch(dst):
+    """Copies the tree's tracked sources to `dst` and instruments its group_norm_team.cuh."""
+    instrumented_copy(dst, TEAM, EDITS)
 
 
 CASES = [  # label, shape, groups, dtype, knobs, activation
