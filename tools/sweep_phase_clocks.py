@@ -28,7 +28,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from team_phase_clocks import instrumented_copy  # noqa: E402
+from team_phase_clocks import after, before, instrumented_copy  # noqa: E402
 
 SWEEP = os.path.join("csrc", "cuda", "cols_sweep_path.cuh")
 EPS = 0.125  # the call whose stamps are printed
@@ -40,14 +40,6 @@ CLOCK = r'''__device__ __forceinline__ unsigned long long sweep_clock_ns() {
 }
 
 '''
-
-
-def after(anchor, text):
-    return anchor, anchor + text
-
-
-def before(anchor, text):
-    return anchor, text + anchor
 
 
 EDITS = [

@@ -62,8 +62,9 @@ EDITS = [
     before("// Two CTAs of 512 threads an SM", CLOCKS + "\n"),
     # forward
     after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
-    after("  for (int64_t i = 0; i < rounds; ++i) {\n    t.wait(team, i);\n", "    PH(0)\n"),
-    after("    const acc_t rstd = acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n"),
+    ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);",
+     "    t.wait(team, i);\n    PH(0)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);"),
+    after("    const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n"),
     after("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n"),
     ("      moments(i + 1, K);\n    }\n  }\n}",
      "      moments(i + 1, K);\n    }\n    PH(3)\n  }\n  PH_END(\"fwd\")\n}"),
@@ -72,8 +73,8 @@ EDITS = [
     after("    __syncthreads();  // the sums read packs that other threads copied\n", "    PH(0)\n"),
     after("    if (c_lo + segment <= c_hi) k = channel_coefs(o, n, c_first + c_lo + segment, rstd);\n",
           "    if (threadIdx.x == 0 && k.ea == acc_t(-1.2345e-30f)) printf(\"-\");\n    PH(1)\n"),
-    ("    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n",
-     "    PH(2)\n    if (threadIdx.x == 0) t.publish(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n    PH(3)\n"),
+    ("    t.publish_copies(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n",
+     "    PH(2)\n    t.publish_copies(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n    PH(3)\n"),
     # the backward's barrier (the forward's t.wait is followed by PH(0) above)
     ("    t.wait(team, i);\n    const acc_t* team_part", "    t.wait(team, i);\n    PH(4)\n    const acc_t* team_part"),
     after("    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);\n",
