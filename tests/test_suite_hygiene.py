@@ -3,12 +3,17 @@
 A module-level test defined twice under one name silently replaces the first (pytest collects only
 the last), so its cases stop running without any failure; that happened once (a new CUDA-graph
 test shadowed an older one). An unclosed code fence turns the rest of a Markdown file into one
-code block; that happened to the README. Both are caught here, in CI."""
+code block; that happened to the README. Both are caught here, in CI, as are the phase-clock
+tools' edits that no longer find their lines in the kernels."""
 
 import ast
 import collections
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -86,6 +91,32 @@ def test_tools_readme_lists_every_tool():
                if p.suffix in (".py", ".sh") and f"`{p.name}`" not in listed]
     assert not missing, "tools/README.md has no line for: " + ", ".join(missing)
 
+
+# The phase-clock tools edit the kernel sources at fixed lines: when a kernel moves, their `patch`
+# stops at the line it cannot find, and nothing else runs it (team_phase_clocks.py had stopped
+# matching the team kernels unnoticed).
+PHASE_CLOCK_TOOLS = ["team_phase_clocks.py", "sweep_phase_clocks.py"]
+
+
+@pytest.mark.parametrize("tool", PHASE_CLOCK_TOOLS)
+def test_phase_clock_tools_still_patch_the_kernels(tool, tmp_path):
+    if not (ROOT / ".git").exists():
+        pytest.skip("the tools copy a git checkout's tracked files")
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "patch", str(tmp_path / "copy")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_moved_anchor_stops_the_patch(tmp_path):
+    if not (ROOT / ".git").exists():
+        pytest.skip("the tools copy a git checkout's tracked files")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from team_phase_clocks import instrumented_copy
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    with pytest.raises(SystemExit):
+        instrumented_copy(str(tmp_path / "copy"), "README.md", [("a line no file has", "")])
 
 CITATION = re.compile(r"docs/design\.md[,;:]? *(?:section )?['\"]([^'\"]+)['\"]")
 
