@@ -212,18 +212,44 @@ __device__ __forceinline__ void cols_sweep_tile_moments(const ColsSweepArgs<scal
   const int D = static_cast<int>(o.D), G = static_cast<int>(o.G);
   const acc_t count = rows_n * static_cast<acc_t>(D);
   const acc_t inv_count = acc_t(1) / count;
+  const auto store = [&](int g, acc_t mean, acc_t m2) {
+    acc_t* slot = a.part + ((tile.n * o.G + g) * a.split + tile.k) * 3;
+    slot[0] = count;
+    slot[1] = mean;
+    slot[2] = m2;
+  };
+  const int lane = static_cast<int>(threadIdx.x & (kWarp - 1));
+  if (D <= kWarp / 2) {
+    // Groups of at most 16 channels: a warp takes kWarp / S at once, S = D rounded up to a power
+    // of two, and reduces each over its segment of S lanes (the same additions, in the same
+    // order, as the whole-warp reduction below, whose other lanes add zeros).
+    int log_s = 0;
+    while ((1 << log_s) < D) ++log_s;
+    const int S = 1 << log_s, per_warp = kWarp >> log_s;
+    const int i = lane & (S - 1);
+    for (int g0 = warp * per_warp; g0 < G; g0 += warps * per_warp) {
+      const int g = g0 + (lane >> log_s);
+      const bool mine = g < G && i < D;
+      acc_t u = mine ? red1[g * D + i] : acc_t(0);
+      for (int off = S / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
+      const acc_t mean = u * inv_count;
+      acc_t w = acc_t(0);
+      if (mine) {
+        const acc_t d = red1[g * D + i] * inv_rows - mean;
+        w = red2[g * D + i] + rows_n * d * d;
+      }
+      for (int off = S / 2; off > 0; off >>= 1) w += shfl_xor(w, off);
+      if (i == 0 && g < G) store(g, mean, w);
+    }
+    return;
+  }
   for (int g = warp; g < G; g += warps) {
     const acc_t mean = cols_sweep_group_total<acc_t>(g, D, [&](int c) { return red1[c]; }) * inv_count;
     const acc_t m2 = cols_sweep_group_total<acc_t>(g, D, [&](int c) {
       const acc_t d = red1[c] * inv_rows - mean;
       return red2[c] + rows_n * d * d;
     });
-    if ((threadIdx.x & (kWarp - 1)) == 0) {
-      acc_t* slot = a.part + ((tile.n * o.G + g) * a.split + tile.k) * 3;
-      slot[0] = count;
-      slot[1] = mean;
-      slot[2] = m2;
-    }
+    if (lane == 0) store(g, mean, m2);
   }
 }
 
