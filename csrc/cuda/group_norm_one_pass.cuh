@@ -259,43 +259,36 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   return s;
 }
 
-// The same with a shift a lane, K[j] for the pack's element j (the channels-last kernel's lanes are
-// channels, and with input_bias each channel has its own shift: docs/design.md, "Input bias").
-template <typename acc_t, typename scalar_t, int V>
-__device__ __forceinline__ acc_t pack_shifted_sum(const Pack<scalar_t, V>& p, const acc_t (&K)[V]) {
-  acc_t s = acc_t(0);
-#pragma unroll
-  for (int j = 0; j < V; ++j) s += static_cast<acc_t>(p.v[j]) - K[j];
-  return s;
-}
-
-template <typename acc_t, typename scalar_t, int V>
-__device__ __forceinline__ acc_t pack_squared_deviations(
-    const Pack<scalar_t, V>& p, const acc_t (&K)[V], acc_t shifted_mean) {
-  acc_t s = acc_t(0);
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const acc_t d = (static_cast<acc_t>(p.v[j]) - K[j]) - shifted_mean;
-    s += d * d;
-  }
-  return s;
-}
-
 // The sum over the cluster of each CTA's total of slot q (the same in every thread of a CTA that
-// passes q), added in rank order so that every CTA gets the same bits: in each CTA the thread that
-// is slot q's `writer` publishes it in slots[q], this CTA's shared exchange slots, which may be
+// passes q), added in one fixed order so that every CTA gets the same bits: in each CTA the thread
+// that is slot q's `writer` publishes it in slots[q], this CTA's shared exchange slots, which may be
 // overwritten only after the next cluster barrier. group_norm_cols_one_pass_kernel takes a slot a
-// group of its span.
+// group of its `span` slots. The cluster's size is a power of two (the planners double it).
+//
+// Lane s * cluster + r of each warp reads slot s of rank r, the `cluster` lanes of a slot add
+// their values over a butterfly (the same tree in every CTA), and each thread takes its slot's
+// total from that slot's first lane: one remote load a lane where every thread read every
+// rank's slot, ~230 instructions a thread in code all the SM's warps run at once (docs/design.md,
+// "Channels-last one-pass").
 template <typename acc_t>
-__device__ __forceinline__ acc_t one_pass_cluster_slot_sum(acc_t cta_total, int q, bool writer, acc_t* slots, int cluster) {
+__device__ __forceinline__ acc_t one_pass_cluster_slot_sum(
+    acc_t cta_total, int q, bool writer, acc_t* slots, int cluster, int span = 1) {
 #if FUSEDNORM_CLUSTERS
   if (cluster > 1) {
     cg::cluster_group cl = cg::this_cluster();
     if (writer) slots[q] = cta_total;
     cl.sync();
-    acc_t total = acc_t(0);
-    for (int r = 0; r < cluster; ++r) total += cl.map_shared_rank(slots, r)[q];
-    return total;
+    if (span * cluster > kWarp) {  // (no plan has more than a warp of slots)
+      acc_t total = acc_t(0);
+      for (int r = 0; r < cluster; ++r) total += cl.map_shared_rank(slots, r)[q];
+      return total;
+    }
+    const int lane = static_cast<int>(threadIdx.x & (kWarp - 1));
+    const int log_cluster = __ffs(cluster) - 1;
+    acc_t v = acc_t(0);
+    if (lane < span * cluster) v = cl.map_shared_rank(slots, lane & (cluster - 1))[lane >> log_cluster];
+    for (int off = cluster / 2; off > 0; off >>= 1) v += shfl_xor(v, off);
+    return __shfl_sync(0xffffffffu, v, q << log_cluster);
   }
 #endif
   return cta_total;
@@ -793,11 +786,12 @@ constexpr int kColsOperandBatch = 4;
 // one-pass"). items: the slabs, N * G / span.
 //
 // kBias (E = 0 only): with input_bias (docs/design.md, "Input bias"), its own instantiation (the
-// per-lane shifts took the kernels without it 8-18 registers more, ptxas sm_90), held to three
-// CTAs an SM like the kernel without it (80 registers): at two, the clusters of 8 of the 256-CTA
-// plans did not all fit at once (GPCs hold whole clusters) and the rows took 1.25-1.6x as long.
+// per-lane shifts took the kernels without it 8-18 registers more, ptxas sm_90). The kernels
+// without operands (E = 0, the clusters' kernels) are held to three CTAs an SM (80 registers): at
+// two, the clusters of 8 of the 256-CTA plans did not all fit at once (GPCs hold whole clusters)
+// and the rows took 1.25-1.6x as long.
 template <typename scalar_t, int V, Activation A, int E, bool kBias = false>
-__global__ void __launch_bounds__(kOnePassThreads, kBias ? 3 : 2) group_norm_cols_one_pass_kernel(
+__global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) group_norm_cols_one_pass_kernel(
     const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs, int span) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
@@ -870,32 +864,57 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias ? 3 : 2) group_norm_col
 #pragma unroll
       for (int j = 0; j < V; ++j) KL[j] = K - delta[j];
     }
-    const auto shifted_sum = [&](const P& x) {
+    // One pass over the thread's packs: the sums of x - T and (x - T)^2, T the thread's first
+    // element (of x - KL with kBias), then the two-step Chan merge of block_moments_of_shifted_sums
+    // over the CTA and the cluster. The exact two-pass form (a second pass over shared memory
+    // for the M2, after the cluster's mean) took ~40 of the ~190 instructions a pack, in phases
+    // every warp of the SM runs at once (docs/design.md, "Channels-last one-pass").
+    acc_t nt = acc_t(0), tk = acc_t(0), q1 = acc_t(0), q2 = acc_t(0);
+    if (r_begin + row0 < r_end) {
+      const P first(xs[place.dense(row0)]);
+      acc_t T = acc_t(0);  // x - T = (x - K) - tk
       if constexpr (kBias) {
-        return pack_shifted_sum(x, KL);
+        // Lane j sums x - (KL[j] + tk): one subtraction an element, as without input_bias. The
+        // shift's rounding (half an ulp of K) moves a lane's terms by a constant: the mean by no
+        // more than its float rounding as K + mean, the M2 by (ulp(K) / std)^2 relatively.
+        tk = static_cast<acc_t>(first.v[0]) - KL[0];
+#pragma unroll
+        for (int j = 0; j < V; ++j) KL[j] += tk;
       } else {
-        return pack_shifted_sum(x, K);
+        T = static_cast<acc_t>(first.v[0]);
+        tk = T - K;
       }
-    };
-    const auto squared_deviations = [&](const P& x, acc_t shifted_mean) {
-      if constexpr (kBias) {
-        return pack_squared_deviations(x, KL, shifted_mean);
-      } else {
-        return pack_squared_deviations(x, K, shifted_mean);
+      // (Packs copied out of shared memory whole: one V-wide load each.)
+      for (int64_t s = r_begin + row0; s < r_end; s += step) {
+        const P x(xs[place.dense(s - r_begin)]);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          acc_t d;
+          if constexpr (kBias) {
+            d = static_cast<acc_t>(x.v[j]) - KL[j];
+          } else {
+            d = static_cast<acc_t>(x.v[j]) - T;
+          }
+          q1 += d;
+          q2 += d * d;
+        }
+        nt += static_cast<acc_t>(V);
       }
-    };
-    acc_t sum = acc_t(0);
-    // (Packs copied out of shared memory whole: one V-wide load each.)
-    for (int64_t s = r_begin + row0; s < r_end; s += step) sum += shifted_sum(P(xs[place.dense(s - r_begin)]));
+    }
     const acc_t total = static_cast<acc_t>(a.len);
-    const acc_t shifted_mean =
-        one_pass_cluster_slot_sum(one_pass_slot_sum(sum, q, span, red), q, slot_writer, exchange[0], a.cluster) / total;
+    const acc_t shifted_mean = one_pass_cluster_slot_sum(
+        one_pass_slot_sum(nt > acc_t(0) ? nt * tk + q1 : acc_t(0), q, span, red), q, slot_writer, exchange[0], a.cluster,
+        span) /
+        total;
     acc_t m2 = acc_t(0);
-    for (int64_t s = r_begin + row0; s < r_end; s += step) {
-      m2 += squared_deviations(P(xs[place.dense(s - r_begin)]), shifted_mean);
+    if (nt > acc_t(0)) {
+      const acc_t mt = q1 / nt;                // the thread's mean of x - T
+      const acc_t d = tk + mt - shifted_mean;  // its mean's distance from the group's
+      m2 = (q2 - q1 * mt) + nt * d * d;
     }
     const acc_t var =
-        one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster) / total;
+        one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster, span) /
+        total;
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     if (rank == 0 && slot_writer) {
