@@ -11,6 +11,11 @@ and written, the copy measured in the same run. Prints a line a shape, then the 
 clusters"): the default plan, the same with FUSEDNORM_ONE_PASS_MAX_CLUSTER=1 (the split passes;
 a tuning knob: build with CFLAGS=-DFUSEDNORM_TUNING_KNOBS), each with and without a residual, and
 torch.compile.
+
+--one-pass: the channels-last shared-memory forward's rows (clustered or not; docs/performance.md,
+"The channels-last one-pass moments"): fusednorm's kernel time with x rewritten by a copy before
+each call (as by a convolution before the norm) and after the L2 flush, without and with a (C,)
+input_bias. Run it on two builds in one call for an A/B.
 """
 
 import argparse
@@ -27,6 +32,8 @@ from fusednorm import kernel_paths
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import kernel_profile  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
           (1, 128, 512, 512), (1, 128, 1024, 1024), (8, 320, 64, 64), (2, 320, 64, 64), (1, 128, 20, 256, 256),
@@ -72,16 +79,69 @@ def cluster_rows(flush):
     print(json.dumps(rows))
 
 
+ONE_PASS_ROWS = [((1, 512, 64, 64), torch.float16), ((1, 512, 128, 128), torch.float16),
+                 ((1, 512, 128, 128), torch.bfloat16), ((2, 320, 64, 64), torch.float16),
+                 ((2, 960, 64, 64), torch.float16), ((8, 320, 64, 64), torch.float16),
+                 ((32, 256, 56, 56), torch.bfloat16)]
+
+
+def fusednorm_us(fn, before, iters=30):
+    """Median us of fusednorm's kernels a call of fn() (their intervals' union), before() ahead of
+    each call and not counted."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            before()
+            fn()
+        torch.cuda.synchronize()
+    calls, current = [], None
+    for start, end, name in sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                                   if e.device_type == DeviceType.CUDA):
+        if "fusednorm" not in name:
+            current = None  # another kernel (before()'s) ends a call
+        elif current is None:
+            current = [start, end]
+            calls.append(current)
+        else:
+            current[1] = max(current[1], end)
+    return sorted(end - start for start, end in calls)[len(calls) // 2]
+
+
+def one_pass_rows(flush):
+    """The --one-pass table: a line a row (us, written / flush), then the rows as JSON."""
+    rows = []
+    for shape, dtype in ONE_PASS_ROWS:
+        x = torch.randn(shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        source = x.clone()
+        w, b, p = (torch.randn(shape[1], device="cuda", dtype=dtype) for _ in range(3))
+        row = dict(shape=shape, dtype=str(dtype).replace("torch.", ""),
+                   plan=kernel_paths.plan(shape, 32, dtype, channels_last=True, activation="silu", device="cuda"))
+        with torch.no_grad():
+            for label, extra in (("plain", {}), ("input_bias", {"input_bias": p})):
+                def call(extra=extra):
+                    return fusednorm.group_norm(x, 32, w, b, activation="silu", **extra)
+                row[label] = [fusednorm_us(call, lambda: x.copy_(source)), fusednorm_us(call, flush.bitwise_not_)]
+        rows.append(row)
+        print(f"{str(shape):18s} {row['dtype']:8s} plain {row['plain'][0]:6.2f} / {row['plain'][1]:6.2f}  "
+              f"input_bias {row['input_bias'][0]:6.2f} / {row['input_bias'][1]:6.2f}  ({row['plan']})", flush=True)
+    print(json.dumps(rows))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("N", nargs="?", type=int, help="only the first N shapes")
     parser.add_argument("--fusednorm-only", action="store_true", help="the first column alone (tuning runs)")
     parser.add_argument("--clusters", action="store_true", help="the channels-last clusters' rows instead")
+    parser.add_argument("--one-pass", action="store_true", help="the channels-last one-pass rows, written / flushed")
     args = parser.parse_args()
     shapes = SHAPES[:args.N] if args.N is not None else SHAPES
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     if args.clusters:
         return cluster_rows(flush)
+    if args.one_pass:
+        return one_pass_rows(flush)
     src = torch.empty(1 << 28, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")

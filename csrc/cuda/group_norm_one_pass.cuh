@@ -764,12 +764,12 @@ constexpr int kColsOperandBatch = 4;
 // sums at once (one_pass_slot_sum).
 //
 // Each thread takes the packs of its ColsPlace in the slab: it copies them into shared memory
-// (cp.async, all in flight), sums them twice there (the exact two-pass moments), and writes y from
-// them, so it reads only what it copied itself and needs no barrier but the block sums'; its
-// lane's coefficients are loaded once. Threads without a lane only join the block sums. The
-// residual and multiplier are read in the output loop (once each, as x is), kColsOperandBatch
-// rows at a time; E is the number of those streams (RegisterGroup's E), so that a kernel holds
-// registers for its own operands only.
+// (cp.async, all in flight), sums them once there (shifted sums, merged as in
+// block_moments_of_shifted_sums), and writes y from them, so it reads only what it copied itself
+// and needs no barrier but the block sums'; its lane's coefficients are loaded once. Threads
+// without a lane only join the block sums. The residual and multiplier are read in the output
+// loop (once each, as x is), kColsOperandBatch rows at a time; E is the number of those streams
+// (RegisterGroup's E), so that a kernel holds registers for its own operands only.
 //
 // At most 128 registers (two CTAs an SM): bfloat16's 16-byte packs with two streams took 146 and
 // ran one CTA an SM; the span-2 ResNet slabs of 100 KB run two. Measured on an H100 and not kept
