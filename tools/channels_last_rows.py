@@ -32,8 +32,8 @@ from fusednorm import kernel_paths
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import kernel_profile  # noqa: E402
-from torch.autograd import DeviceType  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_timeline import kernel_intervals  # noqa: E402
 
 SHAPES = [(1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 256, 256), (1, 256, 512, 512),
           (1, 128, 512, 512), (1, 128, 1024, 1024), (8, 320, 64, 64), (2, 320, 64, 64), (1, 128, 20, 256, 256),
@@ -88,17 +88,8 @@ ONE_PASS_ROWS = [((1, 512, 64, 64), torch.float16), ((1, 512, 128, 128), torch.f
 def fusednorm_us(fn, before, iters=30):
     """Median us of fusednorm's kernels a call of fn() (their intervals' union), before() ahead of
     each call and not counted."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            before()
-            fn()
-        torch.cuda.synchronize()
     calls, current = [], None
-    for start, end, name in sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                                   if e.device_type == DeviceType.CUDA):
+    for start, end, name in kernel_intervals(fn, before, iters):
         if "fusednorm" not in name:
             current = None  # another kernel (before()'s) ends a call
         elif current is None:
