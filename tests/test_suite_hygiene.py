@@ -95,7 +95,7 @@ def test_tools_readme_lists_every_tool():
 # The phase-clock tools edit the kernel sources at fixed lines: when a kernel moves, their `patch`
 # stops at the line it cannot find, and nothing else runs it (team_phase_clocks.py had stopped
 # matching the team kernels unnoticed).
-PHASE_CLOCK_TOOLS = ["team_phase_clocks.py", "sweep_phase_clocks.py"]
+PHASE_CLOCK_TOOLS = ["team_phase_clocks.py", "sweep_phase_clocks.py", "cols_phase_clocks.py"]
 
 
 @pytest.mark.parametrize("tool", PHASE_CLOCK_TOOLS)

@@ -114,37 +114,50 @@ def run(shapes):
             torch.cuda.synchronize()
 
 
-def table(lines):
+def phase_table(lines, tag, phases, last, with_sm=False):
+    """Prints, per case of a `run` log, the spread over its CTAs of each phase (name, first stamp,
+    last stamp) of the lines `tag blockIdx [smid] stamps...`; `last`: the CTA's last stamp."""
     cases = {}
     label = None
+    pattern = re.compile(rf"{tag} (\d+) ([\d ]+)$")
     for line in lines:
         if line.startswith("=== "):
             label = line[4:].strip()
-        m = re.match(r"SW (\d+) ([\d ]+)$", line.strip())
+        m = pattern.match(line.strip())
         if m and label:
-            cases.setdefault(label, {})[int(m.group(1))] = [int(v) for v in m.group(2).split()]
+            fields = [int(v) for v in m.group(2).split()]
+            cases.setdefault(label, {})[int(m.group(1))] = (fields[0], fields[1:]) if with_sm else (None, fields)
     for label, ctas in cases.items():
-        stamps = list(ctas.values())
+        stamps = [s for _, s in ctas.values()]
         t0 = min(s[0] for s in stamps)
-        end = [(s[5] - t0) / 1e3 for s in stamps]
-        print(f"{label}: {len(stamps)} CTAs, the last done {max(end):.2f} us after the first began "
-              f"(median CTA {statistics.median(end):.2f}); us a phase, min / median / max:")
-        for name, a, b in PHASES:
+        begin = [(s[0] - t0) / 1e3 for s in stamps]
+        end = [(s[last] - t0) / 1e3 for s in stamps]
+        on = f" on {len({sm for sm, _ in ctas.values()})} SMs" if with_sm else ""
+        print(f"{label}: {len(stamps)} CTAs{on}, the last done {max(end):.2f} us after the first began "
+              f"(median CTA {statistics.median(end):.2f}; began after the first: median "
+              f"{statistics.median(begin):.2f}, max {max(begin):.2f}); us a phase, min / median / max:")
+        for name, a, b in phases:
             d = [(s[b] - s[a]) / 1e3 for s in stamps]
             print(f"  {name:16s} {min(d):6.2f} {statistics.median(d):6.2f} {max(d):6.2f}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def table(lines):
+    phase_table(lines, "SW", PHASES, 5)
+
+
+def main(doc=__doc__, source=SWEEP, edits=EDITS, shapes=SHAPES, print_table=table):
+    """patch / run / table (tools/cols_phase_clocks.py passes its own source, edits, shapes and
+    table)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("patch").add_argument("dst")
-    sub.add_parser("run").add_argument("--shapes", nargs="+", default=SHAPES)
+    sub.add_parser("run").add_argument("--shapes", nargs="+", default=shapes)
     sub.add_parser("table").add_argument("log", help="a saved output of `run`")
     args = parser.parse_args()
     if args.cmd == "patch":
-        instrumented_copy(args.dst, SWEEP, EDITS)
+        instrumented_copy(args.dst, source, edits)
     elif args.cmd == "table":
-        table(open(args.log))
+        print_table(open(args.log))
     else:
         # The kernel's printf lines reach stdout at synchronisations: save them (`run > log`),
         # then `table log`.
