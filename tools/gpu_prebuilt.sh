@@ -21,6 +21,13 @@ OUT="${OUT:-$ROOT/results}"
 mkdir -p "$OUT"
 cd "$ROOT"
 BUILD="${GPU_BUILD:-gpu_build}"  # another folder of a build: A/B runs in one call
+USAGE="usage: tools/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS... | ncu SPEC..."
+# Both checks before the copy below, which replaces this tree's ops/_C.so with the GPU machine's.
+case "${1:-}" in
+  test | sanitize | bench | paths | py | ncu) ;;
+  *) echo "$USAGE" >&2; exit 2 ;;
+esac
+command -v nvidia-smi > /dev/null || { echo "no nvidia-smi: this runs on the GPU machine (it puts $BUILD's library in ops/)" >&2; exit 1; }
 [ -f "$BUILD/_C.so" ] || { echo "no $BUILD/_C.so: run tools/build_for_gpu_machine.sh and carry $BUILD" >&2; exit 1; }
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1  # as scripts/setup_env.sh picks: the machine's CXX links a static libstdc++
 cp "$BUILD/_C.so" gpu_build/_build_info.py ops/
@@ -81,7 +88,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: tools/gpu_prebuilt.sh test [ARGS...] | sanitize | bench FILTER SECONDS | paths ARGS... | py FILE ARGS... | ncu SPEC..." >&2
+    echo "$USAGE" >&2
     exit 2
     ;;
 esac
