@@ -27,6 +27,7 @@
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
+#include "cuda/common/moments.cuh"
 #include "cuda/common/output_packs.cuh"
 #include "cuda/common/pack_ring.cuh"
 #include "cuda/group_norm_one_pass.cuh"
@@ -137,9 +138,7 @@ __device__ __forceinline__ acc_t cols_sweep_group_total(int g, int D, const Valu
   const int lane = threadIdx.x & (kWarp - 1);
   acc_t u = acc_t(0);
   for (int i = lane; i < D; i += kWarp) u += value(g * D + i);
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
-  return u;
+  return segment_sum(u, kWarp);
 }
 
 // Stores a thread's V per-channel values at row r, channels [c0, c0 + V) of `red` (two 16-byte
@@ -218,6 +217,12 @@ __device__ __forceinline__ void cols_sweep_tile_moments(const ColsSweepArgs<scal
     slot[1] = mean;
     slot[2] = m2;
   };
+  // A channel's term of its group's M2: the channel's own plus rows_n times its mean's squared
+  // distance from the group's.
+  const auto channel_m2 = [&](int c, acc_t mean) {
+    const acc_t d = red1[c] * inv_rows - mean;
+    return red2[c] + rows_n * d * d;
+  };
   const int lane = static_cast<int>(threadIdx.x & (kWarp - 1));
   if (D <= kWarp / 2) {
     // Groups of at most 16 channels: a warp takes kWarp / S at once, S = D rounded up to a power
@@ -230,25 +235,15 @@ __device__ __forceinline__ void cols_sweep_tile_moments(const ColsSweepArgs<scal
     for (int g0 = warp * per_warp; g0 < G; g0 += warps * per_warp) {
       const int g = g0 + (lane >> log_s);
       const bool mine = g < G && i < D;
-      acc_t u = mine ? red1[g * D + i] : acc_t(0);
-      for (int off = S / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
-      const acc_t mean = u * inv_count;
-      acc_t w = acc_t(0);
-      if (mine) {
-        const acc_t d = red1[g * D + i] * inv_rows - mean;
-        w = red2[g * D + i] + rows_n * d * d;
-      }
-      for (int off = S / 2; off > 0; off >>= 1) w += shfl_xor(w, off);
-      if (i == 0 && g < G) store(g, mean, w);
+      const acc_t mean = segment_sum(mine ? red1[g * D + i] : acc_t(0), S) * inv_count;
+      const acc_t m2 = segment_sum(mine ? channel_m2(g * D + i, mean) : acc_t(0), S);
+      if (i == 0 && g < G) store(g, mean, m2);
     }
     return;
   }
   for (int g = warp; g < G; g += warps) {
     const acc_t mean = cols_sweep_group_total<acc_t>(g, D, [&](int c) { return red1[c]; }) * inv_count;
-    const acc_t m2 = cols_sweep_group_total<acc_t>(g, D, [&](int c) {
-      const acc_t d = red1[c] * inv_rows - mean;
-      return red2[c] + rows_n * d * d;
-    });
+    const acc_t m2 = cols_sweep_group_total<acc_t>(g, D, [&](int c) { return channel_m2(c, mean); });
     if (lane == 0) store(g, mean, m2);
   }
 }

@@ -130,8 +130,7 @@ bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at:
 // a fixed order; every thread gets the total.
 template <int MaxThreads = kOnePassThreads, typename acc_t>
 __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += shfl_xor(v, off);
+  v = segment_sum(v, kWarp);
   if ((threadIdx.x & (kWarp - 1)) == 0) smem[threadIdx.x >> kLogWarp] = v;
   __syncthreads();
   const int warps = static_cast<int>(blockDim.x >> kLogWarp);
@@ -185,9 +184,7 @@ __device__ __forceinline__ acc_t one_pass_slot_sum(acc_t v, int slot, int span, 
 #pragma unroll
   for (int q = 0; q < kMaxColsSpan; ++q) {
     if (q < span) {
-      acc_t u = slot == q ? v : acc_t(0);
-#pragma unroll
-      for (int off = kWarp / 2; off > 0; off >>= 1) u += shfl_xor(u, off);
+      const acc_t u = segment_sum(slot == q ? v : acc_t(0), kWarp);
       if ((threadIdx.x & (kWarp - 1)) == 0) smem[q * kWarps + (threadIdx.x >> kLogWarp)] = u;
     }
   }
@@ -287,8 +284,7 @@ __device__ __forceinline__ acc_t one_pass_cluster_slot_sum(
     const int log_cluster = __ffs(cluster) - 1;
     acc_t v = acc_t(0);
     if (lane < span * cluster) v = cl.map_shared_rank(slots, lane & (cluster - 1))[lane >> log_cluster];
-    for (int off = cluster / 2; off > 0; off >>= 1) v += shfl_xor(v, off);
-    return __shfl_sync(0xffffffffu, v, q << log_cluster);
+    return __shfl_sync(0xffffffffu, segment_sum(v, cluster), q << log_cluster);
   }
 #endif
   return cta_total;

@@ -77,6 +77,14 @@ __device__ __forceinline__ T shfl_xor(T v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);
 }
 
+// The sum of v over each aligned segment of `width` lanes (a power of two, at most kWarp), in
+// every lane of the segment: a butterfly, the same order in every segment and every warp.
+template <typename T>
+__device__ __forceinline__ T segment_sum(T v, int width) {
+  for (int off = width / 2; off > 0; off >>= 1) v += shfl_xor(v, off);
+  return v;
+}
+
 template <typename acc_t, int L>
 __device__ __forceinline__ Moments<acc_t, L> shfl_xor(const Moments<acc_t, L>& v, int mask) {
   Moments<acc_t, L> r;
