@@ -118,6 +118,7 @@ def test_a_moved_anchor_stops_the_patch(tmp_path):
     with pytest.raises(SystemExit):
         instrumented_copy(str(tmp_path / "copy"), "README.md", [("a line no file has", "")])
 
+
 CITATION = re.compile(r"docs/design\.md[,;:]? *(?:section )?['\"]([^'\"]+)['\"]")
 
 

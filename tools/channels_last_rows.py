@@ -21,6 +21,7 @@ input_bias. Run it on two builds in one call for an A/B.
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -97,7 +98,7 @@ def fusednorm_us(fn, before, iters=30):
             calls.append(current)
         else:
             current[1] = max(current[1], end)
-    return sorted(end - start for start, end in calls)[len(calls) // 2]
+    return statistics.median(end - start for start, end in calls)
 
 
 def one_pass_rows(flush):
