@@ -1,6 +1,7 @@
 """Compares the machine code (SASS) of the CUDA kernels of two builds of the library, kernel by
 kernel, and lists those that differ. A CUDA change meant to leave the kernels alone (a
-refactor) is proven so without a GPU when no kernel differs:
+refactor) is proven so without a GPU when no kernel differs (where instantiations were added or
+removed, it lists them and compares the kernels both builds have):
 
     python tools/compare_sass.py before/_C.so gpu_build/_C.so
 
@@ -85,14 +86,22 @@ def main():
     parser.add_argument("after")
     args = parser.parse_args()
     a, b = kernels(args.before), kernels(args.after)
-    if len(a) != len(b):
-        print(f"{len(a)} kernels against {len(b)}: the instantiations changed")
-        return 1
+    names_a, names_b = {stable_name(n) for n, _ in a}, {stable_name(n) for n, _ in b}
+    if len(a) != len(b) or names_a != names_b:
+        if len(names_a) < len(a) or len(names_b) < len(b):
+            print(f"{len(a)} kernels against {len(b)}: the instantiations changed")
+            return 1
+        # Instantiations added or removed: compare the kernels both builds have.
+        for label, only in (("only before", names_a - names_b), ("only after", names_b - names_a)):
+            for name in sorted(only):
+                print(f"{label}: {demangle(name)}")
+        a = [(n, i) for n, i in a if stable_name(n) in names_b]
+        b = [(n, i) for n, i in b if stable_name(n) in names_a]
     differ = [(name, len(ia), len(ib)) for name, ia, ib in pairs(a, b) if ia != ib]
     for name, na, nb in differ:
         print(f"differs: {demangle(name)} ({na} -> {nb} instructions)")
-    print(f"{len(a)} kernels, {len(differ)} differ")
-    return 1 if differ else 0
+    print(f"{len(a)} kernels in both, {len(differ)} differ")
+    return 1 if differ or names_a != names_b else 0
 
 
 if __name__ == "__main__":
