@@ -15,7 +15,8 @@ torch.compile.
 --one-pass: the channels-last shared-memory forward's rows (clustered or not; docs/performance.md,
 "The channels-last one-pass moments"): fusednorm's kernel time with x rewritten by a copy before
 each call (as by a convolution before the norm) and after the L2 flush, without and with a (C,)
-input_bias. Run it on two builds in one call for an A/B.
+input_bias. Run it on two builds in one call for an A/B. With --contiguous, the ChannelsFirst
+one-pass kernels' rows instead (shared memory, clusters, registers).
 """
 
 import argparse
@@ -85,6 +86,14 @@ ONE_PASS_ROWS = [((1, 512, 64, 64), torch.float16), ((1, 512, 128, 128), torch.f
                  ((2, 960, 64, 64), torch.float16), ((8, 320, 64, 64), torch.float16),
                  ((32, 256, 56, 56), torch.bfloat16)]
 
+# --one-pass --contiguous: the ChannelsFirst one-pass kernels' rows (shared memory, clustered or
+# not; the UNet's 8x8 and 16x16 groups in registers; attention's (N, C, L)).
+CONTIGUOUS_ROWS = [((1, 512, 64, 64), torch.float16), ((2, 320, 64, 64), torch.float16),
+                   ((8, 320, 64, 64), torch.float16), ((2, 640, 32, 32), torch.float16),
+                   ((2, 1280, 16, 16), torch.float16), ((2, 1280, 8, 8), torch.float16),
+                   ((8, 1280, 8, 8), torch.float16), ((16, 512, 4096), torch.bfloat16),
+                   ((32, 256, 56, 56), torch.bfloat16), ((4, 64, 128, 128), torch.float32)]
+
 
 def fusednorm_us(fn, before, iters=30):
     """Median us of fusednorm's kernels a call of fn() (their intervals' union), before() ahead of
@@ -101,15 +110,17 @@ def fusednorm_us(fn, before, iters=30):
     return statistics.median(end - start for start, end in calls)
 
 
-def one_pass_rows(flush):
+def one_pass_rows(flush, channels_last=True):
     """The --one-pass table: a line a row (us, written / flush), then the rows as JSON."""
     rows = []
-    for shape, dtype in ONE_PASS_ROWS:
-        x = torch.randn(shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    for shape, dtype in ONE_PASS_ROWS if channels_last else CONTIGUOUS_ROWS:
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         source = x.clone()
         w, b, p = (torch.randn(shape[1], device="cuda", dtype=dtype) for _ in range(3))
         row = dict(shape=shape, dtype=str(dtype).replace("torch.", ""),
-                   plan=kernel_paths.plan(shape, 32, dtype, channels_last=True, activation="silu", device="cuda"))
+                   plan=kernel_paths.plan(shape, 32, dtype, channels_last=channels_last, activation="silu", device="cuda"))
         with torch.no_grad():
             for label, extra in (("plain", {}), ("input_bias", {"input_bias": p})):
                 def call(extra=extra):
@@ -127,13 +138,14 @@ def main():
     parser.add_argument("--fusednorm-only", action="store_true", help="the first column alone (tuning runs)")
     parser.add_argument("--clusters", action="store_true", help="the channels-last clusters' rows instead")
     parser.add_argument("--one-pass", action="store_true", help="the channels-last one-pass rows, written / flushed")
+    parser.add_argument("--contiguous", action="store_true", help="with --one-pass: the ChannelsFirst one-pass rows")
     args = parser.parse_args()
     shapes = SHAPES[:args.N] if args.N is not None else SHAPES
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     if args.clusters:
         return cluster_rows(flush)
     if args.one_pass:
-        return one_pass_rows(flush)
+        return one_pass_rows(flush, channels_last=not args.contiguous)
     src = torch.empty(1 << 28, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
