@@ -13,8 +13,9 @@ group_norm_one_pass.cuh. Three steps (the third on the GPU machine), as tools/sw
 with eps = 0.125, which the stamps print for, after warm-up calls and either a copy that rewrites x
 ("written", as a convolution before the norm leaves it) or a reading L2 flush ("flush"). `table`
 prints, over the CTAs of each case, when they began after the first (the launch's ramp), and the
-spread of: the copy's issue, the wait for the thread's copies, the moments pass, the two cluster
-sums (block sum, cluster barrier, remote loads), the output loop, and the final cluster barrier.
+spread of: the copy's issue, the wait for the thread's copies, the moments pass, the CTA's two
+block sums, the cluster's exchange and merge (st.async stores, the wait for the others', butterflies),
+and the output loop.
 Stamps are in ns from the first CTA's start; the printf after the last stamp delays the kernels
 after it, so only this kernel is stamped (the instrumented kernel spills 16 bytes under its
 80-register cap). The patch inserts the stamps at fixed lines of the source: it stops with the
@@ -44,42 +45,37 @@ EDITS = [
     before("// Rows whose residual / multiplier packs a thread of group_norm_cols_one_pass_kernel loads at once.",
            CLOCK),
     after("  P* buffers = reinterpret_cast<P*>(one_pass_smem);  // slabs dense (ColsPlace::dense)\n",
-          "  unsigned long long cs[8] = {};\n  cs[0] = cols_clock_ns();\n"),
+          "  unsigned long long cs[7] = {};\n  cs[0] = cols_clock_ns();\n"),
     after("  copy_in(first_item, buffers);\n", "  cs[1] = cols_clock_ns();\n"),
     before("    acc_t KL[kBias ? V : 1];\n", "    cs[2] = cols_clock_ns();\n"),
-    before("    const acc_t total = static_cast<acc_t>(a.len);\n    const acc_t shifted_mean = one_pass_cluster_slot_sum(",
+    before("    const acc_t total = static_cast<acc_t>(a.len);\n    const PartMoments<acc_t> part =\n",
            "    cs[3] = cols_clock_ns();\n"),
-    before("    acc_t m2 = acc_t(0);\n    if (nt > acc_t(0)) {\n", "    cs[4] = cols_clock_ns();\n"),
-    after("    const acc_t var =\n        one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, "
-          "exchange[1], a.cluster, span) /\n        total;\n", "    cs[5] = cols_clock_ns();\n"),
-    ("#if FUSEDNORM_CLUSTERS\n  // No CTA may leave while another can still read its `exchange`.\n"
-     "  if (a.cluster > 1) cg::this_cluster().sync();\n#endif\n}\n\n// Lets `kernel` take",
+    before("    const BlockMoments<acc_t> gm =\n        one_pass_cluster_moments(part,", "    cs[4] = cols_clock_ns();\n"),
+    after("    const acc_t var = gm.m2 / total;\n", "    cs[5] = cols_clock_ns();\n"),
+    ("      }\n    }\n  }\n}\n\n// Lets `kernel` take",
+     "      }\n    }\n  }\n"
      "  cs[6] = cols_clock_ns();\n"
-     "#if FUSEDNORM_CLUSTERS\n  // No CTA may leave while another can still read its `exchange`.\n"
-     "  if (a.cluster > 1) cg::this_cluster().sync();\n#endif\n"
-     "  cs[7] = cols_clock_ns();\n"
      f"  if (a.eps == {EPS}f && threadIdx.x == 0) {{\n"
      "    unsigned smid;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
-     "    printf(\"CP %d %u %llu %llu %llu %llu %llu %llu %llu %llu\\n\", (int)blockIdx.x, smid, cs[0], cs[1], cs[2],\n"
-     "        cs[3], cs[4], cs[5], cs[6], cs[7]);\n  }\n}\n\n// Lets `kernel` take"),
+     "    printf(\"CP %d %u %llu %llu %llu %llu %llu %llu %llu\\n\", (int)blockIdx.x, smid, cs[0], cs[1], cs[2],\n"
+     "        cs[3], cs[4], cs[5], cs[6]);\n  }\n}\n\n// Lets `kernel` take"),
 ]
 
 SHAPES = ["1,512,64,64", "1,512,128,128", "2,320,64,64"]
 
-# (name, first stamp, last stamp) over the printed stamps cs0..cs7 (indices 0-7)
+# (name, first stamp, last stamp) over the printed stamps cs0..cs6 (indices 0-6)
 PHASES = [
     ("copy issue", 0, 1),
     ("copy wait", 1, 2),
     ("moments pass", 2, 3),
-    ("mean sums", 3, 4),
-    ("M2 sums", 4, 5),
+    ("block sums", 3, 4),
+    ("cluster merge", 4, 5),
     ("output", 5, 6),
-    ("last barrier", 6, 7),
 ]
 
 
 def table(lines):
-    sweep_phase_clocks.phase_table(lines, "CP", PHASES, 7, with_sm=True)
+    sweep_phase_clocks.phase_table(lines, "CP", PHASES, 6, with_sm=True)
 
 
 if __name__ == "__main__":

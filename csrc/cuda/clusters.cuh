@@ -74,4 +74,58 @@ void launch_clustered(Kernel kernel, unsigned grid, unsigned block, size_t smem_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+#if FUSEDNORM_CLUSTERS
+// Device side: a CTA's messages to the others of its cluster without a cluster-wide barrier at
+// the exchange. A cg cluster sync is a release / acquire barrier: ptxas puts a MEMBAR.ALL.GPU
+// before its arrival, which waits on the thread's outstanding memory operations, and a CTA had
+// to wait for the slowest one of its cluster before it left. Here each receiving CTA counts the
+// bytes stored into its shared memory on an mbarrier (st.async completes them, as TMA copies do),
+// and waits only for those (docs/design.md, "Channels-last one-pass").
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One thread, at the kernel's start: `bar` expects `bytes` from the cluster's st.async stores
+// (cluster_store); then every thread arrives at the cluster's barrier (relaxed: no fence), and
+// waits on it (cluster_wait) before its first store into another CTA, whose barrier must exist.
+__device__ __forceinline__ void init_receive_barrier(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait;" ::: "memory");
+}
+
+// Stores v at `dst` and completes its 8 bytes on `bar`, both this CTA's addresses taken in CTA
+// `rank` of the cluster (itself included).
+__device__ __forceinline__ void cluster_store(float2 v, const void* dst, const uint64_t* bar, int rank) {
+  uint32_t remote_dst, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_dst) : "r"(shared_address(dst)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(shared_address(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(remote_dst),
+               "f"(v.x), "f"(v.y), "r"(remote_bar)
+               : "memory");
+}
+
+// Returns once `bar`'s first phase is complete: every byte it expected has been stored.
+__device__ __forceinline__ void wait_received(const uint64_t* bar) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(bar))
+        : "memory");
+  } while (!done);
+}
+#endif
+
 }  // namespace fusednorm

@@ -174,6 +174,7 @@ __device__ __forceinline__ BlockMoments<acc_t> block_moments_of_shifted_sums(
 
 // Most adjacent groups a CTA of group_norm_cols_one_pass_kernel takes at once (its `span`).
 constexpr int kMaxColsSpan = 4;
+static_assert(8 * kMaxColsSpan <= kWarp, "a cluster's slots (of at most 8 CTAs) in a warp: one_pass_cluster_moments");
 
 // one_pass_block_sum for `span` <= kMaxColsSpan sums at once: each thread adds v into slot `slot`
 // and gets that slot's total (smem holds kMaxColsSpan values a warp). Fixed order, as the single
@@ -236,7 +237,8 @@ __device__ __forceinline__ void dispatch_bool(bool b, const F& f) {
   }
 }
 
-// Sum over a pack of x - K, and of ((x - K) - shifted_mean)^2: the terms of the two-pass moments.
+// Sum over a pack of x - K, and of ((x - K) - shifted_mean)^2: the terms of the register
+// kernel's two-pass moments (RegisterGroup::finish).
 template <typename acc_t, typename scalar_t, int V>
 __device__ __forceinline__ acc_t pack_shifted_sum(const Pack<scalar_t, V>& p, acc_t K) {
   acc_t s = acc_t(0);
@@ -256,44 +258,95 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   return s;
 }
 
-// The sum over the cluster of each CTA's total of slot q (the same in every thread of a CTA that
-// passes q), added in one fixed order so that every CTA gets the same bits: in each CTA the thread
-// that is slot q's `writer` publishes it in slots[q], this CTA's shared exchange slots, which may be
-// overwritten only after the next cluster barrier. group_norm_cols_one_pass_kernel takes a slot a
-// group of its `span` slots. The cluster's size is a power of two (the planners double it).
-//
-// Lane s * cluster + r of each warp reads slot s of rank r, the `cluster` lanes of a slot add
-// their values over a butterfly (the same tree in every CTA), and each thread takes its slot's
-// total from that slot's first lane: one remote load a lane where every thread read every
-// rank's slot, ~230 instructions a thread in code all the SM's warps run at once (docs/design.md,
-// "Channels-last one-pass").
+// A CTA's part of a group for the cluster's merge (one_pass_cluster_moments): its elements' sum
+// of x - K and their M2 about their own mean.
 template <typename acc_t>
-__device__ __forceinline__ acc_t one_pass_cluster_slot_sum(
-    acc_t cta_total, int q, bool writer, acc_t* slots, int cluster, int span = 1) {
+struct PartMoments {
+  acc_t sum, m2;
+};
+
+// What a CTA of a cluster receives from the others for one_pass_cluster_moments: slots[r * span +
+// q] holds rank r's (sum, M2) of slot q, stored there by rank r; `bar` counts their bytes. Every
+// thread calls begin() at the kernel's start, long before the exchange.
+struct ClusterExchange {
+  float2 slots[kWarp];
+  uint64_t bar;
+
+  __device__ __forceinline__ void begin(int cluster, int span) {
+#if FUSEDNORM_CLUSTERS
+    if (cluster > 1) {
+      if (threadIdx.x == 0) init_receive_barrier(&bar, static_cast<uint32_t>(cluster * span * sizeof(float2)));
+      cluster_arrive_relaxed();
+    }
+#endif
+  }
+};
+
+// The group's mean and M2 of x - K over the cluster from each CTA's PartMoments of slot q (the
+// same in every thread of a CTA that passes q), Chan's merge in one fixed order so that every CTA
+// gets the same bits: slot q's `writer` stores the CTA's (sum, M2 about its own mean) into every
+// CTA of the cluster (ClusterExchange; `rank` = this CTA's), each CTA waits for its cluster * span
+// records, and no CTA waits on another's progress but for those bytes (docs/design.md,
+// "Channels-last one-pass"). part_count(r): rank r's elements of the group. The cluster's size is
+// a power of two (the planners double it) and span * cluster <= kWarp (the launchers assert it).
+//
+// Lane s * cluster + r of each warp takes slot s of rank r, the `cluster` lanes of a slot merge
+// their records over a butterfly (the same tree in every CTA), and each thread takes its slot's
+// result from that slot's first lane.
+template <typename acc_t, typename PartCount>
+__device__ __forceinline__ BlockMoments<acc_t> one_pass_cluster_moments(const PartMoments<acc_t>& part, acc_t total,
+    int q, bool writer, ClusterExchange& ex, int rank, int cluster, int span, const PartCount& part_count) {
+  static_assert(sizeof(acc_t) == sizeof(float), "the exchange holds float records");
 #if FUSEDNORM_CLUSTERS
   if (cluster > 1) {
-    cg::cluster_group cl = cg::this_cluster();
-    if (writer) slots[q] = cta_total;
-    cl.sync();
-    if (span * cluster > kWarp) {  // (no plan has more than a warp of slots)
-      acc_t total = acc_t(0);
-      for (int r = 0; r < cluster; ++r) total += cl.map_shared_rank(slots, r)[q];
-      return total;
+    cluster_wait();  // every CTA's barrier initialized (ClusterExchange::begin)
+    if (writer) {
+      for (int r = 0; r < cluster; ++r) {
+        cluster_store(make_float2(part.sum, part.m2), &ex.slots[rank * span + q], &ex.bar, r);
+      }
     }
+    wait_received(&ex.bar);
     const int lane = static_cast<int>(threadIdx.x & (kWarp - 1));
     const int log_cluster = __ffs(cluster) - 1;
-    acc_t v = acc_t(0);
-    if (lane < span * cluster) v = cl.map_shared_rank(slots, lane & (cluster - 1))[lane >> log_cluster];
-    return __shfl_sync(0xffffffffu, segment_sum(v, cluster), q << log_cluster);
+    const int r = lane & (cluster - 1);
+    acc_t sum = acc_t(0), m2 = acc_t(0), count = acc_t(0);
+    if (lane < span * cluster) {
+      const float2 rec = ex.slots[r * span + (lane >> log_cluster)];
+      sum = rec.x;
+      m2 = rec.y;
+      count = part_count(r);
+    }
+    const acc_t mean = segment_sum(sum, cluster) / total;
+    if (count > acc_t(0)) {
+      const acc_t d = sum / count - mean;  // the part's mean's distance from the group's
+      m2 += count * d * d;
+    }
+    m2 = segment_sum(m2, cluster);
+    const int first = q << log_cluster;
+    return BlockMoments<acc_t>{__shfl_sync(0xffffffffu, mean, first), __shfl_sync(0xffffffffu, m2, first)};
   }
 #endif
-  return cta_total;
+  return BlockMoments<acc_t>{part.sum / total, part.m2};
 }
 
-// One slot, published by thread 0.
+// The CTA's PartMoments from each thread's shifted sums (nt elements, tk = T - K, q1 = sum (x - T),
+// q2 = sum (x - T)^2: block_moments_of_shifted_sums over slot q of `span`, one_pass_slot_sum);
+// `count` = the CTA's elements of the slot's group (sum of nt over its threads). Alone in its
+// cluster, the M2 is about the group's mean as one_pass_cluster_moments' result wants.
 template <typename acc_t>
-__device__ __forceinline__ acc_t one_pass_cluster_sum(acc_t cta_total, acc_t* slot, int cluster) {
-  return one_pass_cluster_slot_sum(cta_total, 0, threadIdx.x == 0, slot, cluster);
+__device__ __forceinline__ PartMoments<acc_t> cta_part_moments(
+    acc_t nt, acc_t tk, acc_t q1, acc_t q2, acc_t count, int q, int span, acc_t* red) {
+  PartMoments<acc_t> p;
+  p.sum = one_pass_slot_sum(nt > acc_t(0) ? nt * tk + q1 : acc_t(0), q, span, red);
+  const acc_t mean = p.sum / count;  // (NaN in a CTA without elements, whose threads do not use it)
+  acc_t c = acc_t(0);
+  if (nt > acc_t(0)) {
+    const acc_t mt = q1 / nt;        // the thread's mean of x - T
+    const acc_t d = tk + mt - mean;  // its mean's distance from the CTA's
+    c = (q2 - q1 * mt) + nt * d * d;
+  }
+  p.m2 = one_pass_slot_sum(c, q, span, red);
+  return p;
 }
 
 // (w_eff, b_eff) of channel c of sample n: the affine parameters with the per-(n, c) modulation
@@ -444,13 +497,14 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
   __shared__ acc_t red[kOnePassThreads / kWarp];
-  __shared__ acc_t exchange[2];  // this CTA's sums, read by the rest of its cluster
+  __shared__ ClusterExchange exchange;  // the cluster's parts
   const int64_t item = div_nn(blockIdx.x, a.cluster);  // (n, g)
   const int rank = static_cast<int>(blockIdx.x - item * a.cluster);  // the CTA's rank in its cluster
   const int64_t n = div_nn(item, a.G);
   const int64_t g = item - n * a.G;
   const int64_t off = item * a.len;  // ChannelsFirst: group (n, g) starts at (n * C + g * D) * S
   const int64_t lenv = a.len / V;
+  exchange.begin(a.cluster, 1);
   // This CTA's packs of the group: [v_begin, v_end).
   const int64_t v_begin = imin(lenv, rank * a.chunk);
   const int64_t count = imin(lenv, v_begin + a.chunk) - v_begin;
@@ -474,18 +528,35 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   __pipeline_wait_prior(0);
 
   // Moments of x - K, K the group's first element, as the split path computes them: a constant
-  // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits.
+  // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits. One pass
+  // over shared memory: sums of x - T and (x - T)^2, T the thread's first element, merged in the
+  // two steps of block_moments_of_shifted_sums over the CTA and the cluster (as the channels-last
+  // kernel below: docs/design.md, "Channels-last one-pass").
   const acc_t K = static_cast<acc_t>(a.x[off]);
-  acc_t sum = acc_t(0);
-  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) sum += pack_shifted_sum(load_pack(x_smem[v]), K);
-  const acc_t total = static_cast<acc_t>(a.len);
-  const acc_t shifted_mean =
-      one_pass_cluster_sum(one_pass_block_sum(sum, red), &exchange[0], a.cluster) / total;
-  acc_t m2 = acc_t(0);
-  for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-    m2 += pack_squared_deviations(load_pack(x_smem[v]), K, shifted_mean);
+  acc_t nt = acc_t(0), tk = acc_t(0), q1 = acc_t(0), q2 = acc_t(0);
+  if (threadIdx.x < count) {
+    const acc_t T = static_cast<acc_t>(load_pack(x_smem[threadIdx.x]).v[0]);
+    tk = T - K;
+    for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
+      const P x = load_pack(x_smem[v]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const acc_t d = static_cast<acc_t>(x.v[j]) - T;
+        q1 += d;
+        q2 += d * d;
+      }
+      nt += static_cast<acc_t>(V);
+    }
   }
-  const acc_t var = one_pass_cluster_sum(one_pass_block_sum(m2, red), &exchange[1], a.cluster) / total;
+  const acc_t total = static_cast<acc_t>(a.len);
+  const PartMoments<acc_t> part = cta_part_moments(nt, tk, q1, q2, static_cast<acc_t>(count * V), 0, 1, red);
+  const BlockMoments<acc_t> gm = one_pass_cluster_moments(part, total, 0, threadIdx.x == 0, exchange, rank, a.cluster, 1,
+      [&](int r) {
+        const int64_t b = imin(lenv, r * a.chunk);
+        return static_cast<acc_t>((imin(lenv, b + a.chunk) - b) * V);
+      });
+  const acc_t shifted_mean = gm.mean;
+  const acc_t var = gm.m2 / total;
   // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
   const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
   if (rank == 0 && threadIdx.x == 0) {
@@ -505,10 +576,6 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
       yg[v] = out(v_begin + v, load_pack(x_smem[v]), rp, has_r, mp, has_m);
     }
   });
-#if FUSEDNORM_CLUSTERS
-  // No CTA may leave while another can still read its `exchange`.
-  if (a.cluster > 1) cg::this_cluster().sync();
-#endif
 }
 
 // Where a thread works in a ChannelsLast group of S rows of D channels (OnePassArgs::cols): in
@@ -775,35 +842,39 @@ constexpr int kColsOperandBatch = 4;
 //
 // buffer_packs > 0: two buffers of that many packs, the next slab's copy in flight during this
 // one's sums and output (with one slab a CTA, every CTA of the single wave loaded, then summed,
-// then wrote at the same time). 0: one buffer, and a grid of one CTA a slab, or (a.cluster > 1,
-// sm_90) of one cluster a slab: its CTAs take equal ranges of the slab's rows and add their block
-// sums over distributed shared memory in rank order (one_pass_cluster_slot_sum), for slabs too
-// large for one CTA or too few to fill the GPU one a CTA (docs/design.md, "Channels-last
-// one-pass"). items: the slabs, N * G / span.
+// then wrote at the same time). 0: one buffer, and a grid of one CTA a slab, or (kClustered,
+// a.cluster > 1, sm_90) of one cluster a slab: its CTAs take equal ranges of the slab's rows and
+// merge their parts' moments over distributed shared memory (one_pass_cluster_moments), for slabs
+// too large for one CTA or too few to fill the GPU one a CTA (docs/design.md, "Channels-last
+// one-pass"). items: the slabs, N * G / span. The clustered kernels (E = 0, 16-bit types: the
+// planner's clusters) are instantiations of their own, so that the others hold no cluster code:
+// with it, the unclustered rows ran up to 5% slower (ResNet's (32,256,56,56)).
 //
 // kBias (E = 0 only): with input_bias (docs/design.md, "Input bias"), its own instantiation (the
 // per-lane shifts took the kernels without it 8-18 registers more, ptxas sm_90). The kernels
 // without operands (E = 0, the clusters' kernels) are held to three CTAs an SM (80 registers): at
 // two, the clusters of 8 of the 256-CTA plans did not all fit at once (GPCs hold whole clusters)
 // and the rows took 1.25-1.6x as long.
-template <typename scalar_t, int V, Activation A, int E, bool kBias = false>
+template <typename scalar_t, int V, Activation A, int E, bool kBias = false, bool kClustered = false>
 __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) group_norm_cols_one_pass_kernel(
     const OnePassArgs<scalar_t> a, int64_t items, int64_t buffer_packs, int span) {
   using acc_t = acc_type<scalar_t>;
+  const int cluster = kClustered ? a.cluster : 1;  // (the launcher's choice: a.cluster > 1)
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char one_pass_smem[];
   __shared__ acc_t red[kMaxColsSpan * kOnePassThreads / kWarp];
-  __shared__ acc_t exchange[2][kMaxColsSpan];  // this CTA's slot totals, read by the rest of its cluster
+  __shared__ ClusterExchange exchange;  // the cluster's parts
   P* buffers = reinterpret_cast<P*>(one_pass_smem);  // slabs dense (ColsPlace::dense)
   const ColsPlace<V> place(span * a.D, kOnePassThreads);
   const int row0 = place.row0, step = place.step;
   // A cluster of a.cluster CTAs takes a slab (one buffer, a slab a cluster): this CTA's rows are
   // [r_begin, r_end), the rank-th of a.cluster equal ranges, and this thread's r_begin + row0,
   // + step, ... < r_end (none without a lane).
-  const int rank = static_cast<int>(blockIdx.x % a.cluster);
-  const int64_t cluster_rows = ceil_div(a.S, static_cast<int64_t>(a.cluster));
+  const int rank = static_cast<int>(blockIdx.x % cluster);
+  const int64_t cluster_rows = ceil_div(a.S, static_cast<int64_t>(cluster));
   const int64_t r_begin = imin(a.S, rank * cluster_rows);
-  const int64_t r_end = place.active() ? imin(a.S, r_begin + cluster_rows) : r_begin;
+  const int64_t r_part = imin(a.S, r_begin + cluster_rows);  // the CTA's
+  const int64_t r_end = place.active() ? r_part : r_begin;
   const int q = place.active() ? static_cast<int>(place.lane * V / a.D) : 0;  // the thread's group in the slab
   // The first thread of each group's lanes (row 0 of the CTA): writes the slot's exchange value
   // and (rank 0) the group's statistics.
@@ -823,8 +894,9 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
     __pipeline_commit();
   };
   const bool pipelined = buffer_packs > 0;  // (never with clusters)
-  const int64_t first_item = blockIdx.x / a.cluster;
-  const int64_t item_stride = gridDim.x / a.cluster;
+  const int64_t first_item = blockIdx.x / cluster;
+  const int64_t item_stride = gridDim.x / cluster;
+  exchange.begin(cluster, span);
   copy_in(first_item, buffers);
   int b = 0;
   for (int64_t item = first_item; item < items; item += item_stride) {
@@ -898,19 +970,15 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
       }
     }
     const acc_t total = static_cast<acc_t>(a.len);
-    const acc_t shifted_mean = one_pass_cluster_slot_sum(
-        one_pass_slot_sum(nt > acc_t(0) ? nt * tk + q1 : acc_t(0), q, span, red), q, slot_writer, exchange[0], a.cluster,
-        span) /
-        total;
-    acc_t m2 = acc_t(0);
-    if (nt > acc_t(0)) {
-      const acc_t mt = q1 / nt;                // the thread's mean of x - T
-      const acc_t d = tk + mt - shifted_mean;  // its mean's distance from the group's
-      m2 = (q2 - q1 * mt) + nt * d * d;
-    }
-    const acc_t var =
-        one_pass_cluster_slot_sum(one_pass_slot_sum(m2, q, span, red), q, slot_writer, exchange[1], a.cluster, span) /
-        total;
+    const PartMoments<acc_t> part =
+        cta_part_moments(nt, tk, q1, q2, kClustered ? static_cast<acc_t>((r_part - r_begin) * a.D) : total, q, span, red);
+    const BlockMoments<acc_t> gm =
+        one_pass_cluster_moments(part, total, q, slot_writer, exchange, rank, cluster, span, [&](int r) {
+          const int64_t b = imin(a.S, r * cluster_rows);
+          return static_cast<acc_t>((imin(a.S, b + cluster_rows) - b) * a.D);
+        });
+    const acc_t shifted_mean = gm.mean;
+    const acc_t var = gm.m2 / total;
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t group_rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     if (rank == 0 && slot_writer) {
@@ -962,10 +1030,6 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
       }
     }
   }
-#if FUSEDNORM_CLUSTERS
-  // No CTA may leave while another can still read its `exchange`.
-  if (a.cluster > 1) cg::this_cluster().sync();
-#endif
 }
 
 // Lets `kernel` take `bytes` of dynamic shared memory. Without the opt-in a CTA gets 48 KB in all,
@@ -982,6 +1046,7 @@ template <typename scalar_t, int V, Activation A>
 void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
   auto kernel = group_norm_one_pass_kernel<scalar_t, V, A>;
   allow_dynamic_smem(kernel, smem_bytes);
+  TORCH_INTERNAL_ASSERT(a.cluster <= kWarp, "one-pass cluster of over a warp of CTAs (one_pass_cluster_moments)");
   if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   launch_clustered(kernel, static_cast<unsigned>(items * a.cluster), kOnePassThreads, smem_bytes, a.cluster,
       at::cuda::getCurrentCUDAStream(), a);
@@ -1046,12 +1111,19 @@ void launch_registers_planned(const OnePassArgs<scalar_t>& a, int64_t items, con
 // resident at once where the plan says so (buffer_packs > 0). Calls f(kernel) with the kernel
 // instantiated for the call's pack width, activation (none, SiLU, ReLU) and extra streams.
 template <typename scalar_t, typename F>
-void with_cols_one_pass_kernel(Activation act, int streams, int pack_bytes, const F& f, bool input_bias = false) {
+void with_cols_one_pass_kernel(
+    Activation act, int streams, int pack_bytes, const F& f, bool input_bias = false, bool clustered = false) {
   TORCH_INTERNAL_ASSERT(!input_bias || streams == 1, "channels-last one-pass kernel with input_bias and operands");
+  TORCH_INTERNAL_ASSERT(!clustered || (streams == 1 && sizeof(scalar_t) == 2),
+      "channels-last one-pass clusters planned for operands or a 32-bit type");
   const auto with_width = [&](auto width) {
     constexpr int V = decltype(width)::value / static_cast<int>(sizeof(scalar_t));
     const bool found = dispatch_common_activation(act, [&](auto a) {
       constexpr Activation kA = decltype(a)::value;
+      if constexpr (sizeof(scalar_t) == 2) {
+        if (clustered && input_bias) return f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0, true, true>);
+        if (clustered) return f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0, false, true>);
+      }
       if (input_bias) return f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0, true>);
       switch (streams) {
         case 1: f(group_norm_cols_one_pass_kernel<scalar_t, V, kA, 0>); break;
@@ -1090,7 +1162,7 @@ void launch_cols_one_pass(OnePassArgs<scalar_t> a, int64_t groups, const plan::P
     allow_dynamic_smem(kernel, smem);
     launch_clustered(kernel, static_cast<unsigned>(pl.grid), kOnePassThreads, smem, a.cluster,
         at::cuda::getCurrentCUDAStream(), a, items, pl.buffer_packs, pl.span);
-  }, /*input_bias=*/a.epi.input_bias.ptr != nullptr);
+  }, /*input_bias=*/a.epi.input_bias.ptr != nullptr, /*clustered=*/a.cluster > 1);
 }
 
 // Runs the one-pass forward as planned: path Registers, Shared or Cluster, or with
