@@ -529,9 +529,9 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
 
   // Moments of x - K, K the group's first element, as the split path computes them: a constant
   // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits. One pass
-  // over shared memory: sums of x - T and (x - T)^2, T the thread's first element, merged in the
-  // two steps of block_moments_of_shifted_sums over the CTA and the cluster (as the channels-last
-  // kernel below: docs/design.md, "Channels-last one-pass").
+  // over shared memory: sums of x - T and (x - T)^2, T the thread's first element, merged over
+  // the CTA in the two steps of block_moments_of_shifted_sums (cta_part_moments), then over the
+  // cluster in one exchange (one_pass_cluster_moments; docs/design.md, "Cluster path").
   const acc_t K = static_cast<acc_t>(a.x[off]);
   acc_t nt = acc_t(0), tk = acc_t(0), q1 = acc_t(0), q2 = acc_t(0);
   if (threadIdx.x < count) {
@@ -933,8 +933,9 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
       for (int j = 0; j < V; ++j) KL[j] = K - delta[j];
     }
     // One pass over the thread's packs: the sums of x - T and (x - T)^2, T the thread's first
-    // element (of x - KL with kBias), then the two-step Chan merge of block_moments_of_shifted_sums
-    // over the CTA and the cluster. The exact two-pass form (a second pass over shared memory
+    // element (of x - KL with kBias), merged over the CTA in the two steps of
+    // block_moments_of_shifted_sums (cta_part_moments), then over the cluster in one exchange
+    // (one_pass_cluster_moments). The exact two-pass form (a second pass over shared memory
     // for the M2, after the cluster's mean) took ~40 of the ~190 instructions a pack, in phases
     // every warp of the SM runs at once (docs/design.md, "Channels-last one-pass").
     acc_t nt = acc_t(0), tk = acc_t(0), q1 = acc_t(0), q2 = acc_t(0);
