@@ -80,7 +80,7 @@ void launch_clustered(Kernel kernel, unsigned grid, unsigned block, size_t smem_
 // before its arrival, which waits on the thread's outstanding memory operations, and a CTA had
 // to wait for the slowest one of its cluster before it left. Here each receiving CTA counts the
 // bytes stored into its shared memory on an mbarrier (st.async completes them, as TMA copies do),
-// and waits only for those (docs/design.md, "Channels-last one-pass").
+// and waits only for those (docs/design.md, "Cluster path").
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

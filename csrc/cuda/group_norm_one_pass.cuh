@@ -287,7 +287,7 @@ struct ClusterExchange {
 // gets the same bits: slot q's `writer` stores the CTA's (sum, M2 about its own mean) into every
 // CTA of the cluster (ClusterExchange; `rank` = this CTA's), each CTA waits for its cluster * span
 // records, and no CTA waits on another's progress but for those bytes (docs/design.md,
-// "Channels-last one-pass"). part_count(r): rank r's elements of the group. The cluster's size is
+// "Cluster path"). part_count(r): rank r's elements of the group. The cluster's size is
 // a power of two (the planners double it) and span * cluster <= kWarp (the launchers assert it).
 //
 // Lane s * cluster + r of each warp takes slot s of rank r, the `cluster` lanes of a slot merge
