@@ -258,6 +258,18 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   return s;
 }
 
+// Adds a pack's x - T to q1 and their squares to q2: a thread's shifted sums, T its first element,
+// for block_moments_of_shifted_sums (docs/design.md, "Shifted moments and Chan merges").
+template <typename acc_t, typename scalar_t, int V>
+__device__ __forceinline__ void add_shifted_sums(const Pack<scalar_t, V>& p, acc_t T, acc_t& q1, acc_t& q2) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const acc_t d = static_cast<acc_t>(p.v[j]) - T;
+    q1 += d;
+    q2 += d * d;
+  }
+}
+
 // A CTA's part of a group for the cluster's merge (one_pass_cluster_moments): its elements' sum
 // of x - K and their M2 about their own mean.
 template <typename acc_t>
@@ -538,13 +550,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
     const acc_t T = static_cast<acc_t>(load_pack(x_smem[threadIdx.x]).v[0]);
     tk = T - K;
     for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
-      const P x = load_pack(x_smem[v]);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const acc_t d = static_cast<acc_t>(x.v[j]) - T;
-        q1 += d;
-        q2 += d * d;
-      }
+      add_shifted_sums(load_pack(x_smem[v]), T, q1, q2);
       nt += static_cast<acc_t>(V);
     }
   }

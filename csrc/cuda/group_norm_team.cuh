@@ -278,15 +278,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     // (docs/design.md, "Numerics").
     const acc_t T = threadIdx.x < count ? static_cast<acc_t>(load_pack(x[threadIdx.x]).v[0]) : acc_t(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
-    for (int v = threadIdx.x; v < count; v += kTeamThreads) {
-      const P p = load_pack(x[v]);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const acc_t d = static_cast<acc_t>(p.v[j]) - T;
-        s1 += d;
-        s2 += d * d;
-      }
-    }
+    for (int v = threadIdx.x; v < count; v += kTeamThreads) add_shifted_sums(load_pack(x[v]), T, s1, s2);
     const int mine = count > static_cast<int>(threadIdx.x) ? (count - static_cast<int>(threadIdx.x) + kTeamThreads - 1) / kTeamThreads : 0;
     const acc_t n = static_cast<acc_t>(count * V);
     const BlockMoments<acc_t> bm = block_moments_of_shifted_sums<kTeamThreads>(

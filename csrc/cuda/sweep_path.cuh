@@ -87,12 +87,7 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
       if (v + u * kSweepThreads < v1) {
         P xp;
         memcpy(&xp, &xw[u], sizeof(P));
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const acc_t d = static_cast<acc_t>(xp.v[j]) - T;
-          s1 += d;
-          s2 += d * d;
-        }
+        add_shifted_sums(xp, T, s1, s2);
       }
     }
   }
