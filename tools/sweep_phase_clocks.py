@@ -22,6 +22,7 @@ it could not find when the kernel changes, and must then be updated with it.
 """
 
 import argparse
+import collections
 import os
 import re
 import statistics
@@ -139,6 +140,22 @@ def phase_table(lines, tag, phases, last, with_sm=False):
         for name, a, b in phases:
             d = [(s[b] - s[a]) / 1e3 for s in stamps]
             print(f"  {name:16s} {min(d):6.2f} {statistics.median(d):6.2f} {max(d):6.2f}")
+        if with_sm:
+            placement_table(ctas, t0, last)
+
+
+def placement_table(ctas, t0, last):
+    """Where the CTAs landed: the SMs by how many CTAs each held, and when those CTAs ended (the
+    SMs given more CTAs than the others end last: docs/performance.md, "Where the clusters' CTAs
+    land")."""
+    per_sm = collections.Counter(sm for sm, _ in ctas.values())
+    ends = collections.defaultdict(list)
+    for sm, s in ctas.values():
+        ends[per_sm[sm]].append((s[last] - t0) / 1e3)
+    for k in sorted(ends):
+        sms = sum(1 for n in per_sm.values() if n == k)
+        print(f"  SMs holding {k} CTA{'s' if k > 1 else ' '}: {sms:3d}, their CTAs end: median {statistics.median(ends[k]):6.2f}, "
+              f"last {max(ends[k]):6.2f} us")
 
 
 def table(lines):
