@@ -63,6 +63,9 @@ constexpr int kRegisterThreads = 512;
 // residual's loads), hence none with operands.
 constexpr int kOnePassThreads = 256;
 constexpr int kMaxColsSpan = 4;
+// Channels-last cluster slabs with narrower rows take two groups a slab where they can
+// (cols_cluster).
+constexpr int64_t kWideColsRowBytes = 64;
 constexpr int64_t kColsOnePassMaxBytes = 100 * 1024;
 constexpr int64_t kSectorBytes = 32;
 constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the driver's reserve a CTA
@@ -428,7 +431,8 @@ int max_one_pass_cluster(const Ctx& c) {
 // the GPU and keep kClusterMinCtaBytes. Measured on an H200 (docs/design.md, "Channels-last
 // one-pass"): fp16 GN+SiLU 1.2-1.4x the split passes' speed on the SD VAE's (1,512,64,64) and
 // (1,512,128,128) and the UNet's (2,320,64,64) to (2,960,64,64), which they took in three launches.
-bool cols_cluster(const Ctx& c, int span, int pack_bytes, Plan& pl) {
+// `cluster` > 0: that many CTAs a slab instead of the rule's.
+bool cols_cluster_plan(const Ctx& c, int span, int pack_bytes, Plan& pl, int cluster) {
   const Problem& p = c.p;
   const int64_t slabs = c.items / span;
   const int64_t row_bytes = span * c.D * p.elem_bytes;  // a slab's row
@@ -443,6 +447,7 @@ bool cols_cluster(const Ctx& c, int span, int pack_bytes, Plan& pl) {
   int k = 1;
   while (k < max_cluster && cta_bytes(k) > kOnePassCtaBytes) k *= 2;
   while (k < max_cluster && slabs * k < c.dev.sms && slab / (2 * k) >= kClusterMinCtaBytes) k *= 2;
+  if (cluster > 0) k = cluster;
   // One wave of two CTAs an SM at most: more waves of clusters are unmeasured (the split passes).
   if (k == 1 || cta_bytes(k) > kOnePassCtaBytes || slabs * k > 2 * c.dev.sms) return false;
   pl.path = Path::ColsShared;
@@ -452,6 +457,25 @@ bool cols_cluster(const Ctx& c, int span, int pack_bytes, Plan& pl) {
   pl.grid = slabs * k;
   pl.buffer_packs = 0;
   pl.smem = cta_bytes(k);
+  return true;
+}
+
+// The clusters' slabs: cols_cluster_plan's, except that a slab of one group's rows under
+// kWideColsRowBytes in clusters of 8, where the device schedules clusters of 16 (the SD VAE's 16
+// half channels a group: 32-byte rows), takes two groups in clusters of 16: the same bytes a CTA
+// and the same grid, in half the rows of twice the width (a row's copy and store cost
+// instructions in phases every warp runs at once). H200, fp16 GN+SiLU, kernel time with x just
+// written: (1,512,128,128) 22.2 -> 20.6 us, (1,512,64,64) 9.35 -> 9.2 (docs/design.md,
+// "Channels-last one-pass").
+bool cols_cluster(const Ctx& c, int span, int pack_bytes, Plan& pl) {
+  if (!cols_cluster_plan(c, span, pack_bytes, pl, 0)) return false;
+  const bool narrow = pl.cluster == 8 && span * c.D * c.p.elem_bytes < kWideColsRowBytes;
+  Plan wide = pl;
+  if (narrow && max_one_pass_cluster(c) >= 16 && 2 * span <= kMaxColsSpan && 2 * span * 16 <= kWarp &&
+      c.p.G % (2 * span) == 0 && cols_cluster_plan(c, 2 * span, pack_bytes, wide, 16) && wide.grid == pl.grid &&
+      wide.smem == pl.smem) {
+    pl = wide;
+  }
   return true;
 }
 

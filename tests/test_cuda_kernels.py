@@ -740,10 +740,11 @@ def test_channels_last_forward_in_one_pass(case, dtype, path, monkeypatch):
 
 # Channels-last slabs that no CTA takes alone, or too few to fill the GPU one a CTA, take the
 # shared-memory forward in clusters (sm_90, 16-bit types without a residual or multiplier;
-# docs/design.md, "Channels-last one-pass"): the SD VAE's 512-channel groups at 64x64 (clusters of
-# 8 CTAs of 16 KB) and 128x128 (8 of 64 KB), the UNet's D = 10 at 64x64 (two groups a slab of
-# 4-byte packs), and an odd S split unevenly over a cluster of 4 (1763 rows of D = 32); against
-# the split passes.
+# docs/design.md, "Channels-last one-pass"): the SD VAE's 512-channel groups at 64x64 (two groups
+# a slab over clusters of 16 CTAs of 16 KB where the device schedules clusters of 16, else one
+# over 8) and 128x128 (two over 16 of 64 KB), the UNet's D = 10 at 64x64 (two groups a slab of
+# 4-byte packs over 8), and an odd S split unevenly over a cluster of 4 (1763 rows of D = 32);
+# against the split passes.
 CL_CLUSTER_CASES = [
     ((1, 512, 64, 64), 32, torch.float16),
     ((1, 512, 64, 64), 32, torch.bfloat16),

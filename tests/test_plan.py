@@ -238,10 +238,17 @@ def test_channels_last_clusters_take_the_16_bit_slabs_one_cta_does_not(monkeypat
     def forward(shape, dtype, G=32, device=H200, **kw):
         return kernel_paths.plan(shape, G, dtype, activation="silu", channels_last=True, device=device, **kw)
     # The VAE's 128 KB groups at 64x64: clusters of 8 CTAs of 16 KB (256 CTAs); its 512 KB groups
-    # at 128x128: 8 of 64 KB; the UNet's D = 10 at 64x64: two groups a slab of 4-byte packs.
+    # at 128x128: 8 of 64 KB; both in slabs of two groups over clusters of 16 (rows of 64 bytes, the
+    # same CTAs) where the device schedules clusters of 16. The UNet's D = 10 at 64x64: two groups
+    # a slab of 4-byte packs.
     assert forward((1, 512, 64, 64), torch.half) == \
-        "path=cols_shared span=1 pack_bytes=16 smem=16384 ctas=256 buffer_packs=0 cluster=8"
+        "path=cols_shared span=2 pack_bytes=16 smem=16384 ctas=256 buffer_packs=0 cluster=16"
     assert forward((1, 512, 128, 128), torch.bfloat16) == \
+        "path=cols_shared span=2 pack_bytes=16 smem=65536 ctas=256 buffer_packs=0 cluster=16"
+    no_clusters_of_16 = H200[:-1] + (0,)
+    assert forward((1, 512, 64, 64), torch.half, device=no_clusters_of_16) == \
+        "path=cols_shared span=1 pack_bytes=16 smem=16384 ctas=256 buffer_packs=0 cluster=8"
+    assert forward((1, 512, 128, 128), torch.bfloat16, device=no_clusters_of_16) == \
         "path=cols_shared span=1 pack_bytes=16 smem=65536 ctas=256 buffer_packs=0 cluster=8"
     assert forward((2, 320, 64, 64), torch.half) == \
         "path=cols_shared span=2 pack_bytes=4 smem=20480 ctas=256 buffer_packs=0 cluster=8"
@@ -252,7 +259,7 @@ def test_channels_last_clusters_take_the_16_bit_slabs_one_cta_does_not(monkeypat
     assert _path(forward((1, 512, 64, 64), torch.float32)) == "split"
     assert _path(forward((1, 512, 64, 64), torch.half, operands=["residual"])) == "split"
     assert _path(forward((1, 512, 64, 64), torch.half, operands=["multiplier"])) == "split"
-    assert "cluster=8" in forward((1, 512, 64, 64), torch.half, operands=["scale", "shift"])
+    assert "cluster=16" in forward((1, 512, 64, 64), torch.half, operands=["scale", "shift"])
     assert _path(forward((2, 512, 96, 96), torch.half)) == "split"  # 512 CTAs
     a100 = (108, 8, 0, 163 * 1024, 164 * 1024, 40 * 1024 * 1024, 1, 0)
     assert _path(forward((1, 512, 64, 64), torch.half, device=a100)) == "split"

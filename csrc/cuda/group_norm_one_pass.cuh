@@ -174,7 +174,9 @@ __device__ __forceinline__ BlockMoments<acc_t> block_moments_of_shifted_sums(
 
 // Most adjacent groups a CTA of group_norm_cols_one_pass_kernel takes at once (its `span`).
 constexpr int kMaxColsSpan = 4;
-static_assert(8 * kMaxColsSpan <= kWarp, "a cluster's slots (of at most 8 CTAs) in a warp: one_pass_cluster_moments");
+// A cluster's slots (span * cluster: clusters of 8 at any span, of 16 at span 2) in a warp:
+// one_pass_cluster_moments (launch_cols_one_pass asserts it).
+static_assert(8 * kMaxColsSpan <= kWarp, "a cluster's slots in a warp: one_pass_cluster_moments");
 
 // one_pass_block_sum for `span` <= kMaxColsSpan sums at once: each thread adds v into slot `slot`
 // and gets that slot's total (smem holds kMaxColsSpan values a warp). Fixed order, as the single
@@ -1161,12 +1163,13 @@ template <typename scalar_t>
 void launch_cols_one_pass(OnePassArgs<scalar_t> a, int64_t groups, const plan::Plan& pl) {
   const int64_t items = groups / pl.span;
   a.cluster = pl.cluster;
-  TORCH_INTERNAL_ASSERT(pl.cluster == 1 || (pl.cluster <= 8 && pl.buffer_packs == 0 && pl.grid == items * pl.cluster),
-      "channels-last one-pass clusters planned over the portable size, with a pipeline or with a grid of other than a "
-      "cluster a slab");
+  TORCH_INTERNAL_ASSERT(pl.cluster == 1 || (pl.cluster * pl.span <= kWarp && pl.buffer_packs == 0 && pl.grid == items * pl.cluster),
+      "channels-last one-pass clusters planned over a warp of slots (one_pass_cluster_moments), with a pipeline or with a "
+      "grid of other than a cluster a slab");
   with_cols_one_pass_kernel<scalar_t>(a.epi.act, a.streams(), pl.pack_bytes, [&](auto kernel) {
     const size_t smem = static_cast<size_t>(pl.smem);
     allow_dynamic_smem(kernel, smem);
+    if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     launch_clustered(kernel, static_cast<unsigned>(pl.grid), kOnePassThreads, smem, a.cluster,
         at::cuda::getCurrentCUDAStream(), a, items, pl.buffer_packs, pl.span);
   }, /*input_bias=*/a.epi.input_bias.ptr != nullptr, /*clustered=*/a.cluster > 1);
