@@ -88,7 +88,7 @@ def test_tools_readme_lists_every_tool():
     tools = ROOT / "tools"
     listed = (tools / "README.md").read_text()
     missing = [p.name for p in sorted(tools.iterdir())
-               if p.suffix in (".py", ".sh") and f"`{p.name}`" not in listed]
+               if p.suffix in (".py", ".sh", ".c", ".cu") and f"`{p.name}`" not in listed]
     assert not missing, "tools/README.md has no line for: " + ", ".join(missing)
 
 
