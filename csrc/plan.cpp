@@ -437,7 +437,8 @@ bool cols_cluster_plan(const Ctx& c, int span, int pack_bytes, Plan& pl, int clu
   const int64_t slabs = c.items / span;
   const int64_t row_bytes = span * c.D * p.elem_bytes;  // a slab's row
   const int64_t slab = p.S * row_bytes;
-  // The portable cluster size at most: clusters_of_16 probed the ChannelsFirst kernel.
+  // The portable cluster size at most (clusters_of_16 probed the ChannelsFirst kernel); 16 only
+  // as `cluster`, for cols_cluster's wider rows.
   const int max_cluster = std::min(8, max_one_pass_cluster(c));
   const auto cta_bytes = [&](int k) { return ceil_div(p.S, k) * row_bytes; };
   // 16-bit types without a residual or multiplier only: float32 and the operands' loads in the
