@@ -60,14 +60,22 @@ int max_active_clusters(Kernel kernel, unsigned block, size_t smem_bytes, int cl
   return clusters;
 }
 
+// The largest cluster every device with clusters schedules; a larger one (16 on H100 and H200)
+// must be allowed per kernel, and the planner asks first whether the device runs it.
+constexpr int kPortableClusterSize = 8;
+
 // Launches `kernel` on `grid` CTAs (a multiple of `cluster`) in clusters of `cluster` CTAs along x;
-// a cluster of 1 is a plain launch. The caller checks that the device has clusters.
+// a cluster of 1 is a plain launch. The caller checks that the device has clusters (and clusters of
+// that size, when over kPortableClusterSize).
 template <typename Kernel, typename... Args>
 void launch_clustered(Kernel kernel, unsigned grid, unsigned block, size_t smem_bytes, int cluster,
     cudaStream_t stream, const Args&... args) {
   if (cluster <= 1) {
     kernel<<<grid, block, smem_bytes, stream>>>(args...);
   } else {
+    if (cluster > kPortableClusterSize) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    }
     const ClusterLaunch launch(grid, block, smem_bytes, cluster, stream);
     C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, args...));
   }

@@ -1056,7 +1056,6 @@ void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_
   auto kernel = group_norm_one_pass_kernel<scalar_t, V, A>;
   allow_dynamic_smem(kernel, smem_bytes);
   TORCH_INTERNAL_ASSERT(a.cluster <= kWarp, "one-pass cluster of over a warp of CTAs (one_pass_cluster_moments)");
-  if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   launch_clustered(kernel, static_cast<unsigned>(items * a.cluster), kOnePassThreads, smem_bytes, a.cluster,
       at::cuda::getCurrentCUDAStream(), a);
 }
@@ -1169,7 +1168,6 @@ void launch_cols_one_pass(OnePassArgs<scalar_t> a, int64_t groups, const plan::P
   with_cols_one_pass_kernel<scalar_t>(a.epi.act, a.streams(), pl.pack_bytes, [&](auto kernel) {
     const size_t smem = static_cast<size_t>(pl.smem);
     allow_dynamic_smem(kernel, smem);
-    if (a.cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     launch_clustered(kernel, static_cast<unsigned>(pl.grid), kOnePassThreads, smem, a.cluster,
         at::cuda::getCurrentCUDAStream(), a, items, pl.buffer_packs, pl.span);
   }, /*input_bias=*/a.epi.input_bias.ptr != nullptr, /*clustered=*/a.cluster > 1);
