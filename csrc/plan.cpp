@@ -768,6 +768,17 @@ std::string Plan::to_string() const {
   return s.str();
 }
 
+// The split passes' channels-last (or S == 1) apply pass of an epilogue with neither residual nor
+// multiplier and a common activation has a kernel of its own, and in the backward so has the
+// reduce pass (docs/design.md, "Split passes").
+namespace {
+bool cols_act_kernel(const Problem& p, const Overrides& o) {
+  const bool epilogue = p.act != Act::None || p.scale || p.shift || p.residual || p.multiplier;
+  return epilogue && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) && !p.residual && !p.multiplier &&
+      common_activation(p.act);
+}
+}  // namespace
+
 Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
   const Ctx c(p, dev, res, o);
   Plan pl;
@@ -779,11 +790,7 @@ Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res,
   pl = Plan{};
   if (!cols_sweep_first && cols_sweep_forward(c, pl)) return pl;
   pl.reduce = plan_reduce(p, /*grads=*/false, dev.sms).t;
-  // The channels-last (or S == 1) apply pass of an epilogue with neither residual nor multiplier
-  // and a common activation has a kernel of its own (docs/design.md, "Split passes").
-  const bool epilogue = p.act != Act::None || p.scale || p.shift || p.residual || p.multiplier;
-  pl.cols_act_kernel = epilogue && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) && !p.residual &&
-      !p.multiplier && common_activation(p.act);
+  pl.cols_act_kernel = cols_act_kernel(p, o);
   return pl;
 }
 
@@ -811,6 +818,7 @@ Plan plan_backward(const Problem& p, const DeviceInfo& dev, const Residency& res
       split = r.t.split;
     }
   }
+  pl.cols_act_kernel = !fused && cols_act_kernel(p, o);
   if (want_params) {
     const bool per_sample = p.scale || p.mask[3] || p.mask[4];
     const int64_t blocks = ceil_div(p.C, kWarp);

@@ -45,7 +45,7 @@ struct Overrides {
   // Tuning only (FUSEDNORM_TUNING_KNOBS builds).
   int64_t one_pass_max_cluster = kUnset;  // most CTAs of a one-pass cluster
   int64_t team_cta_kb = kUnset;           // shared memory a team CTA holds, in KB
-  int64_t cols_act_kernel = kUnset;       // 0: channels-last activation-only forward in the shared EPI kernel
+  int64_t cols_act_kernel = kUnset;       // 0: channels-last activation-only split passes in the shared EPI kernels
   int64_t backward_threads = kUnset;      // one-CTA backward: threads a CTA (256 or 512)
   int64_t cols_sweep_waves = kUnset;         // channels-last sweep: moments tiles in waves of resident CTAs
   int64_t cols_sweep_output_waves = kUnset;  // the same for its output tiles
@@ -168,7 +168,8 @@ struct Plan {
   // Team / OneCta backward: log2 threads a channel segment; team: chunks a channel overlaps.
   int log_seg = 0;
   int64_t channel_split = 1;
-  // Split forward, channels-last apply with an activation alone: its own kernel.
+  // Split passes, channels-last (or S == 1) with an activation alone: the apply pass's kernel of
+  // that activation, and in the backward the reduce pass's too.
   bool cols_act_kernel = false;
   // Backward: the split passes' reduce tiling (path Split), and CTAs summing each block of 32
   // channels' parameter gradients (0: no parameter gradient wanted). Sweep: the tiles. ColsSweep:

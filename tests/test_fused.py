@@ -716,6 +716,26 @@ def test_fused_channels_last_clusters_cuda(activation, monkeypatch):
             check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("activation", [None, "silu", "relu"])
+def test_fused_channels_last_split_backward_activation_kernels_cuda(activation, dtype, monkeypatch):
+    # The channels-last backward takes the split passes; with an activation alone (and the
+    # per-sample scale and shift, no residual or multiplier) its reduce and apply passes run the
+    # kernels of that activation (plan: cols_act_kernel=1) on 16-byte packs, else the shared EPI
+    # kernels. Groups of 8 and 24 channels, a tile of rows crossing samples, odd spatial sizes.
+    kernel_paths.use_defaults(monkeypatch)
+    torch.manual_seed(17)
+    for shape, G in (((2, 64, 9, 7), 8), ((3, 48, 5, 5), 2), ((2, 320, 16, 16), 32)):
+        for names in ([], ["scale", "shift"], ["scale"], ["residual"]):
+            if activation is None and not names:
+                continue  # the plain op
+            planned = fusednorm.kernel_paths.plan(shape, G, dtype, channels_last=True, activation=activation,
+                                                  operands=names, backward=True, device="cuda")
+            assert ("cols_act_kernel=1" in planned) == ("residual" not in names), planned
+            check_fused(shape, G, dtype, "channels_last", names, activation, "cuda")
+
+
 def _check_channels_last_shared_forward(monkeypatch, knob, value, cases, operand_sets, activation):
     """check_fused on the channels-last shared-memory forward (the register kernel off), with the
     knob set to value (None: unset)."""

@@ -131,6 +131,9 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
 // the cap alone and spills beside the other activations' copies; there, in the kAnyAct loop (the
 // union of the activations' temporaries) and in the backward (four input streams, three outputs),
 // the unroll stays kEpiUnroll / epi_unroll_lanes.
+// 16-byte packs of x and dz a thread keeps in flight in the backward apply_cols_act_kernel.
+constexpr int kActBackwardUnroll = 2;
+
 template <ApplyMode M, int A, int V, bool LANES>
 constexpr int epi_apply_unroll() {
   if (M == ApplyMode::EpiForward && A != kAnyAct && (LANES ? V == 1 : V < 8)) return kUnroll;
@@ -315,9 +318,11 @@ __device__ __forceinline__ void apply_cols_tiles(
             }
           }
           if constexpr (EPI) {
+            // Without operands there are no operand gradients either (the launch guarantees it).
             apply_epi_pack<M, A, V, V, OPS>(a.epi, coef, pc, xv[u], dv[u], rv[OPS ? u : 0],
                 mv[OPS ? u : 0], outp,
-                reinterpret_cast<P*>(a.epi.grad_residual), reinterpret_cast<P*>(a.epi.grad_multiplier),
+                OPS ? reinterpret_cast<P*>(a.epi.grad_residual) : static_cast<P*>(nullptr),
+                OPS ? reinterpret_cast<P*>(a.epi.grad_multiplier) : static_cast<P*>(nullptr),
                 r * cvn + cv);
           } else {
             acc_t o[V];
@@ -352,16 +357,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_kernel(
   }
 }
 
-// The EPI forward without residual or multiplier (GN+SiLU, AdaGN+SiLU, norm+ReLU), one kernel an
-// activation A (None, SiLU, ReLU): no operand streams and no other activation's temporaries in
-// its registers, so that it keeps kUnroll packs in flight like the plain kernel, where
-// apply_cols_kernel's forward keeps one 8-lane pack. FUSEDNORM_COLS_ACT_KERNEL=0 turns it off.
-// H200 profiler, GN+SiLU fp16 channels-last: 31.5 -> 25.8 us (8,320,64,64), 17.3 -> 13.6 us
+// The EPI pass without residual or multiplier (GN+SiLU, AdaGN+SiLU, norm+ReLU), one kernel a
+// direction M and activation A (None, SiLU, ReLU): no operand streams and no other activation's
+// temporaries in its registers, so that it keeps the plain kernel's packs in flight (the
+// forward kUnroll, the backward 16-byte packs), where apply_cols_kernel's forward keeps one
+// 8-lane pack and its backward 4-lane ones. FUSEDNORM_COLS_ACT_KERNEL=0 turns it off. H200
+// profiler, GN+SiLU fp16 channels-last forward: 31.5 -> 25.8 us (8,320,64,64), 17.3 -> 13.6 us
 // (8,640,32,32), 8.0 -> 6.9 us (8,1280,16,16) (docs/design.md, "Split passes").
-template <typename scalar_t, int V, int A>
+template <typename scalar_t, int V, ApplyMode M, int A>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) apply_cols_act_kernel(
     const WithEpi<ApplyArgs<scalar_t>, scalar_t> a) {
-  apply_cols_tiles<ApplyMode::EpiForward, A, kUnroll, V, scalar_t, false>(a);
+  static_assert(M != ApplyMode::Plain, "the plain pass has no activation");
+  constexpr int U = M == ApplyMode::EpiForward ? kUnroll : kActBackwardUnroll;
+  apply_cols_tiles<M, A, U, V, scalar_t, false>(a);
 }
 
 }  // namespace

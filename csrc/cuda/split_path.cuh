@@ -37,9 +37,21 @@ void launch_reduce_rows(const KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI>& a) 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// act_kernel (EPI, 16-byte packs): the plan's cols_act_kernel, the kernel of the activation.
 template <typename scalar_t, int V, bool GRADS, bool EPI>
-void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a) {
+void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a, bool act_kernel) {
   const auto stream = at::cuda::getCurrentCUDAStream();
+  if constexpr (EPI && V == pack_width<scalar_t>()) {
+    if (act_kernel) {
+      const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
+        reduce_cols_kernel<scalar_t, V, GRADS, EPI, static_cast<int>(decltype(act)::value)>
+            <<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+      });
+      TORCH_INTERNAL_ASSERT(launched, "cols_act_kernel planned for an activation without its kernel");
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   reduce_cols_kernel<scalar_t, V, GRADS, EPI><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -52,22 +64,21 @@ void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != Appl
 }
 
 template <typename scalar_t, int V, ApplyMode M>
-void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a, bool act_kernel) {
+void launch_apply_cols(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if constexpr (M == ApplyMode::EpiForward) {
-    // The plan's cols_act_kernel: no residual, no multiplier, a common activation.
-    if (act_kernel) {
-      const auto launch = [&](auto kernel) {
-        kernel<<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
-        launch(apply_cols_act_kernel<scalar_t, V, static_cast<int>(decltype(act)::value)>);
-      });
-      if (launched) return;  // the other activations: the shared kernel
-    }
-  }
   apply_cols_kernel<scalar_t, V, M><<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The plan's cols_act_kernel (no residual, no multiplier, a common activation): apply_cols_act_kernel.
+template <typename scalar_t, int V, ApplyMode M>
+void launch_apply_cols_act(const WithEpi<ApplyArgs<scalar_t>, scalar_t>& a) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const bool launched = dispatch_common_activation(a.epi.act, [&](auto act) {
+    apply_cols_act_kernel<scalar_t, V, M, static_cast<int>(decltype(act)::value)>
+        <<<grid_for(a.tiles), kThreads, 0, stream>>>(a);
+  });
+  TORCH_INTERNAL_ASSERT(launched, "cols_act_kernel planned for an activation without its kernel");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -91,11 +102,12 @@ struct Partials {
 };
 
 // EPI (backward only): dy is dz, made into dp with the epilogue `ep`, whose p needs the saved
-// rstd and the bias; the weight sums use w_eff.
+// rstd and the bias; the weight sums use w_eff. cols_act_kernel: the plan's (the channels-last
+// kernel of the activation, where packs are 16 bytes).
 template <typename scalar_t, bool GRADS, bool EPI>
 Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean,
     const at::Tensor& weight, const GroupNormShape& sh, Layout layout, const at::Tensor& rstd,
-    const at::Tensor& bias, const Epilogue* ep) {
+    const at::Tensor& bias, const Epilogue* ep, bool cols_act_kernel = false) {
   static_assert(GRADS || !EPI, "the forward statistics are those of x alone");
   using acc_t = acc_type<scalar_t>;
   constexpr int VW = pack_width<scalar_t>();
@@ -182,9 +194,9 @@ Partials reduce_pass(const at::Tensor& x, const at::Tensor& dy, const at::Tensor
     out.entries = pieces_per_group * t.split;
     out.split = t.split;
     if (vec) {
-      launch_reduce_cols<scalar_t, VW, GRADS, EPI>(a);
+      launch_reduce_cols<scalar_t, VW, GRADS, EPI>(a, cols_act_kernel);
     } else {
-      launch_reduce_cols<scalar_t, 1, GRADS, EPI>(a);
+      launch_reduce_cols<scalar_t, 1, GRADS, EPI>(a, false);
     }
   }
   return out;
@@ -241,10 +253,11 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     a.rows = sh.N * sh.S;
     a.len = sh.C;
     // The EPI backward column kernel keeps six coefficients per lane (a, b, hi, lo, c and the
-    // folded bias): with 8 lanes they do not fit its register cap, so 2-byte types take 4-wide
-    // (8-byte) packs there. The forward, with a compile-time activation, fits 16-byte packs.
+    // folded bias): with 8 lanes they do not fit its register cap beside every activation and
+    // operand, so 2-byte types take 4-wide (8-byte) packs there. The forward, with a
+    // compile-time activation, and the backward's cols_act_kernel fit 16-byte packs.
     constexpr int VE = VW > 4 ? 4 : VW;
-    const int width = epi != nullptr && a.dy != nullptr ? VE : VW;
+    const int width = epi != nullptr && a.dy != nullptr && !cols_act_kernel ? VE : VW;
     const size_t bytes = static_cast<size_t>(width) * sizeof(scalar_t);
     const bool vec = width > 1 && sh.C % width == 0 &&
                      (epi == nullptr ? ptrs_aligned
@@ -258,16 +271,24 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     if (epi != nullptr) {
       with_epi_mode(a.dy != nullptr, [&](auto mode) {
         constexpr ApplyMode kMode = decltype(mode)::value;
-        if (vec) {
-          launch_apply_cols<scalar_t, kMode == ApplyMode::EpiForward ? VW : VE, kMode>(with_epi(), cols_act_kernel);
+        constexpr bool kForward = kMode == ApplyMode::EpiForward;
+        if (cols_act_kernel && (vec || kForward)) {
+          // The backward's kernels of an activation take 16-byte packs only.
+          if (vec) {
+            launch_apply_cols_act<scalar_t, VW, kMode>(with_epi());
+          } else if constexpr (kForward) {
+            launch_apply_cols_act<scalar_t, 1, kMode>(with_epi());
+          }
+        } else if (vec) {
+          launch_apply_cols<scalar_t, kForward ? VW : VE, kMode>(with_epi());
         } else {
-          launch_apply_cols<scalar_t, 1, decltype(mode)::value>(with_epi(), cols_act_kernel);
+          launch_apply_cols<scalar_t, 1, kMode>(with_epi());
         }
       });
     } else if (vec) {
-      launch_apply_cols<scalar_t, VW, ApplyMode::Plain>(a, false);
+      launch_apply_cols<scalar_t, VW, ApplyMode::Plain>(a);
     } else {
-      launch_apply_cols<scalar_t, 1, ApplyMode::Plain>(a, false);
+      launch_apply_cols<scalar_t, 1, ApplyMode::Plain>(a);
     }
   }
 }
@@ -340,7 +361,7 @@ void split_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor
   at::Tensor rec;
   if (mask[0] || want_params) {
     const Partials p = epi_sums
-        ? reduce_pass<scalar_t, true, true>(x, dy, mean, weight, sh, layout, rstd, bias, &ep)
+        ? reduce_pass<scalar_t, true, true>(x, dy, mean, weight, sh, layout, rstd, bias, &ep, pl.cols_act_kernel)
         : reduce_pass<scalar_t, true, false>(x, dy, mean, weight, sh, layout, rstd, bias, nullptr);
     TORCH_INTERNAL_ASSERT(p.split == pl.reduce.split, "the split reduce pass left the planned tiling");
 
@@ -378,7 +399,7 @@ void split_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor
       EpiArgs<scalar_t> e = epi_args<scalar_t>(ep, ep.activation != Activation::None || mask[6]);
       e.grad_residual = mask[5] ? g.residual.data_ptr<scalar_t>() : nullptr;
       e.grad_multiplier = mask[6] ? g.multiplier.data_ptr<scalar_t>() : nullptr;
-      apply_pass<scalar_t>(x, dy, dx, rec, weight, bias, sh, layout, &e);
+      apply_pass<scalar_t>(x, dy, dx, rec, weight, bias, sh, layout, &e, pl.cols_act_kernel);
     }
   }
 }

@@ -134,7 +134,10 @@ __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(
 //   backward: part (n, piece, k) = (sum w*dy, sum w*dy*(x - m), sum (x - m)), and
 //             part_c (n, k, c) = (db, dsc) per channel.
 // EPI (backward only): dy is dp and w is w_eff[n, c]; a tile lies within one sample n, so each
-// lane's (n, c) coefficients are computed once per tile.
+// lane's (n, c) coefficients are computed once per tile. A (EPI): kAnyAct, or the activation of
+// an epilogue without residual or multiplier (GN+SiLU's backward, the plan's cols_act_kernel):
+// then the element loop holds that activation's temporaries alone and no operand stream, and
+// keeps as many packs in flight as the plain kernel (docs/design.md, "Split passes").
 
 template <typename scalar_t>
 struct ColsArgs {
@@ -151,11 +154,13 @@ struct ColsArgs {
   int log_tx, log_q;
 };
 
-template <typename scalar_t, int V, bool GRADS, bool EPI>
+template <typename scalar_t, int V, bool GRADS, bool EPI, int A = kAnyAct>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(
     const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI> a) {
   using acc_t = acc_type<scalar_t>;
   static_assert(GRADS || !EPI, "the forward statistics are those of x alone");
+  static_assert(EPI || A == kAnyAct, "an activation only in the EPI kernels");
+  constexpr bool kActKernel = A != kAnyAct;
   using State = std::conditional_t<GRADS, Sums<acc_t, V>, Moments<acc_t, V>>;
   using Piece = std::conditional_t<GRADS, Sums<acc_t, 1>, Moments<acc_t, 1>>;
   __shared__ State tree[kThreads / 2];
@@ -169,7 +174,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(
   const int Q = 1 << a.log_q;
   const int64_t pieces = a.C >> a.log_q;  // per sample
   // Per-lane states of 8-wide packs take many registers: fewer packs in flight then.
-  constexpr int U = EPI ? epi_unroll_lanes<V>() : V >= 8 ? 2 : kUnroll;
+  // The activation kernels as many as the plain kernel: with 16-bit types ptxas spills 24-88 bytes
+  // there under the register cap, and yet one pack a thread took 6-14% longer (docs/design.md,
+  // "Split passes").
+  constexpr int U = EPI && !kActKernel ? epi_unroll_lanes<V>() : V >= 8 ? 2 : kUnroll;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t t2 = t / a.ncb;
     const int64_t cb = t - t2 * a.ncb;
@@ -229,7 +237,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(
       if constexpr (GRADS) {
         acc_t ds[U][V];
         load_packs<U, V>(a.dy, first, stride, nvalid, ds);
-        if constexpr (EPI) {
+        if constexpr (kActKernel) {
+          dz_to_dp<U, V, V, A>(a.epi, static_cast<const scalar_t*>(nullptr), static_cast<const scalar_t*>(nullptr),
+              first, stride, nvalid, xs, center, ea, pc, ds);
+        } else if constexpr (EPI) {
           dz_to_dp<U, V, V>(a.epi, a.epi.residual, a.epi.multiplier, first, stride, nvalid, xs, center,
               ea, pc, ds);
         }

@@ -268,12 +268,12 @@ __device__ __forceinline__ void load_operand(
 // residual and multiplier point where x's batch base does (null: absent; the host passes the
 // residual only with an activation, the one case where p is needed here). Lane l recomputes the
 // forward's p = ea[l] * (x - center[l]) + pc[l] + residual, with ea = rstd * w_eff and pc the
-// folded bias (both per (n, c)) and center the saved mean.
-template <int U, int V, int L, typename scalar_t, typename acc_t>
+// folded bias (both per (n, c)) and center the saved mean. A: see kAnyAct.
+template <int U, int V, int L, int A = kAnyAct, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void dz_to_dp(const EpiArgs<scalar_t>& e, const scalar_t* residual,
     const scalar_t* multiplier, int64_t first, int64_t step, int nvalid, const acc_t (&x)[U][V],
     const acc_t (&center)[L], const acc_t (&ea)[L], const acc_t (&pc)[L], acc_t (&d)[U][V]) {
-  if (multiplier == nullptr && e.act == Activation::None) return;  // dp = dz (scale only)
+  if (multiplier == nullptr && act_of<A>(e.act) == Activation::None) return;  // dp = dz (scale only)
   acc_t m[U][V];
   acc_t r[U][V];
   load_operand<U, V>(multiplier, first, step, nvalid, acc_t(1), m);
@@ -284,7 +284,7 @@ __device__ __forceinline__ void dz_to_dp(const EpiArgs<scalar_t>& e, const scala
     for (int j = 0; j < V; ++j) {
       const int l = L == 1 ? 0 : j;
       acc_t q;  // unused: no grad_multiplier here
-      d[u][j] = epi_dp<kAnyAct>(e.act, e.slope, x[u][j] - center[l], d[u][j], r[u][j], m[u][j], ea[l], pc[l], false, q);
+      d[u][j] = epi_dp<A>(e.act, e.slope, x[u][j] - center[l], d[u][j], r[u][j], m[u][j], ea[l], pc[l], false, q);
     }
   }
 }
