@@ -10,8 +10,9 @@ shape the planner maps to it, against the float64 reference (forward and every g
 
 The tests elsewhere draw shapes and epilogues at random or pick them for a path; a variant that
 none of them reaches is never run (tools/kernel_coverage.sh lists those). Here the variants are
-enumerated from the kernels' instantiation lists (csrc/cuda/group_norm_one_pass.cuh,
-launch_registers_planned; with_cols_one_pass_kernel; csrc/cuda/common/keep.cuh), and a CPU test
+enumerated from the kernels' instantiation lists (csrc/cuda/one_pass_register_kernel.cuh,
+launch_registers_planned; csrc/cuda/cols_one_pass_kernel.cuh, with_cols_one_pass_kernel;
+csrc/cuda/common/keep.cuh), and a CPU test
 checks on an H200's plan that each shape still reaches its variant, so that a planner change that
 moves one off fails in CI rather than leaving the variant untested.
 """

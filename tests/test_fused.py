@@ -344,7 +344,7 @@ def test_gradients_whichever_arguments_require_grad_kernel_paths_cuda(residual_i
     # The same on every CUDA kernel path, with S a multiple of the pack width so that the one-CTA
     # and team backwards take the groups: with an activation they keep dp alone where no operand
     # gradient is wanted, and dp with the operands' gradients where one is (Keep in
-    # group_norm_one_pass.cuh: kernels of their own).
+    # csrc/cuda/common/keep.cuh: kernels of their own).
     kernel_paths.set_path(monkeypatch, path)
     torch.manual_seed(23)
     check_gradients_whichever_arguments_require_grad(torch.randn(2, 16, 8, 8, device="cuda"), 4,

@@ -1,7 +1,7 @@
 """Where the channels-last shared-memory forward (group_norm_cols_one_pass_kernel; the SD VAE's
 (1,512,64,64) and (1,512,128,128) norms run it in clusters of 8) spends its time, phase by phase:
 per-CTA `globaltimer` stamps of thread 0, printed with the CTA's SM by an instrumented build of
-group_norm_one_pass.cuh. Three steps (the third on the GPU machine), as tools/sweep_phase_clocks.py:
+cols_one_pass_kernel.cuh. Three steps (the third on the GPU machine), as tools/sweep_phase_clocks.py:
 
     python tools/cols_phase_clocks.py patch /tmp/cols_clocks   # a copy of the tree, instrumented
     (cd /tmp/cols_clocks && python setup.py build_ext --inplace)
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sweep_phase_clocks  # noqa: E402  (its run and its patch / run / table command line)
 from team_phase_clocks import after, before  # noqa: E402
 
-ONE_PASS = os.path.join("csrc", "cuda", "group_norm_one_pass.cuh")
+COLS_ONE_PASS = os.path.join("csrc", "cuda", "cols_one_pass_kernel.cuh")
 EPS = sweep_phase_clocks.EPS  # the call whose stamps are printed (run's)
 
 CLOCK = r'''__device__ __forceinline__ unsigned long long cols_clock_ns() {
@@ -54,13 +54,13 @@ EDITS = [
            "    cs[3] = cols_clock_ns();\n"),
     before("    const BlockMoments<acc_t> gm =\n        one_pass_cluster_moments(part,", "    cs[4] = cols_clock_ns();\n"),
     after("    const acc_t var = gm.m2 / total;\n", "    cs[5] = cols_clock_ns();\n"),
-    ("      }\n    }\n  }\n}\n\n// Lets `kernel` take",
+    ("      }\n    }\n  }\n}\n\n// The channels-last shared-memory forward as planned",
      "      }\n    }\n  }\n"
      "  cs[6] = cols_clock_ns();\n"
      f"  if (a.eps == {EPS}f && threadIdx.x == 0) {{\n"
      "    unsigned smid;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
      "    printf(\"CP %d %u %llu %llu %llu %llu %llu %llu %llu\\n\", (int)blockIdx.x, smid, cs[0], cs[1], cs[2],\n"
-     "        cs[3], cs[4], cs[5], cs[6]);\n  }\n}\n\n// Lets `kernel` take"),
+     "        cs[3], cs[4], cs[5], cs[6]);\n  }\n}\n\n// The channels-last shared-memory forward as planned"),
 ]
 
 SHAPES = ["1,512,64,64", "1,512,128,128", "2,320,64,64"]
@@ -81,4 +81,4 @@ def table(lines):
 
 
 if __name__ == "__main__":
-    sweep_phase_clocks.main(__doc__, ONE_PASS, EDITS, SHAPES, table)
+    sweep_phase_clocks.main(__doc__, COLS_ONE_PASS, EDITS, SHAPES, table)

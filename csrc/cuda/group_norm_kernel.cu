@@ -47,11 +47,12 @@
 //   parameter. The activation is dispatched once per row in the ChannelsFirst apply pass to an
 //   element loop compiled for it (with_activation; a run-time switch per element elsewhere).
 //
-// Groups that fit in shared memory (ChannelsFirst, 16-byte aligned) skip all of the above:
-// group_norm_one_pass.cuh reads them once, in one launch per direction (a cluster of CTAs shares a
-// large group in the forward), and group_norm_team.cuh spreads larger ones over the shared memory
-// of a team of persistent CTAs, in both directions. The passes above are the path for everything
-// else (ChannelsLast, unaligned or odd sizes, double).
+// Groups that fit in shared memory (ChannelsFirst, 16-byte aligned) skip all of the above: the
+// one-pass forward (group_norm_one_pass.cuh) and the one-CTA backward (one_cta_backward.cuh) read
+// them once, in one launch per direction (a cluster of CTAs shares a large group in the forward),
+// and group_norm_team.cuh spreads larger ones over the shared memory of a team of persistent CTAs,
+// in both directions. The passes above are the path for everything else (ChannelsLast, unaligned
+// or odd sizes, double).
 //
 // Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
 // grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an

@@ -31,8 +31,10 @@
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/common/moments.cuh"
-#include "cuda/group_norm_one_pass.cuh"
+#include "cuda/common/shared_memory.cuh"
 #include "cuda/one_cta_backward.cuh"
+#include "cuda/one_pass_moments.cuh"
+#include "cuda/one_pass_output.cuh"
 #include "cuda/paths.h"
 #include "plan.h"
 
@@ -355,7 +357,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
 }
 
 // ---------------------------------------------------------------------------------------------
-// The team backward: the one-pass backward's arithmetic (group_norm_one_pass.cuh) for groups
+// The team backward: the one-pass backward's arithmetic (one_cta_backward.cuh) for groups
 // spread over a team, each CTA holding its chunk of x, dz and the operands p needs in shared
 // memory, so that x and dz are read from DRAM once (the split backward reads them twice: five
 // passes over memory instead of three). For round i a CTA:

@@ -3,18 +3,21 @@
 // are shared with the team backward.
 #pragma once
 
+#include <cuda_pipeline.h>
 #include "cuda/common/base.cuh"
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/common/keep.cuh"
 #include "cuda/common/moments.cuh"
-#include "cuda/group_norm_one_pass.cuh"
+#include "cuda/common/shared_memory.cuh"
+#include "cuda/one_pass_moments.cuh"
 #include "cuda/paths.h"
 #include "group_norm.h"
 #include "plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDAException.h>
 
 #include <cstdint>
 #include <limits>

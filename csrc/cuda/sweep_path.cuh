@@ -17,8 +17,9 @@
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/common/output_packs.cuh"
-#include "cuda/group_norm_one_pass.cuh"
 #include "cuda/group_norm_team.cuh"
+#include "cuda/one_pass_moments.cuh"
+#include "cuda/one_pass_output.cuh"
 #include "cuda/paths.h"
 #include "plan.h"
 

@@ -1,7 +1,10 @@
 // float: the kernels of the one-pass forward, paths Registers, Shared and Cluster (paths.h). One
 // translation unit per path and dtype, compiled in parallel, or together in kernels/float.cu on
 // machines with few cores (docs/design.md, "Source layout").
+#include "cuda/clusters.cuh"
 #include "cuda/group_norm_one_pass.cuh"
+#include "cuda/one_pass_moments.cuh"
+#include "cuda/one_pass_shared_kernel.cuh"
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
