@@ -45,14 +45,19 @@
 //     are per (n, c) and weighted per sample).
 //   Which operands are present is a uniform run-time choice (null pointers), not a template
 //   parameter. The activation is dispatched once per row in the ChannelsFirst apply pass to an
-//   element loop compiled for it (with_activation; a run-time switch per element elsewhere).
+//   element loop compiled for it (with_activation); in the channels-last passes an epilogue with
+//   an activation alone has kernels of that activation (the plan's cols_act_kernel), others a
+//   run-time switch per element.
 //
-// Groups that fit in shared memory (ChannelsFirst, 16-byte aligned) skip all of the above: the
-// one-pass forward (group_norm_one_pass.cuh) and the one-CTA backward (one_cta_backward.cuh) read
-// them once, in one launch per direction (a cluster of CTAs shares a large group in the forward),
-// and group_norm_team.cuh spreads larger ones over the shared memory of a team of persistent CTAs,
-// in both directions. The passes above are the path for everything else (ChannelsLast, unaligned
-// or odd sizes, double).
+// Most shapes skip all of the above; the planner (plan.h) says which path a shape takes. Groups
+// that fit on chip are read once, in one launch per direction: the one-pass forwards
+// (group_norm_one_pass.cuh: in registers, in a CTA's shared memory or a cluster's, channels-last
+// too) and the one-CTA backward (one_cta_backward.cuh, ChannelsFirst); group_norm_team.cuh
+// spreads larger ChannelsFirst groups over the shared memory of a team of persistent CTAs, in both
+// directions; 16-bit ChannelsFirst groups of 4 MB and more take two streaming sweeps
+// (sweep_path.cuh), channels-last inputs of 32 MB and more the channels-last sweep
+// (cols_sweep_path.cuh). The passes above are the path for the rest: the channels-last backward,
+// large groups where no team pays (the GroupNorm problem's backward), unaligned or odd sizes, double.
 //
 // Every kernel uses 1-D blocks of kThreads threads and a 1-D grid that strides over tiles, so no
 // grid dimension limit is reached, and all indexing is 64-bit. Reductions combine partials in an
