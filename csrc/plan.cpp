@@ -208,6 +208,15 @@ bool off(int64_t v) { return set(v) && v == 0; }
 // ---------------------------------------------------------------------------------------------
 // The paths' rules.
 
+// The split passes' channels-last (or S == 1) apply pass of an epilogue with neither residual nor
+// multiplier and a common activation has a kernel of its own, and in the backward so has the
+// reduce pass (docs/design.md, "Split passes").
+bool cols_act_kernel(const Problem& p, const Overrides& o) {
+  const bool epilogue = p.act != Act::None || p.scale || p.shift || p.residual || p.multiplier;
+  return epilogue && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) && !p.residual && !p.multiplier &&
+      common_activation(p.act);
+}
+
 struct Ctx {
   const Problem& p;
   const DeviceInfo& dev;
@@ -767,17 +776,6 @@ std::string Plan::to_string() const {
   if (param_grad_parts > 0) s << " param_grad_parts=" << param_grad_parts;
   return s.str();
 }
-
-// The split passes' channels-last (or S == 1) apply pass of an epilogue with neither residual nor
-// multiplier and a common activation has a kernel of its own, and in the backward so has the
-// reduce pass (docs/design.md, "Split passes").
-namespace {
-bool cols_act_kernel(const Problem& p, const Overrides& o) {
-  const bool epilogue = p.act != Act::None || p.scale || p.shift || p.residual || p.multiplier;
-  return epilogue && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) && !p.residual && !p.multiplier &&
-      common_activation(p.act);
-}
-}  // namespace
 
 Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
   const Ctx c(p, dev, res, o);

@@ -123,6 +123,9 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
   if (want_gm && !sum_grads) grad_multiplier[v] = round_pack<scalar_t, V>(gm);
 }
 
+// 16-byte packs of x and dz a thread keeps in flight in the backward apply_cols_act_kernel.
+constexpr int kActBackwardUnroll = 2;
+
 // Packs per operand stream in flight per thread in the EPI apply kernels (LANES: the ChannelsLast
 // kernel, which keeps per-lane coefficients). The forward carries at most three input streams (x,
 // residual, multiplier), no dz, and with a compile-time activation A few temporaries: it takes
@@ -131,9 +134,6 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
 // the cap alone and spills beside the other activations' copies; there, in the kAnyAct loop (the
 // union of the activations' temporaries) and in the backward (four input streams, three outputs),
 // the unroll stays kEpiUnroll / epi_unroll_lanes.
-// 16-byte packs of x and dz a thread keeps in flight in the backward apply_cols_act_kernel.
-constexpr int kActBackwardUnroll = 2;
-
 template <ApplyMode M, int A, int V, bool LANES>
 constexpr int epi_apply_unroll() {
   if (M == ApplyMode::EpiForward && A != kAnyAct && (LANES ? V == 1 : V < 8)) return kUnroll;

@@ -174,9 +174,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reduce_cols_kernel(
   const int Q = 1 << a.log_q;
   const int64_t pieces = a.C >> a.log_q;  // per sample
   // Per-lane states of 8-wide packs take many registers: fewer packs in flight then.
-  // The activation kernels as many as the plain kernel: with 16-bit types ptxas spills 24-88 bytes
-  // there under the register cap, and yet one pack a thread took 6-14% longer (docs/design.md,
-  // "Split passes").
+  // The activation kernels keep as many as the plain kernel: with 16-bit types ptxas spills 24-88
+  // bytes of them under the register cap, and yet one pack a thread took 6-14% longer
+  // (docs/design.md, "Split passes").
   constexpr int U = EPI && !kActKernel ? epi_unroll_lanes<V>() : V >= 8 ? 2 : kUnroll;
   for (int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
     const int64_t t2 = t / a.ncb;
