@@ -723,10 +723,12 @@ def test_fused_channels_last_split_backward_activation_kernels_cuda(activation, 
     # The channels-last backward takes the split passes; with an activation alone (and the
     # per-sample scale and shift, no residual or multiplier) its reduce and apply passes run the
     # kernels of that activation (plan: cols_act_kernel=1) on 16-byte packs, else the shared EPI
-    # kernels. Groups of 8 and 24 channels, a tile of rows crossing samples, odd spatial sizes.
+    # kernels. Groups of 8 and 24 channels, a tile of rows crossing samples, odd spatial sizes; 12
+    # channels are no whole 16-byte packs in 16-bit types, whose backward then takes the shared
+    # kernels although planned with the activation's.
     kernel_paths.use_defaults(monkeypatch)
     torch.manual_seed(17)
-    for shape, G in (((2, 64, 9, 7), 8), ((3, 48, 5, 5), 2), ((2, 320, 16, 16), 32)):
+    for shape, G in (((2, 64, 9, 7), 8), ((3, 48, 5, 5), 2), ((2, 320, 16, 16), 32), ((2, 12, 5, 7), 3)):
         for names in ([], ["scale", "shift"], ["scale"], ["residual"]):
             if activation is None and not names:
                 continue  # the plain op

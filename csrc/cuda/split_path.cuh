@@ -255,14 +255,20 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     // The EPI backward column kernel keeps six coefficients per lane (a, b, hi, lo, c and the
     // folded bias): with 8 lanes they do not fit its register cap beside every activation and
     // operand, so 2-byte types take 4-wide (8-byte) packs there. The forward, with a
-    // compile-time activation, and the backward's cols_act_kernel fit 16-byte packs.
+    // compile-time activation, and the backward's cols_act_kernel fit 16-byte packs (the latter
+    // only those: where they do not apply it takes the shared kernel's packs).
     constexpr int VE = VW > 4 ? 4 : VW;
-    const int width = epi != nullptr && a.dy != nullptr && !cols_act_kernel ? VE : VW;
-    const size_t bytes = static_cast<size_t>(width) * sizeof(scalar_t);
-    const bool vec = width > 1 && sh.C % width == 0 &&
-                     (epi == nullptr ? ptrs_aligned
-                                     : aligned_to(a.x, bytes) && aligned_to(a.out, bytes) &&
-                                           aligned_to(a.dy, bytes) && epi_aligned(*epi, bytes));
+    const auto packs_of = [&](int width) {
+      const size_t bytes = static_cast<size_t>(width) * sizeof(scalar_t);
+      return width > 1 && sh.C % width == 0 &&
+             (epi == nullptr ? ptrs_aligned
+                             : aligned_to(a.x, bytes) && aligned_to(a.out, bytes) && aligned_to(a.dy, bytes) &&
+                                   epi_aligned(*epi, bytes));
+    };
+    const bool epi_backward = epi != nullptr && a.dy != nullptr;
+    const bool act_kernel = cols_act_kernel && (!epi_backward || packs_of(VW));
+    const int width = epi_backward && !act_kernel ? VE : VW;
+    const bool vec = packs_of(width);
     const Tiling t = tile_apply_cols(a.rows, vec ? sh.C / width : sh.C, /*forward=*/a.dy == nullptr);
     a.split = t.ncb;
     a.chunk = t.chunk;
@@ -272,11 +278,10 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
       with_epi_mode(a.dy != nullptr, [&](auto mode) {
         constexpr ApplyMode kMode = decltype(mode)::value;
         constexpr bool kForward = kMode == ApplyMode::EpiForward;
-        if (cols_act_kernel && (vec || kForward)) {
-          // The backward's kernels of an activation take 16-byte packs only.
+        if (act_kernel) {
           if (vec) {
             launch_apply_cols_act<scalar_t, VW, kMode>(with_epi());
-          } else if constexpr (kForward) {
+          } else if constexpr (kForward) {  // the backward's take 16-byte packs only (act_kernel)
             launch_apply_cols_act<scalar_t, 1, kMode>(with_epi());
           }
         } else if (vec) {
