@@ -37,16 +37,26 @@ What is folded (the activation becomes the norm's fused ``activation``, its modu
       model, the norm has no forward or backward hooks (they would see the activated output)
       and the activation has no hooks;
     * timm's ``GroupNormAct`` / ``GroupNorm1Act`` (converted as said above, when their ``act``
-      and ``drop`` carry no hooks).
+      and ``drop`` carry no hooks);
+    * an activation called in its parent's own ``forward`` only as ``self.act(self.norm(...))``
+      or as ``v = self.act(v)`` right after ``v = self.norm(...)`` on every path into it, where
+      each of those norms is called only so (diffusers' ``ResnetBlock2D`` in autoencoders, where
+      ``nonlinearity`` follows ``norm1`` and ``norm2``, HunyuanVideo's resnet block), with the
+      same module conditions as above. The proof reads the forward's source
+      (``fusednorm._forward_folds`` has the exact rules); branches on the module's configuration
+      (an attribute holding None, a bool, an int or a str, or a child compared with None; never
+      ``training``) are taken as they are at conversion, and then a forward pre-hook raises
+      ``RuntimeError`` if such an attribute changes. Anything else, e.g. the UNet's
+      ``ResnetBlock2D``, which also calls ``nonlinearity`` on the time embedding, is left alone.
 
     ("Registered once" is what can be checked: a model whose ``forward`` also calls such a
-    Sequential's activation or norm directly, bypassing the Sequential, is not supported.)
+    Sequential's activation or norm directly, bypassing the Sequential, or another module's
+    activation or norm from outside it, is not supported.)
 
     Supported activations: ``nn.SiLU``, ``nn.ReLU`` (in place or not), ``nn.GELU`` (approximate
     ``'none'`` or ``'tanh'``), ``nn.LeakyReLU``, ``nn.Mish``, and timm's ``GELU`` / ``GELUTanh``.
-    An activation held as an attribute and called from a ``forward`` (diffusers'
-    ``ResnetBlock2D.nonlinearity`` is called on several tensors) is never folded; for those, see
-    :mod:`fusednorm.fusion`, which fuses at ``torch.compile`` time from the actual data flow.
+    What these rules leave, :mod:`fusednorm.fusion` may still fuse at ``torch.compile`` time,
+    from the actual data flow.
 """
 
 import copy
@@ -58,6 +68,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import nn as fnn
+from ._forward_folds import FoldAssumptions, forward_folds
 
 __all__ = ["convert", "module_activation"]
 
@@ -189,6 +200,40 @@ def _fold_sequentials(model: nn.Module, rejected: Set[int]) -> List[Tuple[str, s
     return folds
 
 
+def _fold_forwards(model: nn.Module, rejected: Set[int]) -> List[Tuple[str, str, str]]:
+    """Folds activations called in their parent's own ``forward`` into the norms whose outputs
+    they take (the module docstring's second rule; the proof is ``_forward_folds``'s), except into
+    norms whose id is in ``rejected``; returns (activation's name, its class, norm's name) of each
+    fold."""
+    counts = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    folds = []
+    for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, (nn.Sequential, nn.ModuleList, nn.ModuleDict) + _FUSED):
+            continue
+        children = parent._modules
+        norms = {name for name, m in children.items()
+                 if type(m) in _FUSED and m.activation is None and id(m) not in rejected and counts[id(m)] == 1
+                 and not _has_hooks(m, _OUTPUT_HOOKS)}
+        acts = {name for name, m in children.items()
+                if m is not None and module_activation(m) is not None and counts[id(m)] == 1 and not _has_hooks(m)}
+        if not norms or not acts:
+            continue
+        proven = forward_folds(parent, norms, acts)
+        prefix = parent_name + "." if parent_name else ""
+        for fold in proven:
+            act = children[fold.activation]
+            activation, slope = module_activation(act)
+            for norm_name in fold.norms:
+                children[norm_name].activation, children[norm_name].negative_slope = activation, slope
+                folds.append((prefix + fold.activation, type(act).__name__, prefix + norm_name))
+            children[fold.activation] = nn.Identity().train(act.training)
+        facts = [fact for fold in proven for fact in fold.facts]
+        if facts:
+            what = ", ".join(f"{fold.activation!r} into {', '.join(map(repr, fold.norms))}" for fold in proven)
+            parent.register_forward_pre_hook(FoldAssumptions(facts, what))
+    return folds
+
+
 def _log_summary(replaced: Dict[str, Tuple[nn.Module, nn.Module]], folds: List[Tuple[str, str, str]],
                  rejected_count: int) -> None:
     by_class = Counter(f"{type(old).__name__} -> fusednorm.nn.{type(new).__name__}"
@@ -262,5 +307,6 @@ def convert(model: nn.Module, *, inplace: bool = True,
     if root is not None:
         model = root
     folds = _fold_sequentials(model, rejected)  # rejected modules are still in the model, unchanged
+    folds += _fold_forwards(model, rejected)
     _log_summary(replaced, folds, len(rejected))
     return model

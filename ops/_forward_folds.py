@@ -1,0 +1,501 @@
+"""The proof behind ``fusednorm.convert``'s second folding rule: an activation module called in
+its parent's own ``forward`` directly on the outputs of norm modules, and on nothing else.
+
+diffusers' blocks call their activation from ``forward``, e.g. HunyuanVideo's resnet block::
+
+    hidden_states = self.norm1(hidden_states)
+    hidden_states = self.nonlinearity(hidden_states)
+    hidden_states = self.conv1(hidden_states)
+    hidden_states = self.norm2(hidden_states)
+    hidden_states = self.nonlinearity(hidden_states)
+
+Folding the activation into the norms (and replacing it with ``nn.Identity``) changes nothing
+when, on every path ``forward`` can take:
+
+* every call of the activation is ``self.act(self.norm(...))``, or a statement
+  ``v = self.act(v)`` whose preceding statement (on every path into it) is
+  ``v = self.norm(...)`` binding the same name ``v``: the activation only ever sees a norm's
+  output, and the norm's output, whose only reference ``v`` the activation's statement
+  replaces, reaches nothing else;
+* every call of each of those norms is the argument of such an activation call or such a
+  statement ``v = self.norm(...)`` directly followed by ``v = self.act(v)``, with the same
+  activation everywhere;
+* nothing else in the class names them (no other method, no ``getattr(self, "act")``, no ``self``
+  handed elsewhere), and the function run is the one whose source is read (same bytecode).
+
+Branches that cannot run are left out: an ``if`` on the module's configuration, an instance
+attribute holding None, a bool, an int or a str, or a child module slot compared with None, is
+evaluated as the module is at conversion (diffusers' ``ResnetBlock2D`` chooses its
+``time_embedding_norm`` branch, and calls its activation on ``temb`` only with a
+``time_emb_proj``). ``training`` is never taken as known. A fold that relied on such an attribute
+installs a forward pre-hook (:class:`FoldAssumptions`) raising ``RuntimeError`` if it changes.
+
+Anything the proof does not cover (a loop or ``with`` between the two statements, the first
+statement of a block, a decorated forward, unreadable source) is simply not folded.
+"""
+
+import ast
+import inspect
+import textwrap
+import types
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+
+from torch import nn
+
+__all__ = ["ForwardFold", "FoldAssumptions", "forward_folds"]
+
+# (attribute, expected): expected is the attribute's value (None, a bool, an int or a str), or,
+# for a child module slot, _MODULE / None (whether the slot holds a module).
+Fact = Tuple[str, object]
+
+
+class _ModuleSlot:
+    """A child module slot's fact: it holds a module (which one does not matter)."""
+
+    def __repr__(self) -> str:
+        return "a module"
+
+    def __reduce__(self):  # one instance, kept one by pickling and deepcopy
+        return "_MODULE"
+
+
+_MODULE = _ModuleSlot()
+_UNKNOWN = object()
+_PLAIN = (type(None), bool, int, str)
+# Names whose presence in a forward (or another method) means children may be reached other than
+# as `self.name`: by name, through the module's dicts, or by nn.Module's walks over its children.
+_DYNAMIC = frozenset({"getattr", "setattr", "delattr", "vars", "locals", "globals", "eval", "exec", "super",
+                      "__dict__", "_modules", "__getattr__", "__getattribute__", "children", "named_children",
+                      "modules", "named_modules", "get_submodule", "apply", "_apply"})
+
+
+@dataclass(frozen=True)
+class ForwardFold:
+    """Fold the child activation ``activation`` into the child norms ``norms``; ``facts`` are the
+    configuration attributes the proof assumed."""
+
+    activation: str
+    norms: Tuple[str, ...]
+    facts: Tuple[Fact, ...]
+
+
+class FoldAssumptions:
+    """A forward pre-hook checking that the attributes a fold's proof took as known still hold."""
+
+    def __init__(self, facts: Iterable[Fact], folds: str):
+        self.facts = tuple(sorted(set(facts), key=repr))
+        self.folds = folds
+
+    def __call__(self, module: nn.Module, args) -> None:
+        for name, expected in self.facts:
+            current = _current(module, name)
+            if expected is _MODULE:
+                holds = isinstance(current, nn.Module)
+            else:
+                holds = type(current) is type(expected) and current == expected
+            if not holds:
+                raise RuntimeError(
+                    f"fusednorm.convert folded {self.folds} of this {type(module).__name__} assuming its "
+                    f"attribute {name!r} is {expected!r}, but it is now {current!r}: convert an unconverted "
+                    f"copy of the model again after changing it")
+
+
+def _current(module: nn.Module, name: str) -> object:
+    if name in module._modules:
+        return module._modules[name]
+    return module.__dict__.get(name, _UNKNOWN)
+
+
+# -- the forward's source ------------------------------------------------------------------------
+
+
+def _function_def(fn: types.FunctionType) -> Optional[ast.FunctionDef]:
+    """fn's definition, parsed from its source, or None where that source may not be what runs
+    (no source, a decorator, bytecode differing from the source's)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        return None
+    func = tree.body[0]
+    if func.decorator_list or func.name != fn.__name__ or hasattr(fn, "__wrapped__"):
+        return None
+    # The file may have changed since it was imported: the source's code must use the same names,
+    # variables and constants as the function's. (Not the same bytecode: the compiler of the
+    # installed .pyc may differ in details, e.g. a method call's instructions.)
+    code = compile(tree, "<fusednorm>", "exec")
+    compiled = next((c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__), None)
+    if compiled is None or _signature(compiled) != _signature(fn.__code__):
+        return None
+    return func
+
+
+def _signature(code: types.CodeType) -> tuple:
+    consts = sorted(repr(c) for c in code.co_consts if not isinstance(c, types.CodeType))
+    return code.co_names, code.co_varnames, code.co_freevars, tuple(consts)
+
+
+def _class_mentions(cls: type, forward: types.FunctionType, names: Set[str]) -> Optional[Set[str]]:
+    """Which of `names` the class's other methods and attributes (through its bases but nn.Module)
+    read as an attribute or hold as a string; None where a class's source cannot be read or
+    another method reaches children by name or walks them (`_DYNAMIC`). Assignments
+    (``self.act = nn.SiLU()`` in ``__init__``) do not count."""
+    found: Set[str] = set()
+    for base in cls.__mro__:
+        if base in (nn.Module, object):
+            continue
+        mentioned = _mentions(base, forward)
+        if mentioned is None:
+            return None
+        found |= mentioned & names
+    return found
+
+
+_MENTIONS: Dict[Tuple[type, types.FunctionType], Optional[FrozenSet[str]]] = {}
+
+
+def _mentions(base: type, forward: types.FunctionType) -> Optional[FrozenSet[str]]:
+    """The attribute names read and the strings held in base's class body, but in `forward`'s
+    definition; None as for _class_mentions. Cached per class."""
+    key = (base, forward)
+    if key in _MENTIONS:
+        return _MENTIONS[key]
+    result: Optional[FrozenSet[str]] = None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    if tree is not None and len(tree.body) == 1 and isinstance(tree.body[0], ast.ClassDef):
+        found: Set[str] = set()
+        dynamic = False
+        for item in tree.body[0].body:
+            if isinstance(item, ast.FunctionDef) and item.name == forward.__name__ \
+                    and base.__dict__.get(item.name) is forward:
+                continue  # the forward itself: the proof reads it
+            for sub in ast.walk(item):
+                if isinstance(sub, ast.Attribute):
+                    if not isinstance(sub.ctx, ast.Store):
+                        found.add(sub.attr)
+                    dynamic |= sub.attr in _DYNAMIC and not (isinstance(item, ast.FunctionDef)
+                                                            and item.name == "__init__")
+                elif isinstance(sub, ast.Name):
+                    dynamic |= sub.id in _DYNAMIC and not (isinstance(item, ast.FunctionDef)
+                                                          and item.name == "__init__")
+                elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    found.add(sub.value)
+        result = None if dynamic else frozenset(found)
+    _MENTIONS[key] = result
+    return result
+
+
+# -- conditions on the configuration -------------------------------------------------------------
+
+
+class _Conditions:
+    """Evaluates `if` tests on the module's configuration: (value or _UNKNOWN, facts used)."""
+
+    def __init__(self, module: nn.Module, self_name: str):
+        self.module = module
+        self.self_name = self_name
+
+    def attribute(self, node: ast.expr):
+        """(value, fact) of `self.name`, or None where it is not a configuration attribute."""
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == self.self_name) or node.attr == "training":
+            return None
+        name = node.attr
+        if name in self.module._modules:
+            child = self.module._modules[name]
+            return child, (name, None if child is None else _MODULE)
+        if name in self.module.__dict__ and type(self.module.__dict__[name]) in _PLAIN \
+                and not isinstance(getattr(type(self.module), name, None), property):
+            value = self.module.__dict__[name]
+            return value, (name, value)
+        return None
+
+    def truth(self, node: ast.expr) -> Tuple[object, FrozenSet[Fact]]:
+        """The test's truth value (True, False or _UNKNOWN) and the facts it rests on."""
+        if isinstance(node, ast.Constant):
+            return bool(node.value), frozenset()
+        attr = self.attribute(node)
+        if attr is not None:
+            value, fact = attr
+            if type(value) in _PLAIN:  # a module's truth may be its length (ModuleList)
+                return bool(value), frozenset({fact})
+            return _UNKNOWN, frozenset()
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            value, facts = self.truth(node.operand)
+            return (_UNKNOWN, frozenset()) if value is _UNKNOWN else (not value, facts)
+        if isinstance(node, ast.BoolOp):
+            decisive = isinstance(node.op, ast.Or)  # the operand value that decides the whole
+            facts: Set[Fact] = set()
+            unknown = False
+            for operand in node.values:
+                value, used = self.truth(operand)
+                if value is _UNKNOWN:
+                    unknown = True
+                elif value == decisive:
+                    return decisive, frozenset(used)
+                else:
+                    facts |= used
+            return (_UNKNOWN, frozenset()) if unknown else (not decisive, frozenset(facts))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            op, left, right = node.ops[0], node.left, node.comparators[0]
+            if isinstance(op, (ast.Is, ast.IsNot)) and isinstance(right, ast.Constant) and right.value is None:
+                attr = self.attribute(left)
+                if attr is not None:
+                    value, fact = attr
+                    return (value is None) == isinstance(op, ast.Is), frozenset({fact})
+            if isinstance(op, (ast.Eq, ast.NotEq)):
+                sides = []
+                facts = set()
+                for side in (left, right):
+                    attr = self.attribute(side)
+                    if isinstance(side, ast.Constant) and type(side.value) in _PLAIN:
+                        sides.append(side.value)
+                    elif attr is not None and type(attr[0]) in _PLAIN:
+                        sides.append(attr[0])
+                        facts.add(attr[1])
+                    else:
+                        return _UNKNOWN, frozenset()
+                return (sides[0] == sides[1]) == isinstance(op, ast.Eq), frozenset(facts)
+        return _UNKNOWN, frozenset()
+
+
+# -- the proof -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Place:
+    """A statement's place: its list, index, and the chain of compound statements around it."""
+
+    body: List[ast.stmt]
+    index: int
+    parents: Tuple[Tuple[ast.stmt, List[ast.stmt], int], ...]  # (compound, its list, its index)
+    live: bool
+    dead_facts: FrozenSet[Fact]  # the facts that made it dead, where it is
+
+
+def _call_of(node: ast.expr, self_name: str, names: Set[str]) -> Optional[str]:
+    """The child name of `self.name(...)`, or None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id == self_name and node.func.attr in names:
+        return node.func.attr
+    return None
+
+
+def _assigned_call(stmt: ast.stmt, self_name: str, names: Set[str]) -> Optional[Tuple[str, str, ast.Call]]:
+    """(target name, child name, call) of `v = self.child(...)`, or None."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        child = _call_of(stmt.value, self_name, names)
+        if child is not None:
+            return stmt.targets[0].id, child, stmt.value
+    return None
+
+
+def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> List[ForwardFold]:
+    """The folds of child activations into child norms that the module's ``forward`` proves exact
+    (the module docstring's rules). ``norms`` and ``activations`` are the candidate child names
+    (the caller checked the modules themselves: registered once, no hooks, supported)."""
+    fn = getattr(type(module), "forward", None)
+    if not isinstance(fn, types.FunctionType) or not norms or not activations:
+        return []
+    func = _function_def(fn)
+    if func is None or not func.args.args:
+        return []
+    self_name = func.args.args[0].arg
+    names = set(norms) | set(activations)
+    # `self` only ever as `self.attribute`, and nothing reaching attributes by name.
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name) and node.id in _DYNAMIC:
+            return []
+        if isinstance(node, ast.Attribute) and node.attr in _DYNAMIC:
+            return []
+    receivers = {id(n.value) for n in ast.walk(func) if isinstance(n, ast.Attribute)}
+    if any(isinstance(n, ast.Name) and n.id == self_name and id(n) not in receivers for n in ast.walk(func)
+           if n is not func):
+        return []
+    elsewhere = _class_mentions(type(module), fn, names)
+    if elsewhere is None:
+        return []
+    conditions = _Conditions(module, self_name)
+
+    # Every statement's place, and where each candidate name occurs.
+    places: Dict[int, _Place] = {}
+    occurrences: Dict[str, List[Tuple[ast.AST, ast.stmt]]] = {name: [] for name in names}
+    branch_facts: Dict[int, FrozenSet[Fact]] = {}  # id(if) -> facts of its evaluated test
+
+    def visit(body: List[ast.stmt], parents, live: bool, dead_facts: FrozenSet[Fact]) -> None:
+        for index, stmt in enumerate(body):
+            places[id(stmt)] = _Place(body, index, parents, live, dead_facts)
+            inner = parents + ((stmt, body, index),)
+            if isinstance(stmt, ast.If):
+                value, facts = conditions.truth(stmt.test)
+                branch_facts[id(stmt)] = facts
+                scan(stmt.test, stmt)
+                visit(stmt.body, inner, live and value is not False,
+                      dead_facts | (facts if value is False else frozenset()))
+                visit(stmt.orelse, inner, live and value is not True,
+                      dead_facts | (facts if value is True else frozenset()))
+            elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try)):
+                for field, value in ast.iter_fields(stmt):
+                    if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+                        visit(value, inner, live, dead_facts)
+                    elif field == "handlers":
+                        for handler in value:
+                            scan(handler, stmt)  # its type expression; its body below
+                            visit(handler.body, inner, live, dead_facts)
+                    elif isinstance(value, (ast.expr, list)):
+                        scan(value, stmt)
+            else:
+                scan(stmt, stmt)  # nested functions and classes included: occurrences there are "other"
+
+    def scan(node, stmt: ast.stmt) -> None:
+        nodes = node if isinstance(node, list) else [node]
+        for top in nodes:
+            if isinstance(top, ast.ExceptHandler):
+                top = top.type
+                if top is None:
+                    continue
+            for sub in ast.walk(top):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                        and sub.value.id == self_name and sub.attr in names:
+                    occurrences[sub.attr].append((sub, stmt))
+
+    visit(func.body, (), True, frozenset())
+
+    def exits(stmt: ast.stmt, facts: Set[Fact]) -> Optional[List[ast.stmt]]:
+        """The statements a path falling through `stmt` ends with; None where not known."""
+        if isinstance(stmt, (ast.Raise, ast.Return)):
+            return []
+        if isinstance(stmt, ast.If):
+            value, used = conditions.truth(stmt.test)
+            out: List[ast.stmt] = []
+            for branch, taken in ((stmt.body, value is not False), (stmt.orelse, value is not True)):
+                if not taken:
+                    facts |= used
+                    continue
+                if not branch:
+                    return None  # falls through from the test
+                last = exits(branch[-1], facts)
+                if last is None:
+                    return None
+                out += last
+            return out
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try,
+                             ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or type(stmt).__name__ == "Match":
+            return None
+        return [stmt]
+
+    def successor(stmt: ast.stmt) -> Optional[ast.stmt]:
+        """The statement run next after `stmt` when the path leaves only through `if`s."""
+        place = places[id(stmt)]
+        body, index, parents = place.body, place.index, place.parents
+        while index + 1 == len(body):
+            if not parents or not isinstance(parents[-1][0], ast.If):
+                return None
+            _, body, index = parents[-1]
+            parents = parents[:-1]
+        return body[index + 1]
+
+    parent_of = {id(child): node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
+
+    def nested(node: ast.AST, name: str) -> Optional[str]:
+        """The partner of `self.act(self.norm(...))`, where `node` is either callee; else None."""
+        call = parent_of.get(id(node))
+        if not (isinstance(call, ast.Call) and call.func is node):
+            return None
+        if name in norms:
+            outer = parent_of.get(id(call))
+            if isinstance(outer, ast.Call) and len(outer.args) == 1 and outer.args[0] is call \
+                    and not outer.keywords:
+                return _call_of(outer, self_name, activations)
+            return None
+        if len(call.args) == 1 and not call.keywords:
+            return _call_of(call.args[0], self_name, norms)
+        return None
+
+    # Classify the live occurrences.
+    bad: Set[str] = set(elsewhere)
+    facts_of: Dict[str, Set[Fact]] = {name: set() for name in names}
+    norm_act: Dict[str, Set[str]] = {name: set() for name in norms}
+    act_norms: Dict[str, Set[str]] = {name: set() for name in activations}
+    for name in names:
+        for node, stmt in occurrences[name]:
+            place = places.get(id(stmt))
+            if place is None:
+                bad.add(name)
+                continue
+            if not place.live:
+                facts_of[name] |= place.dead_facts
+                continue
+            partner = nested(node, name)
+            if partner is not None:  # self.act(self.norm(...)): exact wherever it stands
+                (norm_act[name] if name in norms else act_norms[name]).add(partner)
+                continue
+            if name in norms:
+                norm_call = _assigned_call(stmt, self_name, {name})
+                if norm_call is None or norm_call[2].func is not node:
+                    bad.add(name)
+                    continue
+                follower = successor(stmt)
+                act_call = None if follower is None else _assigned_call(follower, self_name, activations)
+                if act_call is None or act_call[0] != norm_call[0] or len(act_call[2].args) != 1 \
+                        or act_call[2].keywords or not isinstance(act_call[2].args[0], ast.Name) \
+                        or act_call[2].args[0].id != norm_call[0]:
+                    bad.add(name)
+                    continue
+                norm_act[name].add(act_call[1])
+            else:
+                act_call = _assigned_call(stmt, self_name, {name})
+                if act_call is None or act_call[2].func is not node or len(act_call[2].args) != 1 \
+                        or act_call[2].keywords or not isinstance(act_call[2].args[0], ast.Name) \
+                        or act_call[2].args[0].id != act_call[0]:
+                    bad.add(name)
+                    continue
+                place_of = places[id(stmt)]
+                used: Set[Fact] = set()
+                before = exits(place_of.body[place_of.index - 1], used) if place_of.index > 0 else None
+                if before is None:
+                    bad.add(name)
+                    continue
+                facts_of[name] |= used
+                for prior in before:
+                    norm_call = _assigned_call(prior, self_name, norms)
+                    if norm_call is None or norm_call[0] != act_call[0]:
+                        bad.add(name)
+                        break
+                    act_norms[name].add(norm_call[1])
+
+    # A norm followed by two activations, or an activation after a norm that cannot be folded,
+    # fails; repeat until nothing more fails.
+    for name in norms:
+        if len(norm_act[name]) > 1:
+            bad.add(name)
+    changed = True
+    while changed:
+        changed = False
+        for act in activations - bad:
+            if any(n in bad for n in act_norms[act]):
+                bad.add(act)
+                changed = True
+        for norm in norms - bad:
+            if any(a in bad for a in norm_act[norm]):
+                bad.add(norm)
+                changed = True
+    folds = []
+    for act in sorted(activations - bad):
+        members = sorted(n for n in norms - bad if norm_act[n] == {act})
+        if not members:
+            continue  # never called where it can run
+        facts: Set[Fact] = set(facts_of[act])
+        for n in members:
+            facts |= facts_of[n]
+        folds.append(ForwardFold(act, tuple(members), tuple(sorted(facts, key=repr))))
+    return folds

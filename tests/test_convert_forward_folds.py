@@ -1,0 +1,309 @@
+"""fusednorm.convert's second folding rule: an activation module called in its parent's own
+forward on norm outputs alone (ops/_forward_folds.py) is folded into those norms, with the same
+results, forward and backward; every form the proof does not cover is left alone."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fusednorm
+import fusednorm.nn as fnn
+from test_convert import assert_equivalent, convert_and_check, float32_convolutions, import_or_skip  # noqa: F401
+
+
+def folded(norm, activation="silu"):
+    return type(norm) is fnn.GroupNorm and norm.activation == activation
+
+
+class Block(nn.Module):
+    """diffusers' ResnetBlock2D in small: the activation after norm1, on the embedding when
+    there is a projection (unless skip_act), and after norm2 whose branch the mode picks."""
+
+    def __init__(self, mode="default", proj=False, skip_act=False):
+        super().__init__()
+        self.mode = mode
+        self.skip_act = skip_act
+        self.norm1 = nn.GroupNorm(2, 8)
+        self.norm2 = nn.GroupNorm(2, 8)
+        self.act = nn.SiLU()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.proj = nn.Linear(4, 8) if proj else None
+
+    def forward(self, x, emb=None):
+        h = self.norm1(x)
+        h = self.act(h)
+        h = self.conv(h)
+        if self.proj is not None:
+            if not self.skip_act:
+                emb = self.act(emb)
+            h = h + self.proj(emb)[:, :, None, None]
+        if self.mode == "default":
+            h = self.norm2(h)
+        elif self.mode == "scale":
+            h = self.norm2(h)
+            h = h * 2
+        else:
+            if emb is None:  # not known at conversion: both branches end with norm2
+                h = self.norm2(h)
+            else:
+                h = self.norm2(h + 1)
+        h = self.act(h)
+        return x + h
+
+
+@pytest.mark.parametrize("mode, proj, skip_act, folds, facts", [
+    ("default", False, False, True, {("proj", None), ("mode", "default")}),
+    ("join", False, False, True, {("proj", None), ("mode", "join")}),
+    ("scale", False, False, False, None),  # norm2's output is scaled before the activation
+    ("default", True, False, False, None),  # the activation also runs on the embedding
+    ("default", True, True, True, {("skip_act", True), ("mode", "default")}),
+])
+def test_block_branches(device, mode, proj, skip_act, folds, facts):
+    torch.manual_seed(0)
+    model = Block(mode, proj, skip_act)
+    model = convert_and_check(
+        model, lambda d: (torch.randn(2, 8, 5, 5, device=d), torch.randn(2, 4, device=d)), device)
+    assert folded(model.norm1) == folded(model.norm2) == folds
+    assert type(model.act) is (nn.Identity if folds else nn.SiLU)
+    hooks = list(model._forward_pre_hooks.values())
+    if not folds:
+        assert not hooks
+        return
+    # The branches taken as known at conversion are checked on every call.
+    assert [{(name, value if value is None or type(value) in (bool, str) else "module") for name, value in h.facts}
+            for h in hooks] == [{(n, v) if n != "proj" or v is None else (n, "module") for n, v in facts}]
+    copied = copy.deepcopy(model)  # the check goes along, on the copy's attributes
+    model.mode = "scale"
+    with pytest.raises(RuntimeError, match="assuming its attribute 'mode' is"):
+        model(torch.randn(2, 8, 5, 5, device=device), torch.randn(2, 4, device=device))
+    copied(torch.randn(2, 8, 5, 5, device=device), torch.randn(2, 4, device=device))
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return x + self.act(self.norm(x))
+
+
+class Looped(nn.Module):
+    """The pair inside a loop body, and a branch on `training`, which is never taken as known."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        h = x
+        for _ in range(2):
+            if self.training:
+                h = self.norm(h)
+            else:
+                h = self.norm(h * 0.5)
+            h = self.act(h)
+        return h
+
+
+@pytest.mark.parametrize("cls, activation", [(Nested, "relu"), (Looped, "gelu")])
+def test_folded_forms(device, cls, activation):
+    torch.manual_seed(0)
+    model = convert_and_check(cls(), lambda d: (torch.randn(2, 8, 4, 4, device=d),), device)
+    assert folded(model.norm, activation) and type(model.act) is nn.Identity
+    assert not model._forward_pre_hooks  # nothing taken as known
+
+
+# Forms the proof refuses: the norm's output reaches something besides the activation, the
+# activation something besides a norm's output, or the children are reached in ways it cannot see.
+
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)
+        self.act = nn.SiLU()
+        self.other = nn.GroupNorm(2, 8)
+
+
+class OutputReused(Base):
+    def forward(self, x):
+        y = self.norm(x)
+        z = self.act(y)
+        return y + z
+
+
+class AliasBetween(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        r = h
+        h = self.act(h)
+        return h + r
+
+
+class ActOnInput(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        return h + self.act(x)
+
+
+class FirstInBranch(Base):
+    def forward(self, x, flag=True):
+        h = self.norm(x)
+        if flag:
+            h = self.act(h)
+        return h
+
+
+class OneBranchWithout(Base):
+    def forward(self, x, flag=True):
+        if flag:
+            h = self.norm(x)
+        else:
+            h = x * 2
+        h = self.act(h)
+        return h
+
+
+class TwoActivations(Base):
+    def __init__(self):
+        super().__init__()
+        self.act2 = nn.ReLU()
+
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        g = self.norm(x)
+        g = self.act2(g)
+        return h + g
+
+
+class ByName(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = getattr(self, "act")(h)
+        return h
+
+
+class Helper(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        return self.extra(h)
+
+    def extra(self, h):
+        return h + self.act(h)
+
+
+class SelfHandedOut(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        return run_other(self, h)
+
+
+def run_other(module, h):
+    return module.act(h)
+
+
+class LastInLoop(Base):
+    def forward(self, x):
+        h = x
+        for _ in range(2):
+            h = self.act(h)
+            h = self.norm(h)
+        return h
+
+
+class Decorated(Base):
+    @torch.no_grad()
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        return h
+
+
+class InLambda(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        f = lambda t: self.act(t)  # noqa: E731
+        return f(h)
+
+
+REFUSED = [OutputReused, AliasBetween, ActOnInput, FirstInBranch, OneBranchWithout, TwoActivations, ByName,
+           Helper, SelfHandedOut, LastInLoop, Decorated, InLambda]
+
+
+@pytest.mark.parametrize("cls", REFUSED, ids=[c.__name__ for c in REFUSED])
+def test_refused_forms(cls):
+    torch.manual_seed(0)
+    model = cls()
+    reference = copy.deepcopy(model)
+    fusednorm.convert(model)
+    assert type(model.norm) is fnn.GroupNorm and model.norm.activation is None
+    assert type(model.act) is nn.SiLU
+    x = torch.randn(2, 8, 3, 3)
+    if cls is Decorated:
+        torch.testing.assert_close(model(x), reference(x))
+    else:
+        assert_equivalent(reference, model, lambda d: (x,), "cpu")
+
+
+def test_refused_for_shared_hooked_or_filtered_modules():
+    # The activation registered twice (here also in a Sequential of the parent).
+    model = Block()
+    model.extra = nn.Sequential(model.act)
+    fusednorm.convert(model)
+    assert model.norm1.activation is None and type(model.act) is nn.SiLU
+    # A norm with a forward hook: it would see the activated output.
+    model = Block()
+    model.norm2.register_forward_hook(lambda m, i, o: None)
+    fusednorm.convert(model)
+    assert model.norm1.activation is None and model.norm2.activation is None and type(model.act) is nn.SiLU
+    # A norm filter_fn rejects: the activation after it is not folded, so neither is the other.
+    model = Block()
+    fusednorm.convert(model, filter_fn=lambda name, m: name != "norm2")
+    assert type(model.norm2) is nn.GroupNorm and model.norm1.activation is None and type(model.act) is nn.SiLU
+
+
+def test_summary_names_forward_folds(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="fusednorm"):
+        fusednorm.convert(nn.ModuleDict({"block": Block()}))
+    assert "folded 2 activation(s): 'block.act' (SiLU) into 'block.norm1', 'block.act' (SiLU) into 'block.norm2'" \
+        in caplog.records[0].getMessage()
+
+
+def test_diffusers_blocks(device, float32_convolutions):  # noqa: F811
+    diffusers = import_or_skip("diffusers")
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoResnetBlockCausal3D
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+        norm_num_groups=8, sample_size=8, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+    )
+    vae = convert_and_check(vae, lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4, rtol=1e-4)
+    resnets = [m for m in vae.modules() if type(m).__name__ == "ResnetBlock2D"]
+    assert resnets and all(folded(r.norm1) and folded(r.norm2) and type(r.nonlinearity) is nn.Identity
+                           for r in resnets)
+    assert folded(vae.decoder.conv_norm_out) and type(vae.decoder.conv_act) is nn.Identity
+    # Attention's group norm has no activation after it.
+    assert all(m.activation is None for m in vae.modules() if type(m) is fnn.GroupNorm and m not in
+               {n for r in resnets for n in (r.norm1, r.norm2)} | {vae.decoder.conv_norm_out, vae.encoder.conv_norm_out})
+    resnets[0].time_embedding_norm = "scale_shift"
+    with pytest.raises(RuntimeError, match="time_embedding_norm"):
+        vae(torch.randn(2, 3, 8, 8, device=device))
+
+    block = HunyuanVideoResnetBlockCausal3D(8, 16, groups=4)
+    block = convert_and_check(block, lambda d: (torch.randn(1, 8, 3, 6, 6, device=d),), device, atol=1e-4, rtol=1e-4)
+    assert folded(block.norm1) and folded(block.norm2) and type(block.nonlinearity) is nn.Identity
+    assert not block._forward_pre_hooks  # a straight line: nothing taken as known
