@@ -7,7 +7,7 @@ and under torch.profiler, and one line per (case, implementation, direction) giv
     gpu us    the sum of the call's kernel (and memset / memcpy) times
     kernels   how many the call launches, and the three longest with their times
 
-    python tools/kernel_breakdown.py [--filter REGEX] [--reps N]
+    python tools/kernel_breakdown.py [--filter REGEX] [--reps N] [--impls fusednorm,eager,compile,"plain norm"]
 """
 
 import argparse
@@ -68,7 +68,7 @@ def main():
         if not re.search(args.filter, case.name):
             continue
         x, w, b, ops = make_inputs(case, "cuda")
-        for name, fn in implementations(case, with_compile=False).items():
+        for name, fn in implementations(case, with_compile="compile" in wanted).items():
             if name not in wanted:
                 continue
             xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
