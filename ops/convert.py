@@ -46,8 +46,10 @@ What is folded (the activation becomes the norm's fused ``activation``, its modu
       (``fusednorm._forward_folds`` has the exact rules); branches on the module's configuration
       (an attribute holding None, a bool, an int or a str, or a child compared with None; never
       ``training``) are taken as they are at conversion, and then a forward pre-hook raises
-      ``RuntimeError`` if such an attribute changes. Anything else, e.g. the UNet's
-      ``ResnetBlock2D``, which also calls ``nonlinearity`` on the time embedding, is left alone.
+      ``RuntimeError`` if such an attribute changes (a Python hook, which ``torch.jit.script``
+      cannot compile: to script such a model, keep those norms out with ``filter_fn``). Anything
+      else, e.g. the UNet's ``ResnetBlock2D``, which also calls ``nonlinearity`` on the time
+      embedding, is left alone.
 
     ("Registered once" is what can be checked: a model whose ``forward`` also calls such a
     Sequential's activation or norm directly, bypassing the Sequential, or another module's
