@@ -243,14 +243,18 @@ def test_diffusers_unet(device, float32_convolutions):
     assert all(type(m.nonlinearity) is nn.SiLU for m in unet.modules() if type(m).__name__ == "ResnetBlock2D")
 
 
-def test_diffusers_autoencoder(device, float32_convolutions):
+def tiny_autoencoder():
     diffusers = import_or_skip("diffusers")
-    torch.manual_seed(0)
-    vae = diffusers.AutoencoderKL(
+    return diffusers.AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(16, 32),
         norm_num_groups=8, sample_size=8, down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2,
     )
+
+
+def test_diffusers_autoencoder(device, float32_convolutions):
+    torch.manual_seed(0)
+    vae = tiny_autoencoder()
     n_norms = sum(isinstance(m, nn.GroupNorm) for m in vae.modules())
     # Decode a deterministic latent: the posterior sample would draw random numbers.
     vae = convert_and_check(vae, lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4, rtol=1e-4)

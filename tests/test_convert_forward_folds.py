@@ -10,7 +10,8 @@ from torch import nn
 
 import fusednorm
 import fusednorm.nn as fnn
-from test_convert import assert_equivalent, convert_and_check, float32_convolutions, import_or_skip  # noqa: F401
+from test_convert import (assert_equivalent, convert_and_check, float32_convolutions, import_or_skip,  # noqa: F401
+                          tiny_autoencoder)
 
 
 def folded(norm, activation="silu"):
@@ -130,7 +131,6 @@ class Base(nn.Module):
         super().__init__()
         self.norm = nn.GroupNorm(2, 8)
         self.act = nn.SiLU()
-        self.other = nn.GroupNorm(2, 8)
 
 
 class OutputReused(Base):
@@ -285,16 +285,12 @@ def test_summary_names_forward_folds(caplog):
 
 
 def test_diffusers_blocks(device, float32_convolutions):  # noqa: F811
-    diffusers = import_or_skip("diffusers")
+    import_or_skip("diffusers")
     from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoResnetBlockCausal3D
 
     torch.manual_seed(0)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(16, 32),
-        norm_num_groups=8, sample_size=8, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-    )
-    vae = convert_and_check(vae, lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4, rtol=1e-4)
+    vae = convert_and_check(tiny_autoencoder(), lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4,
+                            rtol=1e-4)
     resnets = [m for m in vae.modules() if type(m).__name__ == "ResnetBlock2D"]
     assert resnets and all(folded(r.norm1) and folded(r.norm2) and type(r.nonlinearity) is nn.Identity
                            for r in resnets)
