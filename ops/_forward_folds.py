@@ -21,7 +21,8 @@ when, on every path ``forward`` can take:
   statement ``v = self.norm(...)`` directly followed by ``v = self.act(v)``, with the same
   activation everywhere;
 * nothing else in the class names them (no other method, no ``getattr(self, "act")``, no ``self``
-  handed elsewhere), and the function run is the one whose source is read (same bytecode).
+  handed elsewhere), and the function run is the one whose source is read (the same names,
+  variables and constants: a file edited after import is not trusted).
 
 Branches that cannot run are left out: an ``if`` on the module's configuration, an instance
 attribute holding None, a bool, an int or a str, or a child module slot compared with None, is
@@ -112,7 +113,7 @@ def _current(module: nn.Module, name: str) -> object:
 
 def _function_def(fn: types.FunctionType) -> Optional[ast.FunctionDef]:
     """fn's definition, parsed from its source, or None where that source may not be what runs
-    (no source, a decorator, bytecode differing from the source's)."""
+    (no source, a decorator, names, variables or constants differing from the source's)."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
