@@ -300,6 +300,17 @@ def _assigned_call(stmt: ast.stmt, self_name: str, names: Set[str]) -> Optional[
     return None
 
 
+def _rebinding_call(stmt: ast.stmt, self_name: str, names: Set[str]) -> Optional[Tuple[str, str, ast.Call]]:
+    """(v, child name, call) of `v = self.child(v)` (one positional argument), or None."""
+    found = _assigned_call(stmt, self_name, names)
+    if found is None:
+        return None
+    call = found[2]
+    if len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Name) and call.args[0].id == found[0]:
+        return found
+    return None
+
+
 def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> List[ForwardFold]:
     """The folds of child activations into child norms that the module's ``forward`` proves exact
     (the module docstring's rules). ``norms`` and ``activations`` are the candidate child names
@@ -311,7 +322,6 @@ def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> 
     if func is None or not func.args.args:
         return []
     self_name = func.args.args[0].arg
-    names = set(norms) | set(activations)
     # `self` only ever as `self.attribute`, and nothing reaching attributes by name.
     for node in ast.walk(func):
         if isinstance(node, ast.Name) and node.id in _DYNAMIC:
@@ -322,61 +332,68 @@ def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> 
     if any(isinstance(n, ast.Name) and n.id == self_name and id(n) not in receivers for n in ast.walk(func)
            if n is not func):
         return []
-    elsewhere = _class_mentions(type(module), fn, names)
+    elsewhere = _class_mentions(type(module), fn, set(norms) | set(activations))
     if elsewhere is None:
         return []
-    conditions = _Conditions(module, self_name)
+    return _Proof(func, self_name, _Conditions(module, self_name), set(norms), set(activations)).folds(elsewhere)
 
-    # Every statement's place, and where each candidate name occurs.
-    places: Dict[int, _Place] = {}
-    occurrences: Dict[str, List[Tuple[ast.AST, ast.stmt]]] = {name: [] for name in names}
-    branch_facts: Dict[int, FrozenSet[Fact]] = {}  # id(if) -> facts of its evaluated test
 
-    def visit(body: List[ast.stmt], parents, live: bool, dead_facts: FrozenSet[Fact]) -> None:
+class _Proof:
+    """The flow of one forward: where each statement stands and whether it can run, where each
+    candidate child is named, and which of those places are the pairs the rules allow."""
+
+    def __init__(self, func: ast.FunctionDef, self_name: str, conditions: _Conditions, norms: Set[str],
+                 activations: Set[str]):
+        self.self_name = self_name
+        self.conditions = conditions
+        self.norms = norms
+        self.activations = activations
+        self.places: Dict[int, _Place] = {}  # id(statement) -> its place
+        self.occurrences: Dict[str, List[Tuple[ast.AST, ast.stmt]]] = {n: [] for n in norms | activations}
+        self.parent_of = {id(child): node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
+        self._visit(func.body, (), True, frozenset())
+
+    def _visit(self, body: List[ast.stmt], parents, live: bool, dead_facts: FrozenSet[Fact]) -> None:
+        """Records the places of `body`'s statements and the occurrences in them; a branch an `if`
+        on the configuration rules out is dead, with the facts that ruled it out."""
         for index, stmt in enumerate(body):
-            places[id(stmt)] = _Place(body, index, parents, live, dead_facts)
+            self.places[id(stmt)] = _Place(body, index, parents, live, dead_facts)
             inner = parents + ((stmt, body, index),)
             if isinstance(stmt, ast.If):
-                value, facts = conditions.truth(stmt.test)
-                branch_facts[id(stmt)] = facts
-                scan(stmt.test, stmt)
-                visit(stmt.body, inner, live and value is not False,
-                      dead_facts | (facts if value is False else frozenset()))
-                visit(stmt.orelse, inner, live and value is not True,
-                      dead_facts | (facts if value is True else frozenset()))
+                value, facts = self.conditions.truth(stmt.test)
+                self._scan(stmt.test, stmt)
+                self._visit(stmt.body, inner, live and value is not False,
+                            dead_facts | (facts if value is False else frozenset()))
+                self._visit(stmt.orelse, inner, live and value is not True,
+                            dead_facts | (facts if value is True else frozenset()))
             elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try)):
                 for field, value in ast.iter_fields(stmt):
                     if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
-                        visit(value, inner, live, dead_facts)
+                        self._visit(value, inner, live, dead_facts)
                     elif field == "handlers":
                         for handler in value:
-                            scan(handler, stmt)  # its type expression; its body below
-                            visit(handler.body, inner, live, dead_facts)
+                            if handler.type is not None:
+                                self._scan(handler.type, stmt)
+                            self._visit(handler.body, inner, live, dead_facts)
                     elif isinstance(value, (ast.expr, list)):
-                        scan(value, stmt)
+                        self._scan(value, stmt)
             else:
-                scan(stmt, stmt)  # nested functions and classes included: occurrences there are "other"
+                self._scan(stmt, stmt)  # nested functions and classes included: occurrences there are "other"
 
-    def scan(node, stmt: ast.stmt) -> None:
-        nodes = node if isinstance(node, list) else [node]
-        for top in nodes:
-            if isinstance(top, ast.ExceptHandler):
-                top = top.type
-                if top is None:
-                    continue
+    def _scan(self, node, stmt: ast.stmt) -> None:
+        for top in node if isinstance(node, list) else [node]:
             for sub in ast.walk(top):
                 if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
-                        and sub.value.id == self_name and sub.attr in names:
-                    occurrences[sub.attr].append((sub, stmt))
+                        and sub.value.id == self.self_name and sub.attr in self.occurrences:
+                    self.occurrences[sub.attr].append((sub, stmt))
 
-    visit(func.body, (), True, frozenset())
-
-    def exits(stmt: ast.stmt, facts: Set[Fact]) -> Optional[List[ast.stmt]]:
-        """The statements a path falling through `stmt` ends with; None where not known."""
+    def _exits(self, stmt: ast.stmt, facts: Set[Fact]) -> Optional[List[ast.stmt]]:
+        """The statements a path falling through `stmt` ends with (adding to `facts` those of the
+        branches ruled out); None where not known."""
         if isinstance(stmt, (ast.Raise, ast.Return)):
             return []
         if isinstance(stmt, ast.If):
-            value, used = conditions.truth(stmt.test)
+            value, used = self.conditions.truth(stmt.test)
             out: List[ast.stmt] = []
             for branch, taken in ((stmt.body, value is not False), (stmt.orelse, value is not True)):
                 if not taken:
@@ -384,7 +401,7 @@ def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> 
                     continue
                 if not branch:
                     return None  # falls through from the test
-                last = exits(branch[-1], facts)
+                last = self._exits(branch[-1], facts)
                 if last is None:
                     return None
                 out += last
@@ -394,9 +411,9 @@ def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> 
             return None
         return [stmt]
 
-    def successor(stmt: ast.stmt) -> Optional[ast.stmt]:
+    def _successor(self, stmt: ast.stmt) -> Optional[ast.stmt]:
         """The statement run next after `stmt` when the path leaves only through `if`s."""
-        place = places[id(stmt)]
+        place = self.places[id(stmt)]
         body, index, parents = place.body, place.index, place.parents
         while index + 1 == len(body):
             if not parents or not isinstance(parents[-1][0], ast.If):
@@ -405,98 +422,87 @@ def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> 
             parents = parents[:-1]
         return body[index + 1]
 
-    parent_of = {id(child): node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
-
-    def nested(node: ast.AST, name: str) -> Optional[str]:
-        """The partner of `self.act(self.norm(...))`, where `node` is either callee; else None."""
-        call = parent_of.get(id(node))
+    def _nested_partner(self, node: ast.AST, name: str) -> Optional[str]:
+        """The other child of `self.act(self.norm(...))`, where `node` is either callee; else None."""
+        call = self.parent_of.get(id(node))
         if not (isinstance(call, ast.Call) and call.func is node):
             return None
-        if name in norms:
-            outer = parent_of.get(id(call))
-            if isinstance(outer, ast.Call) and len(outer.args) == 1 and outer.args[0] is call \
-                    and not outer.keywords:
-                return _call_of(outer, self_name, activations)
+        if name in self.norms:
+            outer = self.parent_of.get(id(call))
+            if isinstance(outer, ast.Call) and len(outer.args) == 1 and outer.args[0] is call and not outer.keywords:
+                return _call_of(outer, self.self_name, self.activations)
             return None
         if len(call.args) == 1 and not call.keywords:
-            return _call_of(call.args[0], self_name, norms)
+            return _call_of(call.args[0], self.self_name, self.norms)
         return None
 
-    # Classify the live occurrences.
-    bad: Set[str] = set(elsewhere)
-    facts_of: Dict[str, Set[Fact]] = {name: set() for name in names}
-    norm_act: Dict[str, Set[str]] = {name: set() for name in norms}
-    act_norms: Dict[str, Set[str]] = {name: set() for name in activations}
-    for name in names:
-        for node, stmt in occurrences[name]:
-            place = places.get(id(stmt))
-            if place is None:
-                bad.add(name)
-                continue
-            if not place.live:
-                facts_of[name] |= place.dead_facts
-                continue
-            partner = nested(node, name)
-            if partner is not None:  # self.act(self.norm(...)): exact wherever it stands
-                (norm_act[name] if name in norms else act_norms[name]).add(partner)
-                continue
-            if name in norms:
-                norm_call = _assigned_call(stmt, self_name, {name})
-                if norm_call is None or norm_call[2].func is not node:
-                    bad.add(name)
-                    continue
-                follower = successor(stmt)
-                act_call = None if follower is None else _assigned_call(follower, self_name, activations)
-                if act_call is None or act_call[0] != norm_call[0] or len(act_call[2].args) != 1 \
-                        or act_call[2].keywords or not isinstance(act_call[2].args[0], ast.Name) \
-                        or act_call[2].args[0].id != norm_call[0]:
-                    bad.add(name)
-                    continue
-                norm_act[name].add(act_call[1])
-            else:
-                act_call = _assigned_call(stmt, self_name, {name})
-                if act_call is None or act_call[2].func is not node or len(act_call[2].args) != 1 \
-                        or act_call[2].keywords or not isinstance(act_call[2].args[0], ast.Name) \
-                        or act_call[2].args[0].id != act_call[0]:
-                    bad.add(name)
-                    continue
-                place_of = places[id(stmt)]
-                used: Set[Fact] = set()
-                before = exits(place_of.body[place_of.index - 1], used) if place_of.index > 0 else None
-                if before is None:
-                    bad.add(name)
-                    continue
-                facts_of[name] |= used
-                for prior in before:
-                    norm_call = _assigned_call(prior, self_name, norms)
-                    if norm_call is None or norm_call[0] != act_call[0]:
-                        bad.add(name)
-                        break
-                    act_norms[name].add(norm_call[1])
+    def _norm_partner(self, node: ast.AST, stmt: ast.stmt) -> Optional[str]:
+        """The activation of `v = self.norm(...)` directly followed by `v = self.act(v)`."""
+        norm_call = _assigned_call(stmt, self.self_name, self.norms)
+        if norm_call is None or norm_call[2].func is not node:
+            return None
+        follower = self._successor(stmt)
+        act_call = None if follower is None else _rebinding_call(follower, self.self_name, self.activations)
+        return act_call[1] if act_call is not None and act_call[0] == norm_call[0] else None
 
-    # A norm followed by two activations, or an activation after a norm that cannot be folded,
-    # fails; repeat until nothing more fails.
-    for name in norms:
-        if len(norm_act[name]) > 1:
-            bad.add(name)
-    changed = True
-    while changed:
-        changed = False
-        for act in activations - bad:
-            if any(n in bad for n in act_norms[act]):
-                bad.add(act)
-                changed = True
-        for norm in norms - bad:
-            if any(a in bad for a in norm_act[norm]):
-                bad.add(norm)
-                changed = True
-    folds = []
-    for act in sorted(activations - bad):
-        members = sorted(n for n in norms - bad if norm_act[n] == {act})
-        if not members:
-            continue  # never called where it can run
-        facts: Set[Fact] = set(facts_of[act])
-        for n in members:
-            facts |= facts_of[n]
-        folds.append(ForwardFold(act, tuple(members), tuple(sorted(facts, key=repr))))
-    return folds
+    def _act_partners(self, node: ast.AST, stmt: ast.stmt, facts: Set[Fact]) -> Optional[Set[str]]:
+        """The norms of the statements `v = self.norm(...)` that every path into `v = self.act(v)`
+        leaves last; None where the occurrence is not such a statement or a path leaves another."""
+        act_call = _rebinding_call(stmt, self.self_name, self.activations)
+        place = self.places[id(stmt)]
+        if act_call is None or act_call[2].func is not node or place.index == 0:
+            return None
+        before = self._exits(place.body[place.index - 1], facts)
+        if before is None:
+            return None
+        partners = set()
+        for prior in before:
+            norm_call = _assigned_call(prior, self.self_name, self.norms)
+            if norm_call is None or norm_call[0] != act_call[0]:
+                return None
+            partners.add(norm_call[1])
+        return partners
+
+    def folds(self, bad: Set[str]) -> List[ForwardFold]:
+        """The folds, given the children already ruled out (`bad`: named elsewhere in the class)."""
+        bad = set(bad)
+        facts_of: Dict[str, Set[Fact]] = {name: set() for name in self.occurrences}
+        partners: Dict[str, Set[str]] = {name: set() for name in self.occurrences}  # norm <-> activation
+        for name, found in self.occurrences.items():
+            for node, stmt in found:
+                place = self.places[id(stmt)]
+                if not place.live:
+                    facts_of[name] |= place.dead_facts
+                    continue
+                partner = self._nested_partner(node, name)  # self.act(self.norm(...)): exact anywhere
+                if partner is not None:
+                    partners[name].add(partner)
+                    continue
+                if name in self.norms:
+                    partner = self._norm_partner(node, stmt)
+                    if partner is None:
+                        bad.add(name)
+                    else:
+                        partners[name].add(partner)
+                else:
+                    norms = self._act_partners(node, stmt, facts_of[name])
+                    if norms is None:
+                        bad.add(name)
+                    else:
+                        partners[name] |= norms
+        # A norm followed by two activations fails, and so does whatever is paired with a child
+        # that failed; repeat until nothing more fails.
+        bad |= {n for n in self.norms if len(partners[n]) > 1}
+        while True:
+            failing = {n for n in self.occurrences if n not in bad and partners[n] & bad}
+            if not failing:
+                break
+            bad |= failing
+        folds = []
+        for act in sorted(self.activations - bad):
+            members = sorted(n for n in self.norms - bad if partners[n] == {act})
+            if not members:
+                continue  # never called where it can run
+            facts = set(facts_of[act]).union(*(facts_of[n] for n in members))
+            folds.append(ForwardFold(act, tuple(members), tuple(sorted(facts, key=repr))))
+        return folds

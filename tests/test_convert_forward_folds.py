@@ -186,6 +186,22 @@ class TwoActivations(Base):
         return h + g
 
 
+class SecondNormUsedAlone(Base):
+    """The activation follows both norms, but `norm2` is also called alone: folding the activation
+    into `norm` only would take it away from `norm2`'s output."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm2 = nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        g = self.norm2(x)
+        g = self.act(g)
+        return h + g + self.norm2(x)
+
+
 class ByName(Base):
     def forward(self, x):
         h = self.norm(x)
@@ -239,8 +255,8 @@ class InLambda(Base):
         return f(h)
 
 
-REFUSED = [OutputReused, AliasBetween, ActOnInput, FirstInBranch, OneBranchWithout, TwoActivations, ByName,
-           Helper, SelfHandedOut, LastInLoop, Decorated, InLambda]
+REFUSED = [OutputReused, AliasBetween, ActOnInput, FirstInBranch, OneBranchWithout, TwoActivations,
+           SecondNormUsedAlone, ByName, Helper, SelfHandedOut, LastInLoop, Decorated, InLambda]
 
 
 @pytest.mark.parametrize("cls", REFUSED, ids=[c.__name__ for c in REFUSED])
