@@ -202,6 +202,26 @@ class SecondNormUsedAlone(Base):
         return h + g + self.norm2(x)
 
 
+class ActOnOther(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(x)
+        return h
+
+
+class WalksChildren(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = self.act(h)
+        return self.extra(h)
+
+    def extra(self, h):
+        for m in self.children():
+            if isinstance(m, nn.SiLU):
+                h = h + m(h)
+        return h
+
+
 class ByName(Base):
     def forward(self, x):
         h = self.norm(x)
@@ -256,7 +276,8 @@ class InLambda(Base):
 
 
 REFUSED = [OutputReused, AliasBetween, ActOnInput, FirstInBranch, OneBranchWithout, TwoActivations,
-           SecondNormUsedAlone, ByName, Helper, SelfHandedOut, LastInLoop, Decorated, InLambda]
+           SecondNormUsedAlone, ActOnOther, ByName, Helper, WalksChildren, SelfHandedOut, LastInLoop, Decorated,
+           InLambda]
 
 
 @pytest.mark.parametrize("cls", REFUSED, ids=[c.__name__ for c in REFUSED])
@@ -268,7 +289,7 @@ def test_refused_forms(cls):
     assert type(model.norm) is fnn.GroupNorm and model.norm.activation is None
     assert type(model.act) is nn.SiLU
     x = torch.randn(2, 8, 3, 3)
-    if cls is Decorated:
+    if cls in (Decorated, ActOnOther):  # outputs without a gradient
         torch.testing.assert_close(model(x), reference(x))
     else:
         assert_equivalent(reference, model, lambda d: (x,), "cpu")
