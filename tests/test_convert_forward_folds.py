@@ -343,3 +343,39 @@ def test_diffusers_blocks(device, float32_convolutions):  # noqa: F811
     block = convert_and_check(block, lambda d: (torch.randn(1, 8, 3, 6, 6, device=d),), device, atol=1e-4, rtol=1e-4)
     assert folded(block.norm1) and folded(block.norm2) and type(block.nonlinearity) is nn.Identity
     assert not block._forward_pre_hooks  # a straight line: nothing taken as known
+
+
+def test_source_edited_after_import_is_not_trusted(tmp_path, monkeypatch):
+    import importlib
+    import linecache
+    import sys
+
+    running = '''
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        h = self.norm(x)
+        g = self.act(h)
+        return h + g
+'''
+    path = tmp_path / "edited_block.py"
+    path.write_text(running)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("edited_block")
+    monkeypatch.delitem(sys.modules, "edited_block")
+    # The file now says what a fold would be exact for; the function that runs is the old one.
+    path.write_text(running.replace("g = self.act(h)\n        return h + g", "h = self.act(h)\n        return h"))
+    linecache.checkcache(str(path))
+    model = module.Block()
+    reference = copy.deepcopy(model)
+    fusednorm.convert(model)
+    assert model.norm.activation is None and type(model.act) is nn.SiLU
+    x = torch.randn(2, 8, 3, 3)
+    torch.testing.assert_close(model(x), reference(x))
