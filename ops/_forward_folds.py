@@ -36,6 +36,7 @@ statement of a block, a decorated forward, unreadable source) is simply not fold
 """
 
 import ast
+import functools
 import inspect
 import textwrap
 import types
@@ -158,41 +159,34 @@ def _class_mentions(cls: type, forward: types.FunctionType, names: Set[str]) -> 
     return found
 
 
-_MENTIONS: Dict[Tuple[type, types.FunctionType], Optional[FrozenSet[str]]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _mentions(base: type, forward: types.FunctionType) -> Optional[FrozenSet[str]]:
     """The attribute names read and the strings held in base's class body, but in `forward`'s
-    definition; None as for _class_mentions. Cached per class."""
-    key = (base, forward)
-    if key in _MENTIONS:
-        return _MENTIONS[key]
-    result: Optional[FrozenSet[str]] = None
+    definition; None as for _class_mentions."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
     except (OSError, TypeError, SyntaxError):
-        tree = None
-    if tree is not None and len(tree.body) == 1 and isinstance(tree.body[0], ast.ClassDef):
-        found: Set[str] = set()
-        dynamic = False
-        for item in tree.body[0].body:
-            if isinstance(item, ast.FunctionDef) and item.name == forward.__name__ \
-                    and base.__dict__.get(item.name) is forward:
-                continue  # the forward itself: the proof reads it
-            for sub in ast.walk(item):
-                if isinstance(sub, ast.Attribute):
-                    if not isinstance(sub.ctx, ast.Store):
-                        found.add(sub.attr)
-                    dynamic |= sub.attr in _DYNAMIC and not (isinstance(item, ast.FunctionDef)
-                                                            and item.name == "__init__")
-                elif isinstance(sub, ast.Name):
-                    dynamic |= sub.id in _DYNAMIC and not (isinstance(item, ast.FunctionDef)
-                                                          and item.name == "__init__")
-                elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
-                    found.add(sub.value)
-        result = None if dynamic else frozenset(found)
-    _MENTIONS[key] = result
-    return result
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.ClassDef):
+        return None
+    found: Set[str] = set()
+    for item in tree.body[0].body:
+        if isinstance(item, ast.FunctionDef) and item.name == forward.__name__ \
+                and base.__dict__.get(item.name) is forward:
+            continue  # the forward itself: the proof reads it
+        in_init = isinstance(item, ast.FunctionDef) and item.name == "__init__"
+        for sub in ast.walk(item):
+            if isinstance(sub, ast.Attribute):
+                if not isinstance(sub.ctx, ast.Store):
+                    found.add(sub.attr)
+                if sub.attr in _DYNAMIC and not in_init:
+                    return None
+            elif isinstance(sub, ast.Name):
+                if sub.id in _DYNAMIC and not in_init:
+                    return None
+            elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                found.add(sub.value)
+    return frozenset(found)
 
 
 # -- conditions on the configuration -------------------------------------------------------------
@@ -311,6 +305,27 @@ def _rebinding_call(stmt: ast.stmt, self_name: str, names: Set[str]) -> Optional
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _provable_forward(fn: types.FunctionType) -> Optional[Tuple[ast.FunctionDef, str]]:
+    """fn's definition and its `self` name where the proof can read it: its source is what runs
+    (_function_def), `self` appears only as `self.attribute`, and nothing reaches attributes by
+    name (_DYNAMIC); else None. The same for every instance of a class: cached per function."""
+    func = _function_def(fn)
+    if func is None or not func.args.args:
+        return None
+    self_name = func.args.args[0].arg
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name) and node.id in _DYNAMIC:
+            return None
+        if isinstance(node, ast.Attribute) and node.attr in _DYNAMIC:
+            return None
+    receivers = {id(n.value) for n in ast.walk(func) if isinstance(n, ast.Attribute)}
+    if any(isinstance(n, ast.Name) and n.id == self_name and id(n) not in receivers for n in ast.walk(func)
+           if n is not func):
+        return None
+    return func, self_name
+
+
 def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> List[ForwardFold]:
     """The folds of child activations into child norms that the module's ``forward`` proves exact
     (the module docstring's rules). ``norms`` and ``activations`` are the candidate child names
@@ -318,20 +333,10 @@ def forward_folds(module: nn.Module, norms: Set[str], activations: Set[str]) -> 
     fn = getattr(type(module), "forward", None)
     if not isinstance(fn, types.FunctionType) or not norms or not activations:
         return []
-    func = _function_def(fn)
-    if func is None or not func.args.args:
+    checked = _provable_forward(fn)
+    if checked is None:
         return []
-    self_name = func.args.args[0].arg
-    # `self` only ever as `self.attribute`, and nothing reaching attributes by name.
-    for node in ast.walk(func):
-        if isinstance(node, ast.Name) and node.id in _DYNAMIC:
-            return []
-        if isinstance(node, ast.Attribute) and node.attr in _DYNAMIC:
-            return []
-    receivers = {id(n.value) for n in ast.walk(func) if isinstance(n, ast.Attribute)}
-    if any(isinstance(n, ast.Name) and n.id == self_name and id(n) not in receivers for n in ast.walk(func)
-           if n is not func):
-        return []
+    func, self_name = checked
     elsewhere = _class_mentions(type(module), fn, set(norms) | set(activations))
     if elsewhere is None:
         return []
