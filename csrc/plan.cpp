@@ -212,8 +212,8 @@ bool off(int64_t v) { return set(v) && v == 0; }
 // multiplier and a common activation has a kernel of its own, and in the backward so has the
 // reduce pass (docs/design.md, "Split passes").
 bool cols_act_kernel(const Problem& p, const Overrides& o) {
-  const bool epilogue = p.act != Act::None || p.scale || p.shift || p.residual || p.multiplier;
-  return epilogue && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) && !p.residual && !p.multiplier &&
+  const bool epilogue = p.act != Act::None || p.scale || p.shift;  // and neither operand
+  return epilogue && !p.residual && !p.multiplier && (p.channels_last || p.S == 1) && !off(o.cols_act_kernel) &&
       common_activation(p.act);
 }
 
