@@ -216,15 +216,16 @@ def _fold_forwards(model: nn.Module, rejected: Set[int]) -> List[Tuple[str, str,
         norms = {name for name, m in children.items()
                  if type(m) in _FUSED and m.activation is None and id(m) not in rejected and counts[id(m)] == 1
                  and not _has_hooks(m, _OUTPUT_HOOKS)}
-        acts = {name for name, m in children.items()
-                if m is not None and module_activation(m) is not None and counts[id(m)] == 1 and not _has_hooks(m)}
+        acts = {name: module_activation(m) for name, m in children.items()
+                if m is not None and counts[id(m)] == 1 and not _has_hooks(m)}
+        acts = {name: folded for name, folded in acts.items() if folded is not None}
         if not norms or not acts:
             continue
-        proven = forward_folds(parent, norms, acts)
+        proven = forward_folds(parent, norms, set(acts))
         prefix = parent_name + "." if parent_name else ""
         for fold in proven:
             act = children[fold.activation]
-            activation, slope = module_activation(act)
+            activation, slope = acts[fold.activation]
             for norm_name in fold.norms:
                 children[norm_name].activation, children[norm_name].negative_slope = activation, slope
                 folds.append((prefix + fold.activation, type(act).__name__, prefix + norm_name))
