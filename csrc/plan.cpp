@@ -120,10 +120,16 @@ constexpr int64_t kColsSweepOutputWaves = 2;
 // 6.6-6.8 -> 5.95 ms, InstanceNorm3d 0.485 -> 0.437, the VAE's float16 0.252 -> 0.237, while 4/8
 // and more lost to L2 evictions (8/8: back at 6.79 ms) and teams of 10 (the InstanceNorm
 // problem's, whose waits the other teams' traffic covers) lost 5%: only teams of
-// kTeamPrefetchMinCtas and more. The backward prefetches each stream it holds, best at 4/8: the
-// InstanceNorm problem's backward 8.83 -> 8.36 ms, the GroupNorm problem's one team of 264 CTAs
-// 13.0 -> 11.3 (then faster than its split passes' 12.5).
+// kTeamPrefetchMinCtas and more. On the H200 (one call, 3/8 against 6/8, triton.testing.do_bench)
+// teams of kTeamLargeMinCtas CTAs and more, whose waits no other team's traffic covers, gain from
+// 6/8 (three teams of 88: the GroupNorm problem 5.50 -> 5.43 ms, InstanceNorm3d (2,32,128,128,128)
+// 0.381 -> 0.367) while teams of 24 lose (the VAE's (1,128,512,512) bfloat16 0.069 -> 0.071).
+// The backward prefetches each stream it holds, best at 4/8 (H100): the InstanceNorm problem's
+// backward 8.83 -> 8.36 ms, the GroupNorm problem's one team of 264 CTAs 13.0 -> 11.3 (then faster
+// than its split passes' 12.5).
 constexpr int kTeamPrefetchEighths = 3;
+constexpr int kTeamLargePrefetchEighths = 6;
+constexpr int kTeamLargeMinCtas = 64;
 constexpr int kTeamBackwardPrefetchEighths = 4;
 constexpr int kTeamPrefetchMinCtas = 16;
 // docs/design.md, "Team replicas": every CTA of a team reads every rank's partials after the
@@ -281,7 +287,8 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
                                : std::min(pl.team_size, kTeamMaxReplicas);
   const int64_t eighths = set(c.o.team_prefetch) ? std::clamp<int64_t>(c.o.team_prefetch, 0, 8)
       : pl.team_size < kTeamPrefetchMinCtas ? 0
-      : backward ? kTeamBackwardPrefetchEighths : kTeamPrefetchEighths;
+      : backward ? kTeamBackwardPrefetchEighths
+      : pl.team_size >= kTeamLargeMinCtas ? kTeamLargePrefetchEighths : kTeamPrefetchEighths;
   pl.prefetch = chunk * eighths / 8;
   pl.grid = teams * team_size;
   return true;

@@ -39,7 +39,7 @@ class Row(NamedTuple):
 # benchmarks/bench.py's GPU suite, then the rows of the video VAEs and of 8192 channels.
 ROWS = [
     Row('GroupNorm problem', (112, 64, 512, 512), 8, F32, channels_last=False, activation=None, operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
+        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=1 ctas=264',
         backward='path=split split=1 tiles=7168 param_grad_parts=2'),
     Row('InstanceNorm problem', (112, 64, 512, 512), 64, F32, channels_last=False, activation=None, operands=(), affine=False,
         forward='path=team teams=26 team_size=10 chunk=6554 smem=104864 prefetch=0 replicas=1 ctas=260',
@@ -111,7 +111,7 @@ ROWS = [
         forward='path=cluster cluster=2 chunk=4096 smem=65536 ctas=1024',
         backward='path=team teams=88 team_size=3 chunk=2731 smem=87392 prefetch=0 replicas=3 ctas=264 param_grad_parts=1'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=False, activation=None, operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=2234 replicas=1 ctas=264',
+        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=1 ctas=264',
         backward='path=split split=33 tiles=2112 param_grad_parts=2'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=True, activation=None, operands=(), affine=True,
         forward='path=cols_sweep threads=512 split=132 tiles=264 output_tiles=792',
