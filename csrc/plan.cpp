@@ -874,6 +874,32 @@ Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms) {
   return t;
 }
 
+// The apply pass over rows: short tiles, one CTA a tile, the hardware's block scheduler handing
+// them out as it does PyTorch's and Inductor's elementwise kernels. A persistent grid over
+// tile_rows' tiles (whole 1 MB rows in the GroupNorm problem's backward) ran this pass at 81% of
+// the DRAM peak. Tiles of a few packs a thread: the plain kernels 8 packs to read (x, or x and
+// dy), the EPI kernels, whose 16-bit packs a thread keeps two in flight and whose tiles start with
+// the epilogue's coefficients, 16 packs of each stream (docs/design.md, "Split passes").
+constexpr int64_t kApplyRowsPlainLoads = 8;
+constexpr int64_t kApplyRowsEpiPacks = 16;
+
+Tiling tile_apply_rows(int64_t rows, int64_t lenv, bool backward, bool epilogue) {
+  Tiling t;
+  t.log_tx = ceil_log2(imin(lenv, kSplitThreads));
+  const int64_t tx = int64_t(1) << t.log_tx;
+  const int64_t row_blocks = ceil_div(rows, kSplitThreads / tx);
+  t.chunk = tx * (epilogue ? kApplyRowsEpiPacks : kApplyRowsPlainLoads / (backward ? 2 : 1));
+  t.split = ceil_div(lenv, t.chunk);
+  t.tiles = row_blocks * t.split;
+  return t;
+}
+
+// The kernels loop over tiles by gridDim.x, so a grid capped at the largest x dimension still
+// covers them.
+int grid_of_every_tile(int64_t tiles) {
+  return static_cast<int>(imax(1, imin(tiles, static_cast<int64_t>(std::numeric_limits<int>::max()))));
+}
+
 // ChannelsLast reduction over N samples of S rows of `cvn` packs: tiles (n, chunk of rows, block
 // of 2^log_tx packs), rows chunked as in tile_rows.
 Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms, bool forward) {

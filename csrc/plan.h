@@ -214,6 +214,10 @@ int ceil_log2(int64_t v);
 int64_t target_tiles(int sms);
 int grid_for(int64_t tiles, int sms);
 Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms);
+// The ChannelsFirst apply pass: short tiles of a row, a CTA a tile (grid_of_every_tile);
+// `epilogue`: the EPI kernels' (plan.cpp; docs/design.md, "Split passes").
+Tiling tile_apply_rows(int64_t rows, int64_t lenv, bool backward, bool epilogue);
+int grid_of_every_tile(int64_t tiles);
 // ChannelsLast tiling; `forward`: the forward's passes, whose tiles are counted in resident CTAs
 // (plan.cpp, cols_target_tiles).
 Tiling tile_cols(int64_t N, int64_t S, int64_t cvn, int64_t max_split, int sms, bool forward);

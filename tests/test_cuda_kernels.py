@@ -666,6 +666,45 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
         torch.testing.assert_close(got, want, **param_tol)
 
 
+# The split apply pass over rows takes short tiles of a row, a CTA each (plan.cpp,
+# tile_apply_rows: 2048 packs forward, 1024 backward, 4096 with an epilogue): rows over several
+# tiles with a partial last one, in single elements (S = 4087 is no multiple of a pack) and in
+# packs (S = 9216: float32 rows of 2304 packs, 16-bit 1152), forward and backward; then the EPI
+# kernels' tiles (GN+SiLU, S = 17030 single elements) against float64.
+SPLIT_APPLY_CASES = [((2, 6, 61, 67), 3), ((2, 4, 96, 96), 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", SPLIT_APPLY_CASES, ids=_id)
+def test_split_apply_over_tiles_of_a_row(case, dtype, monkeypatch):
+    shape, G = case
+    kernel_paths.set_path(monkeypatch, "split")
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(make(shape, dtype), G, None, None, EPS))
+    assert "apply_rows_kernel" in names, names
+    x = make(shape, dtype, seed=8, offset=2.0)
+    w, b = make_params(shape[1], dtype)
+    check_forward(x, G, w, b)
+    check_backward(make(shape, dtype, seed=9), x, G, w, b)
+
+
+def test_split_apply_epilogue_over_tiles_of_a_row(monkeypatch):
+    kernel_paths.set_path(monkeypatch, "split")
+    shape, G = (2, 4, 130, 131), 2
+    x = make(shape, torch.float32, seed=10, offset=2.0).requires_grad_()
+    w, b = (p.requires_grad_() for p in make_params(shape[1], torch.float32))
+    dz = make(shape, torch.float32, seed=11)
+    y = fusednorm.group_norm(x, G, w, b, EPS, activation="silu")
+    names = kernel_paths.cuda_kernel_names(lambda: fusednorm.group_norm(x, G, w, b, EPS, activation="silu"))
+    assert "apply_rows_kernel" in names, names
+    grads = torch.autograd.grad(y, (x, w, b), dz)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = F.silu(F.group_norm(x64, G, w64, b64, EPS))
+    grads64 = torch.autograd.grad(y64, (x64, w64, b64), dz.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, grads64):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
 # The channels-last forward holds a group in registers where a CTA of 512 threads covers its S
 # rows in 2 packs a thread (4 but in bfloat16): each row's D channels in 16-byte packs, D a
 # multiple of the pack width. Other groups whose rows are whole 4-byte packs and fit a CTA's

@@ -28,7 +28,9 @@ static_assert(kThreads == plan::kSplitThreads && kUnroll == plan::kSplitUnroll &
                   kMinBlocks == plan::kSplitMinBlocks,
     "the planner's split-pass constants are the kernels'");
 using plan::ceil_log2;
+using plan::grid_of_every_tile;
 using plan::log_piece;
+using plan::tile_apply_rows;
 using plan::Tiling;
 
 int grid_for(int64_t tiles) { return plan::grid_for(tiles, num_sms()); }
