@@ -9,7 +9,10 @@ groups and problem 3's tail, the channels-last shared-memory kernel for 2 groups
 The residency the plans depend on (team CTAs an SM, parameter-gradient clusters at once) is
 modeled from the device's properties here; on a GPU the dispatcher asks the driver."""
 
+import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple, Optional, Tuple
 
@@ -452,3 +455,23 @@ def test_every_planned_path_clearly_beats_the_split_passes_somewhere():
     assert set(best_margin) >= {"registers", "cluster", "cols_shared", "team", "one_cta", "sweep"}
     losers = {path: round(m, 2) for path, m in best_margin.items() if m < CLEAR_MARGIN}
     assert not losers, f"paths that never beat the split passes by {CLEAR_MARGIN}x on the rows they serve: {losers}"
+
+
+def test_path_margins_merge_puts_a_partial_run_in_place(tmp_path):
+    # tools/path_margins.py --merge (no GPU): a partial run's rows replace the whole file's rows of
+    # the same case and direction, in place, new cases come after, and the run is noted.
+    rows = copy.deepcopy(MARGINS["rows"][:3])
+    head = {k: v for k, v in MARGINS.items() if k != "rows"}
+    remeasured = copy.deepcopy(rows[1])
+    remeasured["paths"]["default"]["ms"] = 1.5
+    added = dict(copy.deepcopy(rows[2]), name="a case the file has not")
+    partial = dict(head, date="2099-01-01", command="python tools/path_margins.py --filter x", rows=[remeasured, added])
+    (tmp_path / "new.json").write_text(json.dumps(partial))
+    (tmp_path / "whole.json").write_text(json.dumps(dict(head, rows=rows)))
+    tool = Path(__file__).parents[1] / "tools" / "path_margins.py"
+    subprocess.run([sys.executable, str(tool), "--merge", str(tmp_path / "new.json"), str(tmp_path / "whole.json")],
+                   check=True)
+    merged = json.loads((tmp_path / "whole.json").read_text())
+    assert merged["rows"] == rows[:1] + [remeasured] + rows[2:] + [added]
+    assert merged["updated"].startswith(MARGINS["updated"] + "; 2099-01-01, ")
+    assert merged["updated"].endswith(": python tools/path_margins.py --filter x")

@@ -7,6 +7,11 @@ table of each path's margins:
 
     python tools/path_margins.py --out tests/data/path_margins.json [--filter REGEX]
     python tools/path_margins.py --table tests/data/path_margins.json
+    python tools/path_margins.py --merge NEW.json tests/data/path_margins.json
+
+--merge puts the rows of a partial run (--filter, --no-backward) into the whole file: each
+replaces the row of the same case and direction (or is added), and the file's "updated" note
+gains the run's date, device, torch and command. It needs no GPU.
 
 A forced path that cannot take a shape falls back to another plan; each timing records the plan
 (as fusednorm.kernel_paths.plan models it) and the kernels that ran, and a plan is timed once
@@ -92,16 +97,42 @@ def table(result):
     return "\n".join(lines)
 
 
+def row_key(row):
+    """A row's case and direction: what a re-measured row replaces."""
+    return (row["name"], tuple(row["shape"]), row["dtype"], row["channels_last"], row["direction"])
+
+
+def merge(partial, whole):
+    """`whole` with the rows of `partial` in place of (or beside) its rows of the same key, and
+    a line of `partial`'s provenance in its "updated" note."""
+    new = {row_key(row): row for row in partial["rows"]}
+    rows = [new.pop(row_key(row), row) for row in whole["rows"]] + list(new.values())
+    note = f"{partial['date']}, {partial['device']}, torch {partial['torch']}: {partial['command']}"
+    merged = dict(whole, rows=rows)
+    merged["updated"] = f"{whole['updated']}; {note}" if whole.get("updated") else note
+    return merged
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="the JSON file to write")
     parser.add_argument("--table", metavar="JSON", help="only print the margins table of a JSON written before")
     parser.add_argument("--filter", default="", help="only the suite rows whose name matches this regex")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--merge", nargs=2, metavar=("NEW", "WHOLE"),
+                        help="merge the rows of the JSON NEW into the JSON WHOLE (rewritten)")
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:
             print(table(json.load(f)))
+        return
+    if args.merge:
+        with open(args.merge[0]) as f:
+            partial = json.load(f)
+        with open(args.merge[1]) as f:
+            whole = json.load(f)
+        with open(args.merge[1], "w") as f:
+            f.write(dumps(merge(partial, whole)))
         return
     if not args.out:
         parser.error("--out is required")
