@@ -877,18 +877,27 @@ Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms) {
 // The apply pass over rows: short tiles, one CTA a tile, the hardware's block scheduler handing
 // them out as it does PyTorch's and Inductor's elementwise kernels. A persistent grid over
 // tile_rows' tiles (whole 1 MB rows in the GroupNorm problem's backward) ran this pass at 81% of
-// the DRAM peak. Tiles of a few packs a thread: the plain kernels 8 packs to read (x, or x and
-// dy), the EPI kernels, whose 16-bit packs a thread keeps two in flight and whose tiles start with
-// the epilogue's coefficients, 16 packs of each stream (docs/design.md, "Split passes").
-constexpr int64_t kApplyRowsPlainLoads = 8;
+// the DRAM peak. The tile sizes are measured ones (docs/design.md, "Split passes"): the plain
+// kernels in CTAs of 128 threads (kApplyRowsPlainThreads), packs a thread to read of each stream
+// (x, or x and dy) by direction and element size; the EPI kernels, whose 16-bit packs a thread
+// keeps two in flight and whose tiles start with the epilogue's coefficients, in CTAs of
+// kSplitThreads with 16 packs of each stream.
+constexpr int64_t kApplyRowsPlainPacksForward32 = 4;
+constexpr int64_t kApplyRowsPlainPacksForward16 = 16;
+constexpr int64_t kApplyRowsPlainPacksBackward32 = 4;
+constexpr int64_t kApplyRowsPlainPacksBackward16 = 8;
 constexpr int64_t kApplyRowsEpiPacks = 16;
 
-Tiling tile_apply_rows(int64_t rows, int64_t lenv, bool backward, bool epilogue) {
+Tiling tile_apply_rows(int64_t rows, int64_t lenv, bool backward, bool epilogue, bool sixteen_bit) {
   Tiling t;
-  t.log_tx = ceil_log2(imin(lenv, kSplitThreads));
+  const int64_t threads = epilogue ? kSplitThreads : kApplyRowsPlainThreads;
+  const int64_t packs = epilogue   ? kApplyRowsEpiPacks
+                        : backward ? (sixteen_bit ? kApplyRowsPlainPacksBackward16 : kApplyRowsPlainPacksBackward32)
+                                   : (sixteen_bit ? kApplyRowsPlainPacksForward16 : kApplyRowsPlainPacksForward32);
+  t.log_tx = ceil_log2(imin(lenv, threads));
   const int64_t tx = int64_t(1) << t.log_tx;
-  const int64_t row_blocks = ceil_div(rows, kSplitThreads / tx);
-  t.chunk = tx * (epilogue ? kApplyRowsEpiPacks : kApplyRowsPlainLoads / (backward ? 2 : 1));
+  const int64_t row_blocks = ceil_div(rows, threads / tx);
+  t.chunk = tx * packs;
   t.split = ceil_div(lenv, t.chunk);
   t.tiles = row_blocks * t.split;
   return t;

@@ -193,6 +193,7 @@ constexpr int kSplitThreads = 256;  // the split kernels' CTA (group_norm_kernel
 constexpr int kSplitUnroll = 4;     // packs a thread loads before using any
 constexpr int kSplitBlocksPerSM = 2048 / kSplitThreads;
 constexpr int kSplitMinBlocks = 2;  // CTAs an SM the kernels' register cap guarantees (kMinBlocks)
+constexpr int kApplyRowsPlainThreads = 128;  // the plain apply-rows kernels' CTA (tile_apply_rows)
 constexpr int64_t kMaxEntries = 4096;      // partials one finalize item merges
 // The channels-last sweep's CTAs (at most; whole rows of C / V packs) and the CTAs an SM their
 // register caps guarantee (cols_sweep_path.cuh's launch bounds), for the moments and the output
@@ -215,8 +216,9 @@ int64_t target_tiles(int sms);
 int grid_for(int64_t tiles, int sms);
 Tiling tile_rows(int64_t rows, int64_t lenv, int64_t max_split, int sms);
 // The ChannelsFirst apply pass: short tiles of a row, a CTA a tile (grid_of_every_tile);
-// `epilogue`: the EPI kernels' (plan.cpp; docs/design.md, "Split passes").
-Tiling tile_apply_rows(int64_t rows, int64_t lenv, bool backward, bool epilogue);
+// `epilogue`: the EPI kernels', `sixteen_bit`: of 2-byte elements (plan.cpp; docs/design.md,
+// "Split passes").
+Tiling tile_apply_rows(int64_t rows, int64_t lenv, bool backward, bool epilogue, bool sixteen_bit);
 int grid_of_every_tile(int64_t tiles);
 // ChannelsLast tiling; `forward`: the forward's passes, whose tiles are counted in resident CTAs
 // (plan.cpp, cols_target_tiles).

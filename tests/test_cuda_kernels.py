@@ -667,11 +667,13 @@ def test_one_pass_and_split_paths(case, dtype, path, monkeypatch):
 
 
 # The split apply pass over rows takes short tiles of a row, a CTA each (plan.cpp,
-# tile_apply_rows: 2048 packs forward, 1024 backward, 4096 with an epilogue): rows over several
-# tiles with a partial last one, in single elements (S = 4087 is no multiple of a pack) and in
-# packs (S = 9216: float32 rows of 2304 packs, 16-bit 1152), forward and backward; then the EPI
-# kernels' tiles (GN+SiLU, S = 17030 single elements) against float64.
-SPLIT_APPLY_CASES = [((2, 6, 61, 67), 3), ((2, 4, 96, 96), 2)]
+# tile_apply_rows: the plain kernels' 128 threads times 4 packs in float32, 16 forward and 8
+# backward in 16-bit types; 256 times 16 with an epilogue): rows over several tiles with a
+# partial last one, in single elements (S = 4087 is no multiple of a pack) and in packs
+# (S = 20480: float32 rows of 5120 packs, 16-bit 2560 over 2048-pack tiles forward, 1024-pack
+# backward), forward and backward; then the EPI kernels' tiles (GN+SiLU, S = 17030 single
+# elements) against float64.
+SPLIT_APPLY_CASES = [((2, 6, 61, 67), 3), ((2, 4, 128, 160), 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

@@ -186,14 +186,22 @@ __device__ __forceinline__ void apply_row_epi(const WithEpi<ApplyArgs<scalar_t>,
   });
 }
 
+// log2 of apply_rows_kernel's CTA: 128 threads for the plain kernels, kThreads with an epilogue
+// (plan.cpp, tile_apply_rows).
+constexpr int kLogApplyRowsPlainThreads = 7;
+template <ApplyMode M>
+constexpr int apply_rows_log_threads() {
+  return M == ApplyMode::Plain ? kLogApplyRowsPlainThreads : kLogThreads;
+}
+
 // ChannelsFirst with S > 1: a row (n, c) has one coefficient set.
 template <typename scalar_t, int V, ApplyMode M>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) apply_rows_kernel(
+__global__ void __launch_bounds__(1 << apply_rows_log_threads<M>(), kMinBlocks) apply_rows_kernel(
     const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   const bool backward = a.dy != nullptr;
-  const int log_ty = kLogThreads - a.log_tx;
+  const int log_ty = apply_rows_log_threads<M>() - a.log_tx;
   const int tx = threadIdx.x & ((1 << a.log_tx) - 1);
   const int ty = threadIdx.x >> a.log_tx;
   const int64_t lenv = a.len / V;

@@ -55,10 +55,14 @@ void launch_reduce_cols(const KernelArgs<ColsArgs<scalar_t>, scalar_t, EPI>& a, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+static_assert((1 << kLogApplyRowsPlainThreads) == plan::kApplyRowsPlainThreads,
+    "the planner's tiles of the plain apply-rows kernels are in their CTAs");
+
 template <typename scalar_t, int V, ApplyMode M>
 void launch_apply_rows(const KernelArgs<ApplyArgs<scalar_t>, scalar_t, M != ApplyMode::Plain>& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  apply_rows_kernel<scalar_t, V, M><<<grid_of_every_tile(a.tiles), kThreads, 0, stream>>>(a);
+  apply_rows_kernel<scalar_t, V, M>
+      <<<grid_of_every_tile(a.tiles), 1 << apply_rows_log_threads<M>(), 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -230,7 +234,8 @@ void apply_pass(const at::Tensor& x, const at::Tensor& dy, scalar_t* out, const 
     a.rows = sh.N * sh.C;
     a.len = sh.S;
     const bool vec = VW > 1 && ptrs_aligned && sh.S % VW == 0;
-    const Tiling t = tile_apply_rows(a.rows, vec ? sh.S / VW : sh.S, a.dy != nullptr, epi != nullptr);
+    const Tiling t = tile_apply_rows(a.rows, vec ? sh.S / VW : sh.S, a.dy != nullptr, epi != nullptr,
+                                     sizeof(scalar_t) == 2);
     a.split = t.split;
     a.chunk = t.chunk;
     a.tiles = t.tiles;
