@@ -73,20 +73,19 @@ constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the dri
 // Team path (docs/design.md, "Team path"): two CTAs of 512 threads an SM (while one computes or
 // waits at its barrier, the other's copies keep the SM's DRAM traffic going), each holding at
 // most kTeamCtaBytes of the group (two in the 227 KB of an SM). By default the team forward takes
-// the ChannelsFirst groups over kOnePassMaxBytes with their operands, and those over kTeamMinBytes
-// of x, except fewer groups than half the SMs under kTeamFewGroupsMaxBytes, which the one-pass
-// clusters spread over the GPU better. Measured on an H200 (docs/design.md, "Team or one-pass"),
-// team against the one-pass kernels: slower on every group of 40-128 KB (UNet (32,640,32,32)
-// float16 0.055 against 0.045 ms, attention (16,512,4096) bfloat16 0.078 against 0.071), and on
-// 160 KB in 32 groups (0.0171 against 0.0156); faster from 160 KB in 128 groups and more
-// ((4,640,64,64) 0.030 against 0.034) and on the VAE's 512 KB - 1 MB groups (0.025 against
-// 0.028). Without clusters (before sm_90) a one-pass group has one CTA, and the team path keeps
-// groups from kTeamMinBytesNoClusters (the earlier threshold, set on an H100: same section).
+// the ChannelsFirst groups over kOnePassMaxBytes with their operands, and, of the groups the
+// one-pass clusters hold, only those of kTeamFewGroupsMinBytes of x and more in fewer groups than
+// half the SMs. Measured on an H200 (docs/design.md, "Team or one-pass"): since the clusters'
+// exchange lost its cluster barriers, the clusters beat the team on every group of 256 KB - 1 MB
+// in 128 groups and more (the InstanceNorm problem 4.43 against 4.71 ms, (8,512,128,128) bfloat16
+// GN+SiLU 0.105 against 0.122, (16,256,128,128) float16 0.087 against 0.104) and are level at
+// 64; the team keeps the VAE's 512 KB - 1 MB groups, 32 of them ((1,512,128,128) bfloat16 0.0213
+// against 0.0218). Without clusters (before sm_90) a one-pass group has one CTA, and the team
+// path keeps groups from kTeamMinBytesNoClusters (set on an H100: same section).
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
 constexpr int64_t kTeamCtaBytes = 108 * 1024;
-constexpr int64_t kTeamMinBytes = 128 * 1024;
-constexpr int64_t kTeamFewGroupsMaxBytes = 512 * 1024;
+constexpr int64_t kTeamFewGroupsMinBytes = 512 * 1024;
 constexpr int64_t kTeamMinBytesNoClusters = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
 // Sweep path (docs/design.md, "Sweep path"): tiles of kSweepTileBytes of a group, a CTA each. By
@@ -374,7 +373,7 @@ bool team_forward(const Ctx& c, Plan& pl) {
     } else if (bytes <= kOnePassMaxBytes) {
       const bool few_groups = 2 * c.items < c.dev.sms;
       if (c.dev.major < 9 ? x_bytes < kTeamMinBytesNoClusters
-                          : x_bytes <= kTeamMinBytes || (few_groups && x_bytes < kTeamFewGroupsMaxBytes)) {
+                          : !few_groups || x_bytes < kTeamFewGroupsMinBytes) {
         return false;
       }
     }

@@ -3,8 +3,9 @@ H200, forward and backward, pinned (a change of plan must be deliberate: it move
 the overrides that force each kernel path the tests cover, and the planner's argument checks.
 
 The pinned plans are those the CUDA dispatcher carried out before the planner existed, its rules
-transcribed: the team grids (3 teams of 88 CTAs for the GroupNorm problem's forward, one of 264
-backward, 26 teams of 10 for the InstanceNorm problem), the register kernel for UNet's small
+transcribed, and since changed where measurements said (each change in git history): the team
+grids (3 teams of 88 CTAs for the GroupNorm problem's forward, 13 teams of 20 for the InstanceNorm
+problem's backward; its forward on clusters of 16 CTAs since 2026-12-01), the register kernel for UNet's small
 groups and problem 3's tail, the channels-last shared-memory kernel for 2 groups a CTA of 160 KB.
 The residency the plans depend on (team CTAs an SM, parameter-gradient clusters at once) is
 modeled from the device's properties here; on a GPU the dispatcher asks the driver."""
@@ -45,7 +46,7 @@ ROWS = [
         forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=1 ctas=264',
         backward='path=split split=1 tiles=7168 param_grad_parts=2'),
     Row('InstanceNorm problem', (112, 64, 512, 512), 64, F32, channels_last=False, activation=None, operands=(), affine=False,
-        forward='path=team teams=26 team_size=10 chunk=6554 smem=104864 prefetch=0 replicas=1 ctas=260',
+        forward='path=cluster cluster=16 chunk=4096 smem=65536 ctas=114688',
         backward='path=team teams=13 team_size=20 chunk=3277 smem=104864 prefetch=1638 replicas=16 ctas=260'),
     Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
@@ -175,6 +176,22 @@ def test_every_path_is_planned_for_some_benchmark_shape():
     paths = {p.split()[0] for row in ROWS for p in (row.forward, row.backward)}
     assert paths == {"path=" + p for p in ("team", "registers", "shared", "cluster", "one_cta", "split",
                                             "cols_shared", "sweep", "cols_sweep")}
+
+
+def test_team_forward_takes_the_one_pass_groups_only_when_few_and_large():
+    """docs/design.md, "Team or one-pass": of the groups the one-pass clusters hold, the team takes
+    those of 512 KB and more in fewer groups than half the SMs; groups over 1 MB are the team's."""
+    def forward(shape, dtype, G=32, **kw):
+        return _path(kernel_paths.plan(shape, G, dtype, **kw))
+    assert forward((1, 512, 128, 128), torch.bfloat16, activation="silu") == "team"     # 512 KB, 32 groups
+    assert forward((1, 256, 256, 256), torch.bfloat16, activation="silu") == "team"     # 1 MB, 32 groups
+    assert forward((1, 512, 64, 64), torch.bfloat16, activation="silu") == "cluster"    # 128 KB, 32 groups
+    assert forward((8, 512, 128, 128), torch.bfloat16, activation="silu") == "cluster"  # 512 KB, 256 groups
+    assert forward((2, 512, 128, 128), torch.float16, activation="silu") == "team"      # 64 groups: level
+    assert forward((3, 512, 128, 128), torch.float16, activation="silu") == "cluster"   # 96 groups
+    assert forward((16, 256, 128, 128), torch.float16) == "cluster"                     # 256 KB, 512 groups
+    assert forward((16, 64, 512, 512), torch.float32, G=64) == "cluster"                # 1 MB, 1024 groups
+    assert forward((16, 64, 512, 512), torch.float32, G=32) == "team"                   # 2 MB
 
 
 def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeypatch):

@@ -1,6 +1,7 @@
-// The team forward and backward, for ChannelsFirst groups of kTeamMinBytes and more (the GroupNorm
-// problem's 8 MB groups, the VAE's 0.5-8 MB ones, attention's 128 KB) and, in the backward, the
-// groups the one-CTA backward cannot hold (docs/design.md, "Team path"). They share the one-pass
+// The team forward and backward, for the ChannelsFirst groups the one-pass clusters cannot hold
+// (the GroupNorm problem's 8 MB groups, the VAE's 2-8 MB ones) or hold in too few clusters to fill
+// the GPU (the VAE's 0.5-1 MB groups, 32 of them) and, in the backward, the groups the one-CTA
+// backward cannot hold (attention's 128 KB) (docs/design.md, "Team path"). They share the one-pass
 // kernels' arguments and output stage and the one-CTA backward's arithmetic. The forward first:
 //
 // A group over kOnePassMaxBytes fits no CTA and no cluster, so the split forward read x twice
