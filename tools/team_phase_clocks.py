@@ -7,7 +7,9 @@ instrumented build of group_norm_team.cuh. Three steps (the third on the GPU mac
     PYTHONPATH=/tmp/phases_pkg python tools/team_phase_clocks.py run
 
 `run` times one forward and one backward of a few cases (after a warm-up call) and prints, per
-kernel and CTA, the share of its clock cycles in each phase and the microseconds per round:
+kernel and CTA, the share of its clock cycles in each phase and the microseconds per round, and
+per kernel, by quarter of the rounds, the median CTA's cycles and barrier-wait share (whether the
+teams drift into waiting at their barriers together over many rounds):
   forward:  barrier wait | team fold | outputs (and the next round's copies) | next moments
   backward: copy wait | coefficients wait (thread 0 waits on the first channel's coefficients) |
             sums and CTA fold | publish | barrier wait | team fold and dx coefficients |
@@ -36,17 +38,24 @@ __device__ __forceinline__ unsigned long long phase_clock_ns() {
   return t;
 }
 #define PH_DECL unsigned long long ph_acc[7] = {0, 0, 0, 0, 0, 0, 0}; unsigned long long ph_t = clock64(); \
-  const unsigned long long ph_g0 = phase_clock_ns();
-#define PH(k) if (threadIdx.x == 0) { const unsigned long long now = clock64(); ph_acc[k] += now - ph_t; ph_t = now; }
+  const unsigned long long ph_g0 = phase_clock_ns(); unsigned long long ph_qw[4] = {0, 0, 0, 0}; \
+  unsigned long long ph_qt[4] = {0, 0, 0, 0};
+// Inside the rounds' loop (round i of `rounds`): phase k's cycles, and by quarter of the rounds the
+// cycles in all (ph_qt) and at the barrier (ph_qw; W: phase k is the barrier wait).
+#define PH_Q(k, W) if (threadIdx.x == 0) { const unsigned long long now = clock64(); ph_acc[k] += now - ph_t; \
+  const int ph_q = static_cast<int>(i * 4 / (rounds > 0 ? rounds : 1)); ph_qt[ph_q] += now - ph_t; \
+  if (W) ph_qw[ph_q] += now - ph_t; ph_t = now; }
+#define PH(k) PH_Q(k, false)
 __device__ __forceinline__ unsigned phase_smid() {
   unsigned id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
   return id;
 }
 #define PH_END(NAME) if (threadIdx.x == 0) \
-  printf("PH %s grid %d cta %d sm %u rounds %lld : %llu %llu %llu %llu %llu %llu %llu ns %llu\n", NAME, gridDim.x, blockIdx.x, \
-    phase_smid(), (long long)rounds, ph_acc[0], ph_acc[1], ph_acc[2], ph_acc[3], ph_acc[4], ph_acc[5], ph_acc[6], \
-    phase_clock_ns() - ph_g0);
+  printf("PH %s grid %d cta %d sm %u rounds %lld : %llu %llu %llu %llu %llu %llu %llu ns %llu q %llu %llu %llu %llu w %llu %llu %llu %llu\n", \
+    NAME, gridDim.x, blockIdx.x, phase_smid(), (long long)rounds, ph_acc[0], ph_acc[1], ph_acc[2], ph_acc[3], ph_acc[4], \
+    ph_acc[5], ph_acc[6], phase_clock_ns() - ph_g0, ph_qt[0], ph_qt[1], ph_qt[2], ph_qt[3], ph_qw[0], ph_qw[1], ph_qw[2], \
+    ph_qw[3]);
 '''
 
 # (old, new): each `old` must occur once in group_norm_team.cuh.
@@ -63,7 +72,7 @@ EDITS = [
     # forward
     after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
     ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);",
-     "    t.wait(team, i);\n    PH(0)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);"),
+     "    t.wait(team, i);\n    PH_Q(0, true)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);"),
     after("    const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n"),
     after("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n"),
     ("      moments(i + 1, K);\n    }\n  }\n}",
@@ -76,7 +85,7 @@ EDITS = [
     ("    t.publish_copies(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n",
      "    PH(2)\n    t.publish_copies(team, rank, i, cta.dy[0], cta.dyxc[0], cta.xc[0]);\n    PH(3)\n"),
     # the backward's barrier (the forward's t.wait is followed by PH(0) above)
-    ("    t.wait(team, i);\n    const acc_t* team_part", "    t.wait(team, i);\n    PH(4)\n    const acc_t* team_part"),
+    ("    t.wait(team, i);\n    const acc_t* team_part", "    t.wait(team, i);\n    PH_Q(4, true)\n    const acc_t* team_part"),
     after("    if (rank == 0 && threadIdx.x == 0 && o.rec != nullptr) coefs.store(o.rec + item * kRec, element.mean, rstd);\n",
           "    PH(5)\n"),
     ("          o.part_c[(n * o.C + c_first + cl) * 2 + 1] = dsc;\n        }\n      }\n    }\n  }\n}",
@@ -107,6 +116,9 @@ def patch(dst):
 
 
 CASES = [  # label, shape, groups, dtype, knobs, activation
+    # The GroupNorm problem's forward at 1/8 and full size: 37 and 299 rounds of its three teams.
+    ("GroupNorm problem (14,64,512,512)", (14, 64, 512, 512), 8, "float32", {}, None),
+    ("GroupNorm problem (112,64,512,512)", (112, 64, 512, 512), 8, "float32", {}, None),
     ("GroupNorm (8,64,512,512)", (8, 64, 512, 512), 8, "float32", {"FUSEDNORM_TEAM_BACKWARD": "1"}, None),
     ("InstanceNorm (8,64,512,512)", (8, 64, 512, 512), 64, "float32", {}, None),
     ("InstanceNorm3d (2,32,128^3)", (2, 32, 128, 128, 128), 32, "float32", {"FUSEDNORM_TEAM_BACKWARD": "1"}, None),
@@ -148,15 +160,17 @@ def table(lines):
     the same CTAs are last in every round, the round is as slow as they are."""
     label = None
     kernels = {}
+    quarters = {}  # (label, kind): per CTA, (cycles, barrier-wait cycles) by quarter of the rounds
     for line in lines:
         if line.startswith("=== "):
             label = line[4:].strip()
             continue
-        m = re.match(r"PH (\w+) grid (\d+) cta (\d+) sm (\d+) rounds (\d+) : ([\d ]+) ns (\d+)", line)
+        m = re.match(r"PH (\w+) grid (\d+) cta (\d+) sm (\d+) rounds (\d+) : ([\d ]+) ns (\d+) q ([\d ]+) w ([\d ]+)", line)
         if m and label and label.endswith("rep 1"):
-            kind, grid, cta, sm, rounds, cycles, ns = m.groups()
+            kind, grid, cta, sm, rounds, cycles, ns, q, w = m.groups()
             cycles = [int(c) for c in cycles.split()]
             kernels.setdefault((label[:-6], kind), []).append((int(cta), int(sm), int(rounds), cycles, int(ns), int(grid)))
+            quarters.setdefault((label[:-6], kind), []).append(([int(c) for c in q.split()], [int(c) for c in w.split()]))
     for (label, kind), ctas in kernels.items():
         ctas.sort()
         grid = ctas[0][5]
@@ -172,6 +186,13 @@ def table(lines):
         print(f"{label:28} {kind} barrier wait over {len(waits)} CTAs: min {q[0]:.1f}%, p10 {q[1]:.1f}, median {q[2]:.1f}, "
               f"p90 {q[3]:.1f}, max {q[4]:.1f}; least waiting (cta/sm): "
               + " ".join(f"{cta}/{sm}" for _, cta, sm in waits[:8]))
+        # Do the teams drift into waiting together over many rounds? The median CTA's cycles a
+        # quarter of the rounds (relative to the first quarter) and its barrier share in each.
+        qs = quarters[(label, kind)]
+        rel = [sorted(t[k] / (t[0] or 1) for t, _ in qs)[len(qs) // 2] for k in range(4)]
+        share = [sorted(100 * w[k] / (t[k] or 1) for t, w in qs)[len(qs) // 2] for k in range(4)]
+        print(f"{label:28} {kind} by quarter of the rounds (median CTA): cycles "
+              + " ".join(f"{r:.2f}" for r in rel) + ", barrier wait " + " ".join(f"{v:.1f}%" for v in share))
 
 
 def main():
