@@ -610,8 +610,9 @@ def test_large_bf16_more_than_2_31_elements():
 # ---------------------------------------------------------------------------------------------
 # Forward and backward have two paths each: one pass (ChannelsFirst, groups up to
 # FUSEDNORM_ONE_PASS_MAX_BYTES, 16-byte aligned) and the split reduce / finalize / apply passes;
-# by default ChannelsFirst groups over 128 KB take the team forward (group_norm_team.cuh; in fewer
-# groups than half the SMs, from 512 KB: csrc/plan.cpp), which the "team" path forces on every group.
+# by default ChannelsFirst groups over the one-pass limit take the team forward (group_norm_team.cuh),
+# and so do 512 KB - 1 MB groups in fewer groups than half the SMs (csrc/plan.cpp, team_forward);
+# the "team" path forces it on every group.
 # The one-pass forward holds a group in registers where it fits (one CTA a group, at most 4 packs
 # a thread; FUSEDNORM_ONE_PASS_REGISTERS=0 turns that off), else in shared memory, spread over a
 # cluster of CTAs when large; the one-pass backward takes one CTA a group and needs S == 1 or S a
