@@ -5,8 +5,9 @@ the overrides that force each kernel path the tests cover, and the planner's arg
 The pinned plans are those the CUDA dispatcher carried out before the planner existed, its rules
 transcribed, and since changed where measurements said (each change in git history): the team
 grids (3 teams of 88 CTAs for the GroupNorm problem's forward, 13 teams of 20 for the InstanceNorm
-problem's backward; its forward on clusters of 16 CTAs since 2026-12-01), the register kernel for UNet's small
-groups and problem 3's tail, the channels-last shared-memory kernel for 2 groups a CTA of 160 KB.
+problem's backward; its forward on clusters of 16 CTAs since 2026-12-01), the register kernel for
+UNet's small groups and problem 3's tail, the channels-last shared-memory kernel for 2 groups a CTA
+of 160 KB.
 The residency the plans depend on (team CTAs an SM, parameter-gradient clusters at once) is
 modeled from the device's properties here; on a GPU the dispatcher asks the driver."""
 

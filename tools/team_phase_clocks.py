@@ -160,7 +160,6 @@ def table(lines):
     the same CTAs are last in every round, the round is as slow as they are."""
     label = None
     kernels = {}
-    quarters = {}  # (label, kind): per CTA, (cycles, barrier-wait cycles) by quarter of the rounds
     for line in lines:
         if line.startswith("=== "):
             label = line[4:].strip()
@@ -169,26 +168,27 @@ def table(lines):
         if m and label and label.endswith("rep 1"):
             kind, grid, cta, sm, rounds, cycles, ns, q, w = m.groups()
             cycles = [int(c) for c in cycles.split()]
-            kernels.setdefault((label[:-6], kind), []).append((int(cta), int(sm), int(rounds), cycles, int(ns), int(grid)))
-            quarters.setdefault((label[:-6], kind), []).append(([int(c) for c in q.split()], [int(c) for c in w.split()]))
+            # The last two: the CTA's cycles and barrier-wait cycles by quarter of its rounds.
+            kernels.setdefault((label[:-6], kind), []).append((int(cta), int(sm), int(rounds), cycles, int(ns), int(grid),
+                                                               [int(c) for c in q.split()], [int(c) for c in w.split()]))
     for (label, kind), ctas in kernels.items():
         ctas.sort()
         grid = ctas[0][5]
-        for cta, sm, rounds, cycles, ns, _ in ctas:
+        for cta, sm, rounds, cycles, ns, *_ in ctas:
             if cta in SAMPLED or cta == grid - 1:
                 total = sum(cycles) or 1
                 shares = " ".join(f"{100 * c / total:5.1f}" for c in cycles[:4 if kind == "fwd" else 7])
                 print(f"{label:28} {kind} cta {cta:3d} rounds {rounds:3d} {ns / 1e3:8.1f} us  {shares}"
                       f"  | {ns / 1e3 / max(1, rounds):.2f} us a round")
         barrier = 0 if kind == "fwd" else 4
-        waits = sorted((100 * c[barrier] / (sum(c) or 1), cta, sm) for cta, sm, _, c, _, _ in ctas)
+        waits = sorted((100 * c[barrier] / (sum(c) or 1), cta, sm) for cta, sm, _, c, *_ in ctas)
         q = [waits[int(f * (len(waits) - 1))][0] for f in (0, 0.1, 0.5, 0.9, 1)]
         print(f"{label:28} {kind} barrier wait over {len(waits)} CTAs: min {q[0]:.1f}%, p10 {q[1]:.1f}, median {q[2]:.1f}, "
               f"p90 {q[3]:.1f}, max {q[4]:.1f}; least waiting (cta/sm): "
               + " ".join(f"{cta}/{sm}" for _, cta, sm in waits[:8]))
         # Do the teams drift into waiting together over many rounds? The median CTA's cycles a
         # quarter of the rounds (relative to the first quarter) and its barrier share in each.
-        qs = quarters[(label, kind)]
+        qs = [(t, w) for *_, t, w in ctas]
         rel = [sorted(t[k] / (t[0] or 1) for t, _ in qs)[len(qs) // 2] for k in range(4)]
         share = [sorted(100 * w[k] / (t[k] or 1) for t, w in qs)[len(qs) // 2] for k in range(4)]
         print(f"{label:28} {kind} by quarter of the rounds (median CTA): cycles "
