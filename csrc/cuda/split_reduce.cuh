@@ -36,8 +36,13 @@ struct RowsArgs {
   int log_tx;
 };
 
+// The forward's kernel is held to three CTAs an SM (register cap 65536 / (kThreads * 3) -> 80):
+// left to itself its bfloat16 instance took 92 registers, two CTAs an SM, and read x at 2.2 TB/s
+// (docs/design.md, "Split passes"). The backward's has no minimum (0: ptxas's own choice).
+constexpr int kReduceRowsForwardMinBlocks = 3;
+
 template <typename scalar_t, int V, bool GRADS, bool EPI>
-__global__ void __launch_bounds__(kThreads) reduce_rows_kernel(
+__global__ void __launch_bounds__(kThreads, GRADS ? 0 : kReduceRowsForwardMinBlocks) reduce_rows_kernel(
     const KernelArgs<RowsArgs<scalar_t>, scalar_t, EPI> a) {
   using acc_t = acc_type<scalar_t>;
   using State = std::conditional_t<GRADS, Sums<acc_t, 1>, Moments<acc_t, 1>>;
