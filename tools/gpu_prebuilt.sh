@@ -4,7 +4,9 @@
 # tools/device_wheels.sh; the GPU machine has no network), then run on the device:
 #     tools/gpu_prebuilt.sh test [ARGS...]   # the whole suite (or pytest ARGS: -k, files),
 #                                              # spread over the cores with pytest-xdist when
-#                                              # its wheel is carried
+#                                              # its wheel is carried; stopped by
+#                                              # PYTEST_TIMEOUT, it lists the tests it did not
+#                                              # finish in unfinished.txt (ARGS of a next call)
 #     tools/gpu_prebuilt.sh sanitize         # tools/sanitize.sh (memcheck, racecheck)
 #     tools/gpu_prebuilt.sh bench FILTER S   # bench.py on the cases matching FILTER, S seconds
 #     tools/gpu_prebuilt.sh paths ARGS...    # tools/compare_paths.py ARGS
@@ -50,10 +52,35 @@ case "${1:-}" in
     SECONDS=0
     targets=("$@")
     [ ${#targets[@]} -gt 0 ] || targets=(tests)
-    CI=true timeout "${PYTEST_TIMEOUT:-420}" python -m pytest "${targets[@]}" -q -ra -p no:cacheprovider \
+    # -v: a line a test, so that a run the timeout stops still says which tests it finished.
+    CI=true timeout "${PYTEST_TIMEOUT:-420}" python -m pytest "${targets[@]}" -v -ra -p no:cacheprovider \
       "${workers[@]}" --durations=15 > "$OUT/pytest.log" 2>&1
-    echo "pytest exit code $? after $SECONDS s"
-    grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | tail -15
+    rc=$?
+    echo "pytest exit code $rc after $SECONDS s"
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | grep -v "^\[gw" | tail -15
+    if [ "$rc" -eq 124 ]; then
+      # Stopped by the timeout: the tests it had not finished (running or not started), to run
+      # in the next call.
+      CI=true python -m pytest "${targets[@]}" --collect-only -q -p no:cacheprovider 2> /dev/null |
+        grep "::" > "$OUT/collected.txt"
+      python - "$OUT/pytest.log" "$OUT/collected.txt" "$OUT/unfinished.txt" << 'PY'
+import re
+import sys
+
+log, collected, unfinished = sys.argv[1:]
+# A test's line: "ID STATUS [ n%]", or under xdist "[gwN] [ n%] STATUS ID" (IDs may hold spaces).
+status = "(?:PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)"
+done = set()
+for line in open(log):
+    m = re.match(rf"(tests/\S.*?) {status}\b", line) or re.match(rf"\[gw\d+\] \[ *\d+%\] {status} (tests/.*?)\s*$", line)
+    if m:
+        done.add(m.group(1))
+left = [t.strip() for t in open(collected) if t.strip() and t.strip() not in done]
+open(unfinished, "w").write("".join(t + "\n" for t in left))
+print(f"timed out: {len(done)} tests reported, {len(left)} unfinished (unfinished.txt):")
+print("\n".join(left[:30]) + ("\n..." if len(left) > 30 else ""))
+PY
+    fi
     ;;
   sanitize)
     timeout "${SANITIZER_TIMEOUT:-540}" tools/sanitize.sh > "$OUT/sanitizer.log" 2>&1
