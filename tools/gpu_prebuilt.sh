@@ -53,6 +53,9 @@ case "${1:-}" in
     targets=("$@")
     [ ${#targets[@]} -gt 0 ] || targets=(tests)
     # -v: a line a test, so that a run the timeout stops still says which tests it finished.
+    # The tests that take a `device` run on the GPU alone (CI runs their CPU variants), unless
+    # FUSEDNORM_TEST_DEVICES says otherwise (tests/conftest.py).
+    export FUSEDNORM_TEST_DEVICES="${FUSEDNORM_TEST_DEVICES-cuda}"
     CI=true timeout "${PYTEST_TIMEOUT:-420}" python -m pytest "${targets[@]}" -v -ra -p no:cacheprovider \
       "${workers[@]}" --durations=15 > "$OUT/pytest.log" 2>&1
     rc=$?
