@@ -30,8 +30,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # FUSEDNORM_TEST_DEVICES ("cuda", "cpu,cuda") narrows them: tools/gpu_prebuilt.sh runs the GPU
 # machine's suite with "cuda": CI runs the CPU variants, which cost the GPU machine's time there
 # (test_double_backward's six took ~85 s each of a 470 s run, 12 workers).
-if os.environ.get("FUSEDNORM_TEST_DEVICES"):
-    DEVICES = [d for d in DEVICES if d in os.environ["FUSEDNORM_TEST_DEVICES"].split(",")]
+_ONLY_DEVICES = os.environ.get("FUSEDNORM_TEST_DEVICES")
+if _ONLY_DEVICES:
+    DEVICES = [d for d in DEVICES if d in _ONLY_DEVICES.split(",")]
 
 
 def pytest_generate_tests(metafunc):

@@ -60,7 +60,8 @@ case "${1:-}" in
       "${workers[@]}" --durations=15 > "$OUT/pytest.log" 2>&1
     rc=$?
     echo "pytest exit code $rc after $SECONDS s"
-    grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | grep -v "^\[gw" | tail -15
+    # The summary, not -v's line a test (xdist's "[gwN] ..." or "tests/...").
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest.log" | grep -v -E "^(\[gw|tests/)" | tail -15
     if [ "$rc" -eq 124 ]; then
       # Stopped by the timeout: the tests it had not finished (running or not started), to run
       # in the next call.
