@@ -103,7 +103,8 @@ bool make_one_pass_args(const at::Tensor& x, const at::Tensor& weight, const at:
 // what it needs only where b holds. The forward output loops take it for the residual and
 // multiplier: predicated off, their handling still took about 60 of the 244 instructions a pack
 // of the bfloat16 team forward with SiLU issued, in a loop the SMs spent half their time issuing
-// (ncu, VAE row).
+// (ncu, VAE row). Device code only: called from host code it compiles without a diagnostic into
+// exit(1) (docs/design.md, "Build").
 template <typename F>
 __device__ __forceinline__ void dispatch_bool(bool b, const F& f) {
   if (b) {
