@@ -86,6 +86,13 @@ void check_has_channels(const at::Tensor& input) {
   TORCH_CHECK(input.sym_size(1) != 0, "Expected number of channels to be greater than 0, got 0");
 }
 
+// An empty spatial size: eager's group_norm raises from torch 2.14 on (ATen's
+// check_group_norm_inputs), as for C = 0. Only the user-facing ops check it: the kernel ops take
+// it, as a spatially sharded norm's empty slice needs (fusednorm.distributed).
+void check_has_spatial_values(const at::Tensor& input) {
+  TORCH_CHECK(spatial_numel(input) != 0, "Expected HxW to be greater than 0, got 0");
+}
+
 // F.group_norm's own checks, in its order (the composite ops also run where the Python wrapper
 // does not, e.g. in TorchScript).
 void check_group_norm_call(const at::Tensor& input, int64_t num_groups) {
@@ -93,6 +100,7 @@ void check_group_norm_call(const at::Tensor& input, int64_t num_groups) {
       "Expected at least 2 dimensions for input tensor but received ", input.dim());
   TORCH_CHECK(num_groups > 0, "Expected num_groups to be positive, but got num_groups=", num_groups);
   check_has_channels(input);
+  check_has_spatial_values(input);
   TORCH_CHECK_VALUE(input.sym_size(0) * input.sym_size(1) / num_groups * spatial_numel(input) != 1,
       "Expected more than 1 value per channel when training, got input size ", input.sym_sizes());
 }

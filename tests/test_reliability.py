@@ -596,6 +596,24 @@ def test_zero_channels():
     assert fusednorm.instance_norm(x, rm, rv).shape == x.shape
 
 
+@pytest.mark.parametrize("shape", [(2, 6, 0), (3, 6, 0, 4), (0, 6, 0)], ids=str)
+def test_zero_spatial_size(shape):
+    x = torch.randn(shape, requires_grad=True)
+    # (eager raises too from torch 2.14 on, in ATen's check_group_norm_inputs; older versions
+    # return an empty tensor)
+    calls = (lambda: fusednorm.group_norm(x, 3), lambda: torch.ops.fusednorm.group_norm(x, 3),
+             lambda: fusednorm.group_norm(x, 3, activation="silu", residual=torch.zeros(shape)),
+             lambda: fusednorm.add_group_norm(x, torch.zeros(shape), 3)[0], lambda: fusednorm.nn.GroupNorm(3, 6)(x))
+    for fn in calls:
+        with pytest.raises(RuntimeError, match="Expected HxW to be greater than 0, got 0"):
+            fn()
+    # the kernel ops take it (a spatially sharded norm's empty slice): empty output, zero gradients
+    y, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, 3, None, None, 1e-5)
+    assert y.shape == x.shape and mean.shape == rstd.shape == (shape[0], 3)
+    # instance_norm takes it, as eager does
+    assert fusednorm.instance_norm(x).shape == F.instance_norm(x).shape == x.shape
+
+
 @pytest.mark.parametrize("use_input_stats", [True, False])
 @pytest.mark.parametrize("which", ["running_mean", "running_var"])
 def test_running_stats_that_require_grad(use_input_stats, which):
