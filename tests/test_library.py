@@ -1,15 +1,23 @@
 """Loading the native library: readable failures when it is missing or built for another torch,
 and no host code that nvcc compiled into a silent exit."""
 
-import re
+import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 
 import fusednorm
 from fusednorm import _build_info, _library
+
+TOOLS = str(pathlib.Path(__file__).resolve().parents[1] / "tools")
+sys.path.insert(0, TOOLS)
+try:
+    from exit_calls import functions_calling_exit  # shared with tools/build_for_gpu_machine.sh
+finally:
+    sys.path.remove(TOOLS)
 
 
 def test_library_built_for_another_torch_names_both_versions(monkeypatch):
@@ -32,26 +40,13 @@ def test_loaded_library_registers_every_op():
     assert fusednorm.__version__
 
 
-def _functions_calling_exit(library):
-    """The functions of `library` (a shared object) whose machine code calls libc's exit()."""
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library], capture_output=True, text=True, check=True).stdout
-    found, function = set(), None
-    for line in listing.splitlines():
-        head = re.match(r"[0-9a-f]+ <(.*)>:$", line)
-        if head:
-            function = head.group(1)
-        elif re.search(r"\bcall.*<exit@plt>", line):
-            found.add(function)
-    return sorted(found)
-
-
 # Host code calling a __device__-only template with a lambda (as one_pass_output.cuh's
 # dispatch_bool) compiles under --expt-relaxed-constexpr without a diagnostic, and nvcc makes the
 # host side of the call exit(1): the first launch ended the process with status 1 and no message
 # (a pytest worker "crashed"; docs/design.md, "Build"). The library's own code never calls exit().
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
 def test_library_host_code_never_calls_exit():
-    assert _functions_calling_exit(_library.library_path()) == []
+    assert functions_calling_exit(_library.library_path()) == []
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("cc") is None, reason="needs objdump and a C compiler")
@@ -60,4 +55,4 @@ def test_exit_finder_finds_a_call_to_exit(tmp_path):
     source.write_text("#include <stdlib.h>\nvoid launch_stub(int code) { if (code) exit(code); }\nint other(int a) { return a + 1; }\n")
     library = str(tmp_path / "stub.so")
     subprocess.run(["cc", "-O1", "-shared", "-fPIC", str(source), "-o", library], check=True)
-    assert _functions_calling_exit(library) == ["launch_stub"]
+    assert functions_calling_exit(library) == ["launch_stub"]

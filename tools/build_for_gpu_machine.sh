@@ -55,8 +55,9 @@ strip -g -o "$ROOT/gpu_build/_C.so" "$WORK"/src/ops/_C*.so
 cp "$WORK/src/ops/_build_info.py" "$ROOT/gpu_build/"
 # Host code calling a __device__-only template becomes exit(1) under nvcc, which ends the GPU
 # run without a message (docs/design.md, "Build"): say so before a device call.
-if objdump -d --no-show-raw-insn "$ROOT/gpu_build/_C.so" | grep -q "call.*<exit@plt>"; then
-  echo "gpu_build/_C.so calls exit(): host code calls a __device__ function (docs/design.md, \"Build\")" >&2
+if ! callers="$(python3 "$ROOT/tools/exit_calls.py" "$ROOT/gpu_build/_C.so")"; then
+  echo "gpu_build/_C.so calls exit(): host code calls a __device__ function (docs/design.md, \"Build\"):" >&2
+  echo "$callers" | head -5 >&2
   exit 1
 fi
 ls -la "$ROOT/gpu_build"
