@@ -359,6 +359,8 @@ def _check_args(input, num_groups, weight, bias, dim, activation, negative_slope
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     if num_groups <= 0:
         raise RuntimeError(f"Expected num_groups to be positive, but got num_groups={num_groups}")
+    if input.shape[1] == 0:
+        raise RuntimeError("Expected number of channels to be greater than 0, got 0")
     if input.shape[1] % num_groups != 0:
         raise RuntimeError("Expected number of channels in input to be divisible by num_groups, but got input of "
                            f"shape {tuple(input.shape)} and num_groups={num_groups}")
@@ -461,7 +463,9 @@ def instance_norm(
     from . import functional
 
     d = _check_shard_dim(input, dim) if input.dim() >= 2 else dim
-    if not use_input_stats or d == 0:
+    # No channels: nothing to normalize or gather (every rank has the same C), and eager's
+    # instance_norm takes it (fusednorm.instance_norm returns the empty output).
+    if not use_input_stats or d == 0 or (input.dim() >= 2 and input.shape[1] == 0):
         return functional.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum,
                                         eps, activation=activation, negative_slope=negative_slope, scale=scale,
                                         shift=shift, residual=residual, multiplier=multiplier)

@@ -337,6 +337,13 @@ def test_sharded_checks_match_group_norm_errors():
         fusednorm.distributed.group_norm(x, 3, dim=4)
     with pytest.raises(RuntimeError, match=r"Expected residual of the input's shape \(2, 6, 4, 4\)"):
         fusednorm.distributed.group_norm(x, 3, residual=torch.randn(2, 6, 4, 3))
+    # No channels: group_norm refuses them, as fusednorm.group_norm (and eager) does; instance_norm
+    # takes them, as eager does, with no communication (no process group here).
+    empty = torch.randn(2, 0, 4, 4)
+    with pytest.raises(RuntimeError, match="Expected number of channels to be greater than 0, got 0"):
+        fusednorm.distributed.group_norm(empty, 1)
+    for stats in ((), (torch.zeros(0), torch.ones(0))):
+        assert fusednorm.distributed.instance_norm(empty, *stats).shape == empty.shape == F.instance_norm(empty, *stats).shape
 
 
 # -- DTensor -------------------------------------------------------------------------------------------
