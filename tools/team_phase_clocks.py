@@ -10,7 +10,8 @@ instrumented build of group_norm_team.cuh. Three steps (the third on the GPU mac
 kernel and CTA, the share of its clock cycles in each phase and the microseconds per round, and
 per kernel, by quarter of the rounds, the median CTA's cycles and barrier-wait share (whether the
 teams drift into waiting at their barriers together over many rounds):
-  forward:  barrier wait | team fold | outputs (and the next round's copies) | next moments
+  forward:  barrier wait | partial loads (thread 0's loads of the team's partials) | CTA fold and
+            rstd | outputs (and the next round's copies) | next moments
   backward: copy wait | coefficients wait (thread 0 waits on the first channel's coefficients) |
             sums and CTA fold | publish | barrier wait | team fold and dx coefficients |
             outputs and the channel parts
@@ -73,6 +74,26 @@ EDITS = [
     after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
     ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);",
      "    t.wait(team, i);\n    PH_Q(0, true)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);"),
+    # The team fold in two: thread 0's loads of the team's partials (and its merges of them), then
+    # the CTA's fold of the threads' values and rstd (team_fold written out, with a stamp between;
+    # the printf on the merged value keeps the loads before the stamp).
+    ("""    const ChunkMoments<acc_t> m = team_fold(
+        ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
+        [&](int r) {
+          const acc_t* p = team_part + r * kTeamPartials;
+          return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
+        },
+        [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+""", """    ChunkMoments<acc_t> ph_v{acc_t(0), acc_t(0), acc_t(0)};
+    for (int r = threadIdx.x; r < t.team_size; r += kTeamThreads) {
+      const acc_t* p = team_part + r * kTeamPartials;
+      ph_v = merge_chunks(ph_v, ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)});
+    }
+    if (threadIdx.x == 0 && ph_v.n == acc_t(-1.2345e-30f)) printf("-");
+    PH(4)
+    const ChunkMoments<acc_t> m = team_block_fold(
+        ph_v, [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+"""),
     after("    const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n"),
     after("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n"),
     ("      moments(i + 1, K);\n    }\n  }\n}",
@@ -177,7 +198,8 @@ def table(lines):
         for cta, sm, rounds, cycles, ns, *_ in ctas:
             if cta in SAMPLED or cta == grid - 1:
                 total = sum(cycles) or 1
-                shares = " ".join(f"{100 * c / total:5.1f}" for c in cycles[:4 if kind == "fwd" else 7])
+                order = (0, 4, 1, 2, 3) if kind == "fwd" else range(7)  # the phases in round order
+                shares = " ".join(f"{100 * cycles[k] / total:5.1f}" for k in order)
                 print(f"{label:28} {kind} cta {cta:3d} rounds {rounds:3d} {ns / 1e3:8.1f} us  {shares}"
                       f"  | {ns / 1e3 / max(1, rounds):.2f} us a round")
         barrier = 0 if kind == "fwd" else 4
