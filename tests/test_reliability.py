@@ -607,7 +607,7 @@ def test_zero_spatial_size(shape):
     for fn in calls:
         with pytest.raises(RuntimeError, match="Expected HxW to be greater than 0, got 0"):
             fn()
-    # the kernel ops take it (a spatially sharded norm's empty slice): empty output, zero gradients
+    # the kernel ops take it (a spatially sharded norm's empty slice): an empty output, (N, G) statistics
     y, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, 3, None, None, 1e-5)
     assert y.shape == x.shape and mean.shape == rstd.shape == (shape[0], 3)
     # instance_norm takes it, as eager does
