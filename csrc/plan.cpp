@@ -135,9 +135,11 @@ constexpr int kTeamPrefetchMinCtas = 16;
 // barrier; with one copy those reads fall on the few L2 lines that hold them (the GroupNorm
 // problem's backward spent 0.93 ms of 11.5 in that fold). A backward CTA publishes a copy a rank,
 // at most 16: on an H100 with 1, 4, 8 and 16 copies that backward took 11.35, 11.08, 10.95, 10.88
-// ms, InstanceNorm3d's 0.83 -> 0.79. The forward did not move with copies, and the CTA-wide
-// publish they need cost it 4-5%: one copy forward.
+// ms, InstanceNorm3d's 0.83 -> 0.79. A forward CTA's thread 0 writes 4 copies (no CTA barrier,
+// which cost the forward 4-5%): on an H200 the GroupNorm problem's teams of 88 CTAs 5.49 -> 5.21
+// ms with 4 copies (5.21 with 8); InstanceNorm3d's (22 rounds) and teams of 24 CTAs level.
 constexpr int kTeamMaxReplicas = 16;
+constexpr int kTeamForwardReplicas = 4;
 // docs/design.md, "Team path": a round takes about group / team size, so the time goes as
 // rounds * teams; fewer teams win when they cost 5% less (the VAE's 32 groups of 1 MB: two rounds
 // of 16 teams against two of 26, 0.068 -> 0.050 ms), near-ties keep more teams (larger chunks,
@@ -281,9 +283,8 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
   pl.team_size = static_cast<int>(team_size);
   pl.chunk = chunk;
   pl.smem = chunk * pack_bytes;
-  pl.replicas = !backward ? 1
-      : set(c.o.team_replicas) ? static_cast<int>(std::clamp<int64_t>(c.o.team_replicas, 1, kTeamMaxReplicas))
-                               : std::min(pl.team_size, kTeamMaxReplicas);
+  pl.replicas = set(c.o.team_replicas) ? static_cast<int>(std::clamp<int64_t>(c.o.team_replicas, 1, kTeamMaxReplicas))
+      : std::min(pl.team_size, backward ? kTeamMaxReplicas : kTeamForwardReplicas);
   const int64_t eighths = set(c.o.team_prefetch) ? std::clamp<int64_t>(c.o.team_prefetch, 0, 8)
       : pl.team_size < kTeamPrefetchMinCtas ? 0
       : backward ? kTeamBackwardPrefetchEighths

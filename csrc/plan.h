@@ -37,7 +37,7 @@ struct Overrides {
   int64_t team_backward = kUnset;       // the same for the backward
   int64_t sweep_forward = kUnset;       // 0: off, 1: every group the sweep kernels can take
   int64_t team_prefetch = kUnset;       // k / 8 of the next chunk prefetched into L2 (0..8)
-  int64_t team_replicas = kUnset;       // team backward: copies of each CTA's partials (1..16)
+  int64_t team_replicas = kUnset;       // team kernels: copies of each CTA's partials (1..16)
   int64_t param_grad_parts = kUnset;    // CTAs of the parameter-gradient cluster (1..8)
   int64_t cols_pipeline = kUnset;       // channels-last shared forward: 0 one buffer, 1 two with operands too
   int64_t cols_span = kUnset;           // channels-last shared forward: at most this many groups a CTA

@@ -28,7 +28,7 @@ TEST_KNOBS = (
     "FUSEDNORM_TEAM_BACKWARD",         # 0: off, 1: every group
     "FUSEDNORM_SWEEP_FORWARD",         # 0: off, 1: every 16-bit group
     "FUSEDNORM_TEAM_PREFETCH",         # team kernels: k / 8 of the next chunk into L2 before a barrier wait (0: off)
-    "FUSEDNORM_TEAM_REPLICAS",         # team backward: copies of each CTA's partials (1-16)
+    "FUSEDNORM_TEAM_REPLICAS",         # team kernels: copies of each CTA's partials (1-16)
     "FUSEDNORM_PARAM_GRAD_PARTS",      # CTAs (a cluster, sm_90) summing 32 channels' parameter gradients
     "FUSEDNORM_COLS_PIPELINE",         # channels-last shared-memory forward, 0: one group a CTA; 1: double-buffered with operands too
     "FUSEDNORM_COLS_SPAN",             # channels-last shared-memory forward: at most this many groups a CTA

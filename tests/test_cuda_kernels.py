@@ -910,9 +910,9 @@ def test_team_tuning_changes_no_bit(dtype, monkeypatch):
     # Neither the team kernels' L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) nor
     # the copies of the partials a CTA publishes (TeamGrid::replicas) changes a bit: y, mean, rstd
     # and every gradient are the same with the prefetch off and one copy, with the prefetch at 3/8
-    # and whole, with 2 and 16 copies (the backward's; the forward publishes one), and by the
-    # default rules (teams of 16 CTAs and more prefetch, backward CTAs publish a copy a rank up to
-    # 16: (3, 64, 128, 128) takes 6 teams of 44 forward on an H100), on teams of one round and of
+    # and whole, with 2 and 16 copies, and by the default rules (teams of 16 CTAs and more
+    # prefetch, backward CTAs publish a copy a rank up to 16, forward CTAs 4: (3, 64, 128, 128)
+    # takes 6 teams of 44 forward on an H100), on teams of one round and of
     # several (odd ones started late), with and without an activation, and against the float64
     # reference.
     cases = (((24, 64, 128, 128), 2, None), ((100, 4, 160, 128), 2, "silu"), ((40, 12, 33, 20), 3, None),

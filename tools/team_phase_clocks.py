@@ -72,8 +72,8 @@ EDITS = [
     before("// Two CTAs of 512 threads an SM", CLOCKS + "\n"),
     # forward
     after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
-    ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);",
-     "    t.wait(team, i);\n    PH_Q(0, true)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.team_part(team, i, 0);"),
+    ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.read_part(team, i, rank);",
+     "    t.wait(team, i);\n    PH_Q(0, true)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.read_part(team, i, rank);"),
     # The team fold in two: thread 0's loads of the team's partials (and its merges of them), then
     # the CTA's fold of the threads' values and rstd (team_fold written out, with a stamp between;
     # the printf on the merged value keeps the loads before the stamp).

@@ -81,7 +81,7 @@ struct TeamGrid {
   int64_t groups;     // N * G
   int64_t chunk;      // packs of a group per CTA
   int team_size, teams;
-  int replicas = 1;   // copies of each CTA's partials: 1 forward, the plan's backward
+  int replicas = 1;   // copies of each CTA's partials (the plan's)
   int prefetch = 0;   // packs of its next chunk (of each stream, backward) a CTA brings into L2 before a barrier wait
 
   // Device side: `team` is this CTA's team, blockIdx.x / team_size, computed once by the kernel.
@@ -97,10 +97,11 @@ struct TeamGrid {
     return team_part(team, i, rank % replicas);
   }
 
-  // Thread 0, once its CTA's partials of round i are final (one copy): writes them to its slot
-  // and arrives at round i's barrier (the fence makes them visible to the team first).
+  // Thread 0, once its CTA's partials of round i are final: writes them to its slot of every copy
+  // and arrives at round i's barrier (the fence makes them visible to the team first). The
+  // forward's: thread 0 alone, no CTA barrier (docs/design.md, "Team replicas").
   __device__ void publish(int team, int rank, int64_t i, acc_t v0, acc_t v1, acc_t v2) const {
-    write_slot(team, rank, i, 0, v0, v1, v2);
+    for (int c = 0; c < replicas; ++c) write_slot(team, rank, i, c, v0, v1, v2);
     arrive(team);
   }
 
@@ -308,7 +309,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     }
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
-    const acc_t* team_part = t.team_part(team, i, 0);  // written by other SMs: read from L2
+    const acc_t* team_part = t.read_part(team, i, rank);  // written by other SMs: read from L2
     const ChunkMoments<acc_t> m = team_fold(
         ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
         [&](int r) {
