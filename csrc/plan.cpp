@@ -98,6 +98,14 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // 1-8% (the GroupNorm problem 5.30 against 5.25 ms, InstanceNorm3d 0.399 against 0.369).
 constexpr int64_t kSweepTileBytes = 256 * 1024;
 constexpr int64_t kSweepMinBytes = 4 << 20;
+// It also takes groups of kSweepOneWaveMinBytes and more whose tiles all fit in one wave of the
+// output sweep's resident CTAs: there the team's barriers still cost more than the second read,
+// while a second, partial wave of tiles costs more than they do. H200, GN+SiLU: the VAE's 32
+// groups of 2 MB (1,128,512,512), 256 tiles, bfloat16 0.064 against the team's 0.069 ms, float16
+// 0.063 against 0.065; groups of 2.5-3 MB in 320-384 tiles lost 4-18% ((1,160,512,512) float16
+// 0.089 against 0.076), 64 groups of 2 MB tied ((2,128,512,512) bfloat16 0.117 against 0.119).
+constexpr int64_t kSweepOneWaveMinBytes = 2 << 20;
+constexpr int64_t kSweepOutputCtasPerSM = 2;  // group_norm_sweep_output_kernel's launch bounds
 // Channels-last sweep (docs/design.md, "Channels-last sweep"): by default for inputs of
 // kColsSweepMinBytes and more, the moments and the output kernels' tiles in this many waves of
 // their resident CTAs, each thread taking at least kColsSweepUnroll rows (plan.h). Measured on an
@@ -295,7 +303,8 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
 }
 
 // The sweep forward (docs/design.md, "Sweep path"): 16-bit ChannelsFirst groups of kSweepMinBytes
-// and more, where the team forward's barriers cost more than the sweeps' second read of x. Its
+// and more (kSweepOneWaveMinBytes in one wave of tiles), where the team forward's barriers cost
+// more than the sweeps' second read of x. Its
 // kernels exist for the 16-bit types alone, forced or not.
 bool sweep_forward(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
@@ -307,13 +316,15 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   if (!(p.S % c.V == 0 || c.uniform_channels()) || c.len / c.V >= (int64_t(1) << 31)) return false;
   // A forced one-pass limit (FUSEDNORM_ONE_PASS_MAX_BYTES) keeps the one-pass, team and split
   // paths it selects for the tests.
-  if (mode != 1 && (c.forced || c.len * p.elem_bytes < kSweepMinBytes)) return false;
+  const int64_t bytes = c.len * p.elem_bytes;
+  if (mode != 1 && (c.forced || bytes < kSweepOneWaveMinBytes)) return false;
   const int64_t lenv = c.len / c.V;
   Tiling t;
   t.split = ceil_div(lenv, kSweepTileBytes / (c.V * p.elem_bytes));
   t.chunk = ceil_div(lenv, t.split);
   t.split = ceil_div(lenv, t.chunk);
   t.tiles = c.items * t.split;
+  if (mode != 1 && bytes < kSweepMinBytes && t.tiles > kSweepOutputCtasPerSM * c.dev.sms) return false;
   if (t.tiles > std::numeric_limits<int32_t>::max()) return false;
   pl.path = Path::Sweep;
   pl.reduce = t;

@@ -98,7 +98,7 @@ ROWS = [
         forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=256',
         backward='path=split split=8 tiles=64 cols_act_kernel=1 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 512, 512), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=11 team_size=24 chunk=5462 smem=87392 prefetch=2048 replicas=4 ctas=264',
+        forward='path=sweep split=8 tiles=256',
         backward='path=team teams=4 team_size=66 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 256, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=team teams=16 team_size=16 chunk=4096 smem=65536 prefetch=1536 replicas=4 ctas=256',
@@ -200,7 +200,12 @@ def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeyp
     def forward(shape, dtype, **kw):
         return _path(kernel_paths.plan(shape, 32, dtype, activation="silu", **kw))
     assert forward((1, 128, 64, 32, 256), torch.bfloat16) == "sweep"  # 4 MB groups
-    assert forward((1, 128, 64, 32, 255), torch.bfloat16) == "team"   # just under 4 MB
+    assert forward((1, 128, 64, 32, 255), torch.bfloat16) == "team"   # just under 4 MB (6 team rounds)
+    # From 2 MB where the tiles fit one wave of the output sweep's CTAs (264 on an H200).
+    assert forward((1, 128, 512, 512), torch.bfloat16) == "sweep"     # 32 groups of 8 tiles
+    assert forward((2, 128, 512, 512), torch.bfloat16) == "team"      # 64 of 8
+    assert forward((1, 160, 512, 512), torch.float16) == "team"       # 32 of 10
+    assert forward((1, 128, 511, 512), torch.float16) == "team"       # just under 2 MB
     assert forward((1, 128, 64, 32, 256), torch.float32) == "team"    # 8 MB, float32
     assert forward((1, 128, 20, 256, 256), torch.half, channels_last=True) != "sweep"
     # Groups of two channels of 2 * 1024 * 1024 + 4 elements: packs of 8 straddle the channels,
