@@ -264,7 +264,11 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   const int64_t lenv = o.len / V;
   const int64_t v_begin = imin(lenv, rank * t.chunk);  // this CTA's packs of a group: [v_begin, v_end)
   const int count = static_cast<int>(imin(lenv, v_begin + t.chunk) - v_begin);
-  const int64_t rounds = t.rounds(team);
+  // 32-bit (the planner keeps rounds * team_size within the barrier counters): the round counter
+  // lives through every round, and at the 64-register cap its second word was one more spilled
+  // value (float and half kernels 16 -> 8 bytes of stack; H200, InstanceNorm3d forward 0.364 ->
+  // 0.353 ms, (8,128,512,512) float16 GN+SiLU 0.396 -> 0.388, the other rows level).
+  const unsigned rounds = static_cast<unsigned>(t.rounds(team));
   // A thread's packs are threadIdx.x + k * kTeamThreads in every step, so that it writes only
   // packs it copied itself.
   P* x = reinterpret_cast<P*>(team_smem);
@@ -275,7 +279,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   // and a constant group gives exactly M2 = 0. A CTA writes round i's partials after passing
   // round i - 1's barrier, which the whole team reaches after reading round i - 2's: two slots
   // (round parities) suffice.
-  const auto moments = [&](int64_t i, acc_t K) {
+  const auto moments = [&](unsigned i, acc_t K) {
     __pipeline_wait_prior(0);
     // Sums of x - T, T the thread's first element (block_moments_of_shifted_sums): no second
     // pass over the chunk where K lies far from it, which sat on every round's critical path
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
   };
   // The group's first element, loaded well before moments() needs it.
-  const auto first_of = [&](int64_t i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
+  const auto first_of = [&](unsigned i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
 
   acc_t K = acc_t(0);
   t.start(team);
@@ -303,7 +307,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     K = first_of(0);
     moments(0, K);
   }
-  for (int64_t i = 0; i < rounds; ++i) {
+  for (unsigned i = 0; i < rounds; ++i) {
     if (i + 1 < rounds && t.prefetch > 0) {
       t.prefetch_chunk(reinterpret_cast<const P*>(o.x + t.item_of(team, i + 1) * o.len) + v_begin, count);
     }
