@@ -304,8 +304,8 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
 
 // The sweep forward (docs/design.md, "Sweep path"): 16-bit ChannelsFirst groups of kSweepMinBytes
 // and more (kSweepOneWaveMinBytes in one wave of tiles), where the team forward's barriers cost
-// more than the sweeps' second read of x. Its
-// kernels exist for the 16-bit types alone, forced or not.
+// more than the sweeps' second read of x. Its kernels exist for the 16-bit types alone, forced or
+// not.
 bool sweep_forward(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
   const int64_t mode = c.o.sweep_forward;
