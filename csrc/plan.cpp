@@ -105,7 +105,6 @@ constexpr int64_t kSweepMinBytes = 4 << 20;
 // 0.063 against 0.065; groups of 2.5-3 MB in 320-384 tiles lost 4-18% ((1,160,512,512) float16
 // 0.089 against 0.076), 64 groups of 2 MB tied ((2,128,512,512) bfloat16 0.117 against 0.119).
 constexpr int64_t kSweepOneWaveMinBytes = 2 << 20;
-constexpr int64_t kSweepOutputCtasPerSM = 2;  // group_norm_sweep_output_kernel's launch bounds
 // Channels-last sweep (docs/design.md, "Channels-last sweep"): by default for inputs of
 // kColsSweepMinBytes and more, the moments and the output kernels' tiles in this many waves of
 // their resident CTAs, each thread taking at least kColsSweepUnroll rows (plan.h). Measured on an
@@ -324,7 +323,7 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   t.chunk = ceil_div(lenv, t.split);
   t.split = ceil_div(lenv, t.chunk);
   t.tiles = c.items * t.split;
-  if (mode != 1 && bytes < kSweepMinBytes && t.tiles > kSweepOutputCtasPerSM * c.dev.sms) return false;
+  if (mode != 1 && bytes < kSweepMinBytes && t.tiles > static_cast<int64_t>(kSweepOutputBlocksPerSM) * c.dev.sms) return false;
   if (t.tiles > std::numeric_limits<int32_t>::max()) return false;
   pl.path = Path::Sweep;
   pl.reduce = t;
