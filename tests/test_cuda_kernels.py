@@ -905,6 +905,23 @@ def test_team_edges(monkeypatch):
             check_backward(dy, x, G, w, b, mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [((2, 256, 255, 255), 32), ((2, 256, 256, 256), 32)], ids=["straddling", "uniform"])
+def test_team_forward_launches(case, dtype, monkeypatch):
+    # The team forward is two kernels, for packs that straddle channels (S = 65025, no multiple of
+    # a pack) and for packs that do not (group_norm_team_kernel's kStraddling); a refused launch
+    # falls back to another path without a word, so the kernel is looked for by name. Chunks over
+    # the default 48 KB of shared memory a CTA (87-104 KB), which a kernel gets only once allowed
+    # (team_residency allows both); y against the float64 reference.
+    shape, G = case
+    kernel_paths.set_path(monkeypatch, "team")
+    x = make(shape, dtype, seed=41, offset=1.0)
+    w, b = make_params(shape[1], dtype)
+    names = kernel_paths.cuda_kernel_names(lambda: OPS.group_norm_forward(x, G, w, b, EPS))
+    assert "group_norm_team_kernel" in names, names
+    check_forward(x, G, w, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_team_tuning_changes_no_bit(dtype, monkeypatch):
     # Neither the team kernels' L2 prefetch of a CTA's next chunk (TeamGrid::prefetch_chunk) nor

@@ -44,6 +44,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
@@ -249,7 +250,12 @@ __device__ __forceinline__ State team_fold(const State& identity, int team_size,
   return team_block_fold(v, combine, smem);
 }
 
-template <typename scalar_t, int V, Activation A>
+// kStraddling: some packs straddle channels (!OnePassArgs::uniform_packs; the launcher picks). A
+// kernel of its own, not a branch in the output loop: inlined beside the uniform pack, the
+// straddling pack's per-element channel walk cost the bfloat16 kernel 40 bytes of stack (8 without
+// it) and float16/float32 8 (0 without it), spilled inside the loop (docs/performance.md, "The
+// team output's straddling packs").
+template <typename scalar_t, int V, Activation A, bool kStraddling>
 __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_team_kernel(const TeamArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
@@ -350,7 +356,8 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
         P rp, mp;
         if (has_r) rp = rg[v];
         if (has_m) mp = mg[v];
-        yg[v] = out(v_begin + v, load_pack(x[v]), rp, has_r, mp, has_m);
+        yg[v] = kStraddling ? out.straddling_pack(v_begin + v, load_pack(x[v]), rp, has_r, mp, has_m)
+                            : out.uniform_pack(v_begin + v, load_pack(x[v]), rp, has_r, mp, has_m);
         if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));
       }
     });
@@ -624,8 +631,11 @@ bool forward_team(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& w
     set_team_grid(pl, a.team);
     constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
     bool launched = false;
+    const bool straddling = !o.template uniform_packs<V>();
     dispatch_activation(ep.activation, [&](auto act) {
-      auto kernel = group_norm_team_kernel<scalar_t, V, decltype(act)::value>;
+      constexpr Activation kA = decltype(act)::value;
+      auto kernel =
+          straddling ? group_norm_team_kernel<scalar_t, V, kA, true> : group_norm_team_kernel<scalar_t, V, kA, false>;
       launched = launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
     });
     return launched;
@@ -705,7 +715,11 @@ int team_residency(Activation act, bool backward, int keep, int64_t smem) {
   dispatch_activation(act, [&](auto a) {
     constexpr Activation kA = decltype(a)::value;
     if (!backward) {
-      per_sm = team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA>, smem);
+      // Both kernels a forward may launch (straddling packs or not) are allowed the shared
+      // memory: a kernel left at the default 48 KB is refused the grid, and the call falls back
+      // to another path.
+      per_sm = std::min(team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, false>, smem),
+          team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, true>, smem));
     } else {
       dispatch_keep<kA>(static_cast<Keep>(keep), [&](auto k) {
         per_sm = team_ctas_per_sm(group_norm_team_backward_kernel<scalar_t, V, kA, decltype(k)::value>, smem);
