@@ -89,22 +89,25 @@ constexpr int64_t kTeamFewGroupsMinBytes = 512 * 1024;
 constexpr int64_t kTeamMinBytesNoClusters = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
 // Sweep path (docs/design.md, "Sweep path"): tiles of kSweepTileBytes of a group, a CTA each. By
-// default it takes the ChannelsFirst float16 / bfloat16 groups of kSweepMinBytes of x and more.
-// Measured on an H200 against the team path (GN+SiLU unless said): the video VAE's 10 MB groups
-// (1,128,20,256,256) bfloat16 0.266 against 0.318 ms, float16 0.263 against 0.292, its 7 MB ones
-// (1,512,16,90,160) 0.203 against 0.223, the VAE's 8 MB (1,128,1024,1024) bfloat16 0.216 against
-// 0.236 and float16 with GELU and a multiplier 0.288 against 0.334, but float16 with SiLU 0.215
-// against 0.210; 1-2 MB groups lost up to 11% ((2,128,512,512) float16), float32 8 MB groups
-// 1-8% (the GroupNorm problem 5.30 against 5.25 ms, InstanceNorm3d 0.399 against 0.369).
+// default it takes the ChannelsFirst float16 / bfloat16 groups of kSweepMinBytes of x and more,
+// kSweepOperandsMinBytes where a residual or multiplier rides along (three streams: the sweep's
+// operand kernel is the faster). Measured on an H200 against the team path (2026-12-02, kernel
+// time, GN+SiLU unless said; the team forward's straddling packs in a kernel of their own):
+// the sweep ahead from 10 MB groups, the video VAEs' (1,128,20,256,256) bfloat16 0.261 against
+// 0.296 ms, float16 0.260 against 0.278, (1,256,9,240,320) float16 0.289 against 0.297,
+// (1,128,9,480,640) float16 (21 MB) 0.533 against 0.612, (2,128,1024,1024) bfloat16 (16 MB)
+// 0.402 against 0.416; the team ahead or level on 4.5-8 MB groups, the VAE's (1,128,1024,1024)
+// float16 0.201 against 0.210, bfloat16 0.211 both, bfloat16 without an activation 0.193 against
+// 0.208, (1,512,16,90,160) float16 0.190 against 0.200 (bfloat16 0.202 against 0.200),
+// (1,128,768,768) float16 0.129 against 0.142, and on the 2 MB groups of (1,128,512,512) (0.060
+// against 0.061), but for (1,256,512,512) float16 (4 MB, 64 groups: 0.119 against 0.114). With an
+// operand, (1,128,1024,1024) float16: GELU times a multiplier 0.283 against the team's 0.331, SiLU
+// after a residual 0.270 against 0.279 (4-8 MB groups with an operand not measured: they keep
+// the 4 MB threshold every group had before). float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30
+// against 5.25 ms, InstanceNorm3d 0.399 against 0.369; 2026-11-29).
 constexpr int64_t kSweepTileBytes = 256 * 1024;
-constexpr int64_t kSweepMinBytes = 4 << 20;
-// It also takes groups of kSweepOneWaveMinBytes and more whose tiles all fit in one wave of the
-// output sweep's resident CTAs: there the team's barriers still cost more than the second read,
-// while a second, partial wave of tiles costs more than they do. H200, GN+SiLU: the VAE's 32
-// groups of 2 MB (1,128,512,512), 256 tiles, bfloat16 0.064 against the team's 0.069 ms, float16
-// 0.063 against 0.065; groups of 2.5-3 MB in 320-384 tiles lost 4-18% ((1,160,512,512) float16
-// 0.089 against 0.076), 64 groups of 2 MB tied ((2,128,512,512) bfloat16 0.117 against 0.119).
-constexpr int64_t kSweepOneWaveMinBytes = 2 << 20;
+constexpr int64_t kSweepMinBytes = 9 << 20;
+constexpr int64_t kSweepOperandsMinBytes = 4 << 20;
 // Channels-last sweep (docs/design.md, "Channels-last sweep"): by default for inputs of
 // kColsSweepMinBytes and more, the moments and the output kernels' tiles in this many waves of
 // their resident CTAs, each thread taking at least kColsSweepUnroll rows (plan.h). Measured on an
@@ -302,9 +305,9 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
 }
 
 // The sweep forward (docs/design.md, "Sweep path"): 16-bit ChannelsFirst groups of kSweepMinBytes
-// and more (kSweepOneWaveMinBytes in one wave of tiles), where the team forward's barriers cost
-// more than the sweeps' second read of x. Its kernels exist for the 16-bit types alone, forced or
-// not.
+// and more (kSweepOperandsMinBytes with a residual or multiplier), where the team forward's
+// barriers cost more than the sweeps' second read of x. Its kernels exist for the 16-bit types
+// alone, forced or not.
 bool sweep_forward(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
   const int64_t mode = c.o.sweep_forward;
@@ -316,14 +319,14 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   // A forced one-pass limit (FUSEDNORM_ONE_PASS_MAX_BYTES) keeps the one-pass, team and split
   // paths it selects for the tests.
   const int64_t bytes = c.len * p.elem_bytes;
-  if (mode != 1 && (c.forced || bytes < kSweepOneWaveMinBytes)) return false;
+  const int64_t min_bytes = c.forward_streams() > 1 ? kSweepOperandsMinBytes : kSweepMinBytes;
+  if (mode != 1 && (c.forced || bytes < min_bytes)) return false;
   const int64_t lenv = c.len / c.V;
   Tiling t;
   t.split = ceil_div(lenv, kSweepTileBytes / (c.V * p.elem_bytes));
   t.chunk = ceil_div(lenv, t.split);
   t.split = ceil_div(lenv, t.chunk);
   t.tiles = c.items * t.split;
-  if (mode != 1 && bytes < kSweepMinBytes && t.tiles > static_cast<int64_t>(kSweepOutputBlocksPerSM) * c.dev.sms) return false;
   if (t.tiles > std::numeric_limits<int32_t>::max()) return false;
   pl.path = Path::Sweep;
   pl.reduce = t;

@@ -98,7 +98,7 @@ ROWS = [
         forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=256',
         backward='path=split split=8 tiles=64 cols_act_kernel=1 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 512, 512), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=sweep split=8 tiles=256',
+        forward='path=team teams=11 team_size=24 chunk=5462 smem=87392 prefetch=2048 replicas=4 ctas=264',
         backward='path=team teams=4 team_size=66 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 256, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=team teams=16 team_size=16 chunk=4096 smem=65536 prefetch=1536 replicas=4 ctas=256',
@@ -107,7 +107,7 @@ ROWS = [
         forward='path=team teams=32 team_size=8 chunk=4096 smem=65536 prefetch=0 replicas=4 ctas=256',
         backward='path=team teams=16 team_size=16 chunk=2048 smem=65536 prefetch=1024 replicas=16 ctas=256 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 1024, 1024), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=sweep split=32 tiles=1024',
+        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=4 ctas=264',
         backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 512, 512), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
         forward='path=cols_sweep threads=512 split=264 tiles=264 output_tiles=792',
@@ -137,7 +137,7 @@ ROWS = [
         forward='path=sweep split=40 tiles=1280',
         backward='path=team teams=1 team_size=264 chunk=2483 smem=79456 prefetch=1241 replicas=16 ctas=264 param_grad_parts=1'),
     Row('video VAE GN+SiLU', (1, 512, 16, 90, 160), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=sweep split=29 tiles=928',
+        forward='path=team teams=3 team_size=88 chunk=5237 smem=83792 prefetch=3927 replicas=4 ctas=264',
         backward='path=team teams=1 team_size=264 chunk=1746 smem=55872 prefetch=873 replicas=16 ctas=264 param_grad_parts=1'),
     Row('rows of 8192', (1024, 1, 1, 8192), 1, F32, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=registers packs=4 extra_streams=0 threads=512 late=0 ctas=1024',
@@ -195,24 +195,26 @@ def test_team_forward_takes_the_one_pass_groups_only_when_few_and_large():
     assert forward((16, 64, 512, 512), torch.float32, G=32) == "team"                   # 2 MB
 
 
-def test_sweep_takes_16_bit_groups_of_4_mb_whose_packs_keep_to_a_channel(monkeypatch):
+def test_sweep_takes_16_bit_groups_of_9_mb_whose_packs_keep_to_a_channel(monkeypatch):
     """docs/design.md, "Sweep path": the planner's rule and its overrides."""
     def forward(shape, dtype, **kw):
         return _path(kernel_paths.plan(shape, 32, dtype, activation="silu", **kw))
-    assert forward((1, 128, 64, 32, 256), torch.bfloat16) == "sweep"  # 4 MB groups
-    assert forward((1, 128, 64, 32, 255), torch.bfloat16) == "team"   # just under 4 MB (6 team rounds)
-    # From 2 MB where the tiles fit one wave of the output sweep's CTAs (264 on an H200).
-    assert forward((1, 128, 512, 512), torch.bfloat16) == "sweep"     # 32 groups of 8 tiles
-    assert forward((2, 128, 512, 512), torch.bfloat16) == "team"      # 64 of 8
-    assert forward((1, 160, 512, 512), torch.float16) == "team"       # 32 of 10
-    assert forward((1, 128, 511, 512), torch.float16) == "team"       # just under 2 MB
-    assert forward((1, 128, 64, 32, 256), torch.float32) == "team"    # 8 MB, float32
+    assert forward((1, 128, 36, 128, 256), torch.bfloat16) == "sweep"  # 9 MB groups
+    assert forward((1, 128, 36, 128, 255), torch.bfloat16) == "team"   # just under 9 MB
+    assert forward((1, 128, 20, 256, 256), torch.float16) == "sweep"   # the video VAE's 10 MB
+    assert forward((1, 128, 1024, 1024), torch.float16) == "team"      # the VAE's 8 MB
+    assert forward((1, 128, 512, 512), torch.bfloat16) == "team"       # 2 MB
+    assert forward((1, 128, 36, 128, 256), torch.float32) == "team"    # 18 MB, float32
     assert forward((1, 128, 20, 256, 256), torch.half, channels_last=True) != "sweep"
-    # Groups of two channels of 2 * 1024 * 1024 + 4 elements: packs of 8 straddle the channels,
+    # With a residual or multiplier (the output sweep's operand kernel) from 4 MB.
+    assert forward((1, 128, 64, 32, 256), torch.bfloat16, operands=True) == "sweep"
+    assert forward((1, 128, 64, 32, 255), torch.bfloat16, operands=True) == "team"
+    assert forward((1, 128, 64, 32, 256), torch.bfloat16, operands=["multiplier"]) == "sweep"
+    assert forward((1, 128, 64, 32, 256), torch.bfloat16) == "team"
+    # Groups of two channels of 3 * 1024 * 1024 + 4 elements: packs of 8 straddle the channels,
     # which only a group without per-channel parameters allows.
-    assert forward((1, 64, 2, 1024 * 1024 + 2), torch.half) == "team"
-    assert forward((1, 64, 2, 1024 * 1024 + 2), torch.half, affine=False) == "sweep"
-    # The residual and multiplier ride along (the output sweep's operand kernel).
+    assert forward((1, 64, 3 * 1024 * 1024 + 4), torch.half) == "team"
+    assert forward((1, 64, 3 * 1024 * 1024 + 4), torch.half, affine=False) == "sweep"
     assert forward((1, 128, 20, 256, 256), torch.bfloat16, operands=True) == "sweep"
     _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "0"})
     assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"

@@ -54,7 +54,7 @@
 // (group_norm_one_pass.cuh: in registers, in a CTA's shared memory or a cluster's, channels-last
 // too) and the one-CTA backward (one_cta_backward.cuh, ChannelsFirst); group_norm_team.cuh
 // spreads larger ChannelsFirst groups over the shared memory of a team of persistent CTAs, in both
-// directions; 16-bit ChannelsFirst groups of 4 MB and more take two streaming sweeps
+// directions; 16-bit ChannelsFirst groups of 9 MB and more take two streaming sweeps
 // (sweep_path.cuh), channels-last inputs of 32 MB and more the channels-last sweep
 // (cols_sweep_path.cuh). The passes above are the path for the rest: the channels-last backward,
 // large groups where no team pays (the GroupNorm problem's backward), unaligned or odd sizes, double.

@@ -1,5 +1,6 @@
-// The sweep forward, for 16-bit ChannelsFirst groups of 4 MB and more (docs/design.md, "Sweep path"): the
-// split passes' design (x read twice) in two launches of streaming kernels, with no barrier:
+// The sweep forward, for 16-bit ChannelsFirst groups of 9 MB and more (4 MB with a residual or
+// multiplier; docs/design.md, "Sweep path"): the split passes' design (x read twice) in two
+// launches of streaming kernels, with no barrier:
 //   1. the moments sweep: each CTA takes one tile (a chunk of a group) and writes its count, mean
 //      and M2 of x - K (K the group's first element; each thread's sums shifted by its own first
 //      element, block_moments_of_shifted_sums, so no pass depends on the data);
