@@ -648,12 +648,14 @@ def test_fused_paths_cuda(activation, path, monkeypatch):
     # shared memory, and the rest in split passes; the epilogue, forward and backward, must be
     # right on each (test_cuda_kernels.py covers the plain op). The team forward takes groups over
     # 1 MB with their operands ((2, 4, 128, 320) with a residual and a multiplier) by default, and
-    # every group on the "team" path.
+    # every group on the "team" path, whose forward has a kernel of its own for packs that
+    # straddle channels (S = 63: (2, 40, 9, 7) in float32, (2, 16, 9, 7) in packs of 8).
     kernel_paths.set_path(monkeypatch, path)
     torch.manual_seed(10)
     for shape, G, dtype in (((2, 40, 9, 7), 4, torch.float32), ((4, 512), 1, torch.float32),
                             ((8, 3072), 1, torch.float32), ((2, 64, 8, 8), 32, torch.bfloat16),
-                            ((2, 40, 9, 7), 10, torch.float32), ((2, 4, 128, 320), 1, torch.float16)):
+                            ((2, 40, 9, 7), 10, torch.float32), ((2, 16, 9, 7), 2, torch.bfloat16),
+                            ((2, 4, 128, 320), 1, torch.float16)):
         for names in (OPERANDS, ["residual", "multiplier"], ["residual"], ["multiplier"], ["scale"]):
             check_fused(shape, G, dtype, "contiguous", names, activation, "cuda")
 
