@@ -208,6 +208,7 @@ Overrides read_overrides() {
 #ifdef FUSEDNORM_TUNING_KNOBS
   o.one_pass_max_cluster = read_int("FUSEDNORM_ONE_PASS_MAX_CLUSTER");
   o.team_cta_kb = read_int("FUSEDNORM_TEAM_CTA_KB", /*wide=*/true);
+  o.team_count = read_int("FUSEDNORM_TEAM_COUNT", /*wide=*/true);
   o.cols_act_kernel = read_int("FUSEDNORM_COLS_ACT_KERNEL");
   o.backward_threads = read_int("FUSEDNORM_BACKWARD_THREADS");
   o.cols_sweep_waves = read_int("FUSEDNORM_COLS_SWEEP_WAVES");
@@ -284,7 +285,9 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
   const int64_t min_team = ceil_div(lenv, max_chunk);
   if (resident == 0 || min_team > resident) return false;
   const int64_t groups = c.items;
-  const int64_t teams = team_count(groups, imin(resident / min_team, groups));
+  const int64_t max_teams = imin(resident / min_team, groups);
+  const int64_t teams =
+      set(c.o.team_count) ? std::clamp<int64_t>(c.o.team_count, 1, max_teams) : team_count(groups, max_teams);
   const int64_t chunk = ceil_div(lenv, imin(resident / teams, lenv));
   const int64_t team_size = ceil_div(lenv, chunk);
   // The barrier counters reach rounds * team_size.
@@ -700,6 +703,7 @@ std::string Overrides::to_string() const {
   field("cols_sweep", cols_sweep);
   field("one_pass_max_cluster", one_pass_max_cluster);
   field("team_cta_kb", team_cta_kb);
+  field("team_count", team_count);
   field("cols_act_kernel", cols_act_kernel);
   field("backward_threads", backward_threads);
   field("cols_sweep_waves", cols_sweep_waves);

@@ -45,6 +45,7 @@ struct Overrides {
   // Tuning only (FUSEDNORM_TUNING_KNOBS builds).
   int64_t one_pass_max_cluster = kUnset;  // most CTAs of a one-pass cluster
   int64_t team_cta_kb = kUnset;           // shared memory a team CTA holds, in KB
+  int64_t team_count = kUnset;            // teams of the team grid (at most those the grid holds)
   int64_t cols_act_kernel = kUnset;       // 0: channels-last activation-only split passes in the shared EPI kernels
   int64_t backward_threads = kUnset;      // one-CTA backward: threads a CTA (256 or 512)
   int64_t cols_sweep_waves = kUnset;         // channels-last sweep: moments tiles in waves of resident CTAs

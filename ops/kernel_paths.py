@@ -39,6 +39,7 @@ TEST_KNOBS = (
 TUNING_KNOBS = (
     "FUSEDNORM_ONE_PASS_MAX_CLUSTER",  # most CTAs of a one-pass cluster
     "FUSEDNORM_TEAM_CTA_KB",           # shared memory a team CTA holds
+    "FUSEDNORM_TEAM_COUNT",            # teams of the team grid (at most those it holds)
     "FUSEDNORM_COLS_ACT_KERNEL",       # 0: channels-last activation-only split passes in the shared EPI kernels
     "FUSEDNORM_BACKWARD_THREADS",      # one-pass backward: threads a CTA (256 or 512)
     "FUSEDNORM_COLS_SWEEP_WAVES",      # channels-last sweep: moments tiles in this many waves of resident CTAs

@@ -367,8 +367,9 @@ def test_tuning_knobs_are_ignored_by_a_default_build(monkeypatch):
     default = plans()
     _set(monkeypatch, {"FUSEDNORM_TEAM_CTA_KB": "16", "FUSEDNORM_BACKWARD_THREADS": "512",
                        "FUSEDNORM_ONE_PASS_MAX_CLUSTER": "1", "FUSEDNORM_COLS_ACT_KERNEL": "0",
-                       "FUSEDNORM_COLS_SWEEP_WAVES": "4", "FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES": "8"})
-    assert set(TUNING_KNOBS) == {"FUSEDNORM_TEAM_CTA_KB", "FUSEDNORM_BACKWARD_THREADS",
+                       "FUSEDNORM_COLS_SWEEP_WAVES": "4", "FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES": "8",
+                       "FUSEDNORM_TEAM_COUNT": "1"})
+    assert set(TUNING_KNOBS) == {"FUSEDNORM_TEAM_CTA_KB", "FUSEDNORM_TEAM_COUNT", "FUSEDNORM_BACKWARD_THREADS",
                                  "FUSEDNORM_ONE_PASS_MAX_CLUSTER", "FUSEDNORM_COLS_ACT_KERNEL",
                                  "FUSEDNORM_COLS_SWEEP_WAVES", "FUSEDNORM_COLS_SWEEP_OUTPUT_WAVES"}
     assert plans() == default
@@ -383,6 +384,15 @@ def test_team_knobs_size_the_grid(monkeypatch):
     # passes, which were faster there; with an activation the team kernel stays.
     assert _path(plan_of(gn, True)) == "split"
     assert _path(plan_of(gn._replace(activation="silu"), True)) == "team"
+    if kernel_paths.tuning_knobs_compiled():
+        # 32 groups of 4 MB: 4 teams of 66 CTAs by team_count, 6 of 44 asked for, 6 at most.
+        def forward():
+            return kernel_paths.plan((1, 256, 512, 512), 32, F16, activation="silu", device=H200)
+        assert "teams=4 team_size=66" in forward()
+        _set(monkeypatch, {"FUSEDNORM_TEAM_COUNT": "6"})
+        assert "teams=6 team_size=44" in forward()
+        _set(monkeypatch, {"FUSEDNORM_TEAM_COUNT": "100"})
+        assert "teams=6 team_size=44" in forward()
 
 
 def test_a_device_without_clusters(monkeypatch):
