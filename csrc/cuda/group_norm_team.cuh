@@ -253,8 +253,8 @@ __device__ __forceinline__ State team_fold(const State& identity, int team_size,
 // kStraddling: some packs straddle channels (!OnePassArgs::uniform_packs; the launcher picks). A
 // kernel of its own, not a branch in the output loop: inlined beside the uniform pack, the
 // straddling pack's per-element channel walk cost the bfloat16 kernel 40 bytes of stack (8 without
-// it) and float16/float32 8 (0 without it), spilled inside the loop (docs/performance.md, "The
-// team output's straddling packs").
+// it) and float16/float32 8 (0 without it), spilled inside the loop (docs/design.md, "Team
+// path").
 template <typename scalar_t, int V, Activation A, bool kStraddling>
 __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_team_kernel(const TeamArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
