@@ -205,8 +205,6 @@ constexpr int kColsSweepBlocksPerSM = 2;
 constexpr int kColsSweepOutputThreads = 256;
 constexpr int kColsSweepOutputBlocksPerSM = 3;
 constexpr int kColsSweepUnroll = 4;
-// The sweep's output CTAs an SM its register cap guarantees (sweep_path.cuh's launch bounds).
-constexpr int kSweepOutputBlocksPerSM = 2;
 // Threads of a channels-last sweep CTA of at most `max_threads` over rows of `cpr` packs.
 constexpr int cols_sweep_threads(int max_threads, int64_t cpr) {
   return static_cast<int>((max_threads / cpr) * cpr);

@@ -141,16 +141,18 @@ plan::Problem problem_of(const GroupNormShape& sh, Layout layout, const Epilogue
 }
 
 // The CUDA answers to the planner's residency questions about this call's kernels (scalar_t, the
-// epilogue's activation, in the backward what its sums keep, in the forward the streams and
-// whether the channels-last one-pass kernel would add input_bias: its own instantiation).
+// epilogue's activation, in the backward what its sums keep, in the forward the streams, whether
+// the team kernel's packs straddle channels and whether the channels-last one-pass kernel would
+// add input_bias: each its own instantiation).
 template <typename scalar_t>
-plan::Residency residency_of(Activation act, bool backward, Keep keep, int forward_streams, bool input_bias = false) {
+plan::Residency residency_of(Activation act, bool backward, Keep keep, int forward_streams, bool straddling = false,
+    bool input_bias = false) {
   using acc_t = acc_type<scalar_t>;
   plan::Residency r;
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V > 1) {
-    r.team_ctas_per_sm = [act, backward, keep](int64_t smem) {
-      return team_residency<scalar_t>(act, backward, static_cast<int>(keep), smem);
+    r.team_ctas_per_sm = [act, backward, keep, straddling](int64_t smem) {
+      return team_residency<scalar_t>(act, backward, static_cast<int>(keep), straddling, smem);
     };
     r.cols_ctas_per_sm = [act, forward_streams, input_bias](int pack_bytes, int64_t smem) {
       return cols_one_pass_residency<scalar_t>(act, forward_streams, pack_bytes, smem, input_bias);
@@ -171,6 +173,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const plan::DeviceInfo dev = device_info();
   const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
   const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams,
+      /*straddling=*/team_packs_straddle(sh, pack_width<scalar_t>(), weight, bias, ep),
       /*input_bias=*/ep.input_bias.defined() && streams == 1);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
   if (ep.addend.defined() && (pl.path != plan::Path::ColsSweep || !aligned16(ep.addend.data_ptr()) ||

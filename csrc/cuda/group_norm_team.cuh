@@ -631,7 +631,8 @@ bool forward_team(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& w
     set_team_grid(pl, a.team);
     constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
     bool launched = false;
-    const bool straddling = !o.template uniform_packs<V>();
+    const bool straddling = team_packs_straddle(sh, V, weight, bias, ep);
+    TORCH_INTERNAL_ASSERT(straddling == !o.template uniform_packs<V>(), "team forward: packs straddle or not");
     dispatch_activation(ep.activation, [&](auto act) {
       constexpr Activation kA = decltype(act)::value;
       auto kernel =
@@ -709,17 +710,17 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 }
 
 template <typename scalar_t>
-int team_residency(Activation act, bool backward, int keep, int64_t smem) {
+int team_residency(Activation act, bool backward, int keep, bool straddling, int64_t smem) {
   constexpr int V = pack_width<scalar_t>();
   int per_sm = 0;
   dispatch_activation(act, [&](auto a) {
     constexpr Activation kA = decltype(a)::value;
     if (!backward) {
-      // Both kernels a forward may launch (straddling packs or not) are allowed the shared
-      // memory: a kernel left at the default 48 KB is refused the grid, and the call falls back
-      // to another path.
-      per_sm = std::min(team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, false>, smem),
-          team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, true>, smem));
+      // Only the kernel forward_team launches is allowed the shared memory (one left at the
+      // default 48 KB is refused the grid, and the call falls back to another path): asking of
+      // both doubled the host time of every team forward call.
+      per_sm = straddling ? team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, true>, smem)
+                          : team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, false>, smem);
     } else {
       dispatch_keep<kA>(static_cast<Keep>(keep), [&](auto k) {
         per_sm = team_ctas_per_sm(group_norm_team_backward_kernel<scalar_t, V, kA, decltype(k)::value>, smem);
@@ -739,4 +740,4 @@ int team_residency(Activation act, bool backward, int keep, int64_t smem) {
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const GroupNormShape&,    \
       Layout, const Epilogue&, const FusedGradMask&, FusedGrads&, bool, at::Tensor&, at::Tensor&)
 #define FUSEDNORM_INSTANTIATE_TEAM_RESIDENCY(T) \
-  template int fusednorm::team_residency<T>(Activation, bool, int, int64_t)
+  template int fusednorm::team_residency<T>(Activation, bool, int, bool, int64_t)

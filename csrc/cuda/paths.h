@@ -52,9 +52,17 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
     const at::Tensor& rstd, const at::Tensor& weight, const at::Tensor& bias, const GroupNormShape& sh,
     Layout layout, const Epilogue& ep, const FusedGradMask& mask, FusedGrads& g, bool want_params,
     at::Tensor& part_c, at::Tensor& rec);
-// The planner's residency question about the team kernel of a call (`keep`: the backward's Keep).
+// Whether a team forward's 16-byte packs of `V` elements straddle channels of different
+// coefficients: S not a multiple of V, and a per-channel parameter (OnePassArgs::uniform_packs
+// false). Such a call launches the team kernel built for straddling packs.
+inline bool team_packs_straddle(const GroupNormShape& sh, int V, const at::Tensor& weight, const at::Tensor& bias,
+    const Epilogue& ep) {
+  return sh.S % V != 0 && (weight.defined() || bias.defined() || ep.scale.defined() || ep.shift.defined());
+}
+// The planner's residency question about the team kernel a call launches (backward: `keep`, the
+// backward's Keep, picks it; forward: `straddling`, team_packs_straddle).
 template <typename scalar_t>
-int team_residency(Activation act, bool backward, int keep, int64_t smem);
+int team_residency(Activation act, bool backward, int keep, bool straddling, int64_t smem);
 
 // Sweep forward: path Sweep, 16-bit types only (kernels/<dtype>_sweep.cu).
 template <typename scalar_t>

@@ -36,6 +36,8 @@ namespace {
 
 // team_fold's CTA width: the output sweep folds a group's tile moments with it.
 constexpr int kSweepThreads = kTeamThreads;
+// The output kernel's CTAs an SM its register cap guarantees (its launch bounds).
+constexpr int kSweepOutputBlocksPerSM = 2;
 // Packs each thread loads before using any: with three CTAs an SM (moments) or two (output), 64-96
 // KB in flight an SM.
 constexpr int kSweepUnroll = 4;
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
 // OPS: with a residual or a multiplier (a kernel of its own: its three streams need registers the
 // plain loop then lacked, ptxas spilling in both).
 template <typename scalar_t, int V, Activation A, bool OPS>
-__global__ void __launch_bounds__(kSweepThreads, plan::kSweepOutputBlocksPerSM) group_norm_sweep_output_kernel(const __grid_constant__ SweepArgs<scalar_t> a) {
+__global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_norm_sweep_output_kernel(const __grid_constant__ SweepArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   __shared__ ChunkMoments<acc_t> fold[kSweepThreads / kWarp];
