@@ -99,8 +99,9 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // 0.402 against 0.416; the team ahead or level on 4.5-8 MB groups, the VAE's (1,128,1024,1024)
 // float16 0.201 against 0.210, bfloat16 0.211 both, bfloat16 without an activation 0.193 against
 // 0.208, (1,512,16,90,160) float16 0.190 against 0.200 (bfloat16 0.202 against 0.200),
-// (1,128,768,768) float16 0.129 against 0.142, and on the 2 MB groups of (1,128,512,512) (0.060
-// against 0.061), but for (1,256,512,512) float16 (4 MB, 32 groups: 0.119 against 0.114). With an
+// (1,128,768,768) float16 0.129 against 0.142 (0.113 in 6 teams), and on the 2 MB groups of (1,128,512,512) (0.060
+// against 0.061); (1,256,512,512) float16 (4 MB, 32 groups) 0.103 against 0.114 in the 6 teams
+// of team_count's rule of rounds (0.119 in 4 teams before it). With an
 // operand, (1,128,1024,1024) float16: GELU times a multiplier 0.283 against the team's 0.331, SiLU
 // after a residual 0.270 against 0.279 (4-8 MB groups with an operand not measured: they keep
 // the 4 MB threshold every group had before). float32 8 MB groups lost 1-8% (the GroupNorm
@@ -150,11 +151,6 @@ constexpr int kTeamPrefetchMinCtas = 16;
 // ms with 4 copies (5.21 with 8); InstanceNorm3d's (22 rounds) and teams of 24 CTAs level.
 constexpr int kTeamMaxReplicas = 16;
 constexpr int kTeamForwardReplicas = 4;
-// docs/design.md, "Team path": a round takes about group / team size, so the time goes as
-// rounds * teams; fewer teams win when they cost 5% less (the VAE's 32 groups of 1 MB: two rounds
-// of 16 teams against two of 26, 0.068 -> 0.050 ms), near-ties keep more teams (larger chunks,
-// fewer barriers: the GroupNorm problem took 8.3 ms with two teams against 7.1 with three).
-constexpr int64_t kTeamCountGainNum = 19, kTeamCountGainDen = 20;
 
 // One-CTA backward (docs/design.md, "One-CTA backward"): CTAs of 512 threads from 1024 packs a
 // group on (256 below), groups up to the opt-in shared memory; over 48 KB only with a group for
@@ -260,15 +256,14 @@ struct Ctx {
   }
 };
 
-// Teams for `groups` groups, at most `max_teams`: a round takes about group / team size, so the
-// time goes as rounds * teams; near-ties keep more teams (larger chunks, fewer barriers).
+// Teams for `groups` groups, at most `max_teams`: the fewest rounds, in the fewest teams that take
+// the groups in that many (each CTA then holds less). A round costs a fixed part (the barrier, the
+// fold, the copies' fill and drain) beside its chunk, so fewer rounds of larger chunks win even
+// with idle teams in the last one (docs/design.md, "Team count": H200, the VAE's 32 groups of 4.7
+// MB in 6 teams against 4, 0.128 -> 0.114 ms), and the same rounds in fewer teams win by smaller
+// chunks (32 groups of 1 MB: two rounds of 16 teams against two of 26, 0.045 -> 0.034 ms).
 int64_t team_count(int64_t groups, int64_t max_teams) {
-  const auto cost = [&](int64_t t) { return ceil_div(groups, t) * t; };
-  int64_t best = max_teams;
-  for (int64_t t = max_teams - 1; t >= 1; --t) {
-    if (cost(t) * kTeamCountGainDen < cost(best) * kTeamCountGainNum) best = t;
-  }
-  return best;
+  return ceil_div(groups, ceil_div(groups, max_teams));
 }
 
 // Sizes the team grid for groups of `lenv` packs of `pack_bytes` each (the pack times the
