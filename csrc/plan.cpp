@@ -99,9 +99,9 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // 0.402 against 0.416; the team ahead or level on 4.5-8 MB groups, the VAE's (1,128,1024,1024)
 // float16 0.201 against 0.210, bfloat16 0.211 both, bfloat16 without an activation 0.193 against
 // 0.208, (1,512,16,90,160) float16 0.190 against 0.200 (bfloat16 0.202 against 0.200),
-// (1,128,768,768) float16 0.129 against 0.142 (0.113 in 6 teams), and on the 2 MB groups of (1,128,512,512) (0.060
-// against 0.061); (1,256,512,512) float16 (4 MB, 32 groups) 0.103 against 0.114 in the 6 teams
-// of team_count's rule of rounds (0.119 in 4 teams before it). With an
+// (1,128,768,768) float16 0.129 against 0.142 (0.113 in 6 teams), and on the 2 MB groups of
+// (1,128,512,512) (0.060 against 0.061); (1,256,512,512) float16 (4 MB, 32 groups) 0.103 against
+// 0.114 in the 6 teams of team_count's rule of rounds (0.119 in 4 teams before it). With an
 // operand, (1,128,1024,1024) float16: GELU times a multiplier 0.283 against the team's 0.331, SiLU
 // after a residual 0.270 against 0.279 (4-8 MB groups with an operand not measured: they keep
 // the 4 MB threshold every group had before). float32 8 MB groups lost 1-8% (the GroupNorm

@@ -718,7 +718,7 @@ int team_residency(Activation act, bool backward, int keep, bool straddling, int
     if (!backward) {
       // Only the kernel forward_team launches is allowed the shared memory (one left at the
       // default 48 KB is refused the grid, and the call falls back to another path): asking of
-      // both doubled the host time of every team forward call.
+      // both doubled the driver calls of every team forward's planning.
       per_sm = straddling ? team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, true>, smem)
                           : team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, false>, smem);
     } else {
