@@ -912,7 +912,7 @@ def test_team_forward_launches(case, dtype, monkeypatch):
     # a pack) and for packs that do not (group_norm_team_kernel's kStraddling); a refused launch
     # falls back to another path without a word, so the kernel is looked for by name. Chunks over
     # the default 48 KB of shared memory a CTA (87-104 KB), which a kernel gets only once allowed
-    # (team_residency allows both); y against the float64 reference.
+    # (team_residency allows the one the call launches); y against the float64 reference.
     shape, G = case
     kernel_paths.set_path(monkeypatch, "team")
     x = make(shape, dtype, seed=41, offset=1.0)
