@@ -526,3 +526,21 @@ def test_path_margins_merge_puts_a_partial_run_in_place(tmp_path):
     assert merged["rows"] == rows[:1] + [remeasured] + rows[2:] + [added]
     assert merged["updated"].startswith(MARGINS["updated"] + "; 2099-01-01, ")
     assert merged["updated"].endswith(": python tools/path_margins.py --filter x")
+
+
+def test_knob_sweep_plans_each_value():
+    # tools/knob_sweep.py --plans (no GPU needed): for each row the default plan (the knob unset),
+    # then each value's; an unknown knob is refused as argparse refuses an argument.
+    tool = Path(__file__).parents[1] / "tools" / "knob_sweep.py"
+    done = subprocess.run([sys.executable, str(tool), "FUSEDNORM_TEAM_PREFETCH", "0,6", "--row", "1,128,768,768:float16:silu",
+                           "--row", "1,128,512,512:bfloat16:silu", "--backward", "--plans"],
+                          check=True, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6, done.stdout
+    default = kernel_paths.plan((1, 128, 768, 768), 32, F16, activation="silu", backward=True)
+    assert lines[0].split()[-len(default.split()):] == default.split()
+    assert "default" in lines[0] and "prefetch=0 " in lines[1] and "prefetch=0 " not in lines[2]
+    assert all("path=team" in line for line in lines), done.stdout
+    bad = subprocess.run([sys.executable, str(tool), "FUSEDNORM_NOT_A_KNOB", "1", "--row", "1,32,8,8", "--plans"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not one of" in bad.stderr
