@@ -44,7 +44,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
