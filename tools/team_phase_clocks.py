@@ -10,7 +10,7 @@ instrumented build of group_norm_team.cuh. Three steps (the third on the GPU mac
 kernel and CTA, the share of its clock cycles in each phase and the microseconds per round, and
 per kernel, by quarter of the rounds, the median CTA's cycles and barrier-wait share (whether the
 teams drift into waiting at their barriers together over many rounds):
-  forward:  barrier wait | partial loads (thread 0's loads of the team's partials) | CTA fold and
+  forward:  barrier wait | partial loads (thread 0's loads of the team's partials) | CTA merge and
             rstd | outputs (and the next round's copies) | next moments
   backward: copy wait | coefficients wait (thread 0 waits on the first channel's coefficients) |
             sums and CTA fold | publish | barrier wait | team fold and dx coefficients |
@@ -74,25 +74,29 @@ EDITS = [
     after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
     ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.read_part(team, i, rank);",
      "    t.wait(team, i);\n    PH_Q(0, true)\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.read_part(team, i, rank);"),
-    # The team fold in two: thread 0's loads of the team's partials (and its merges of them), then
-    # the CTA's fold of the threads' values and rstd (team_fold written out, with a stamp between;
-    # the printf on the merged value keeps the loads before the stamp).
-    ("""    const ChunkMoments<acc_t> m = team_fold(
-        ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
+    # The team fold in two: thread 0's loads of the team's partials, then the CTA's merge of them
+    # (parts_moments) and rstd (with a stamp between; the printf on the loaded value keeps the
+    # loads before the stamp).
+    ("""    const BlockMoments<acc_t> m = parts_moments(t.team_size, static_cast<acc_t>(o.len),
         [&](int r) {
           const acc_t* p = team_part + r * kTeamPartials;
           return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
         },
-        [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+        fold);
 """, """    ChunkMoments<acc_t> ph_v{acc_t(0), acc_t(0), acc_t(0)};
-    for (int r = threadIdx.x; r < t.team_size; r += kTeamThreads) {
-      const acc_t* p = team_part + r * kTeamPartials;
-      ph_v = merge_chunks(ph_v, ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)});
+    if (static_cast<int>(threadIdx.x) < t.team_size) {
+      const acc_t* p = team_part + threadIdx.x * kTeamPartials;
+      ph_v = ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
     }
     if (threadIdx.x == 0 && ph_v.n == acc_t(-1.2345e-30f)) printf("-");
     PH(4)
-    const ChunkMoments<acc_t> m = team_block_fold(
-        ph_v, [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+    const BlockMoments<acc_t> m = parts_moments(t.team_size, static_cast<acc_t>(o.len),
+        [&](int r) {
+          if (r == static_cast<int>(threadIdx.x)) return ph_v;
+          const acc_t* p = team_part + r * kTeamPartials;
+          return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
+        },
+        fold);
 """),
     after("    const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);\n", "    PH(1)\n"),
     after("        if (more) __pipeline_memcpy_async(&x[v], &xnext[v], sizeof(P));\n      }\n    });\n", "    PH(2)\n"),

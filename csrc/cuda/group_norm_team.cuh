@@ -14,7 +14,7 @@
 //      where the first loses M2's digits; K the group's first element), writes them to global
 //      memory and arrives at the team's barrier (a counter in global memory);
 //   2. once the whole team has arrived, merges its partials in one fixed order (every CTA and
-//      every run gets the same bits: Chan's pairwise formula);
+//      every run gets the same bits: parts_moments' sums);
 //   3. writes y from shared memory through OnePassOutput, and, as each pack is written, issues
 //      the copy of the same pack of round i + 1 into its place, so that reads overlap writes.
 // Before step 2's wait, a CTA of a large team brings part of its round i + 1 chunk into L2
@@ -193,30 +193,12 @@ struct TeamArgs {
   TeamGrid<acc_type<scalar_t>> team;  // partials: a chunk's count, mean and M2
 };
 
-// A chunk's moments. Merged with Chan's formula, as merge() of the split path does, but returning
-// the other side outright when one is empty: the merge runs on every round's critical path (the
-// whole CTA waits for it), where most lanes hold no chunk, and merge()'s unconditional division
-// there cost 3-4% (InstanceNorm problem 6.03 -> 6.20 ms, attention GN 0.0846 -> 0.0877 ms on an
-// H100; docs/design.md, "Team path").
+// A chunk's moments of x - K: count, mean and M2 (a team rank's, an output sweep tile's), merged
+// by parts_moments.
 template <typename acc_t>
 struct ChunkMoments {
   acc_t n, mean, m2;
 };
-
-template <typename acc_t>
-__device__ __forceinline__ ChunkMoments<acc_t> merge_chunks(const ChunkMoments<acc_t>& a, const ChunkMoments<acc_t>& b) {
-  const acc_t n = a.n + b.n;
-  if (b.n == acc_t(0)) return a;
-  if (a.n == acc_t(0)) return b;
-  const acc_t delta = b.mean - a.mean;
-  const acc_t fb = b.n / n;
-  return {n, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.n * fb};
-}
-
-template <typename acc_t>
-__device__ __forceinline__ ChunkMoments<acc_t> shfl_xor(const ChunkMoments<acc_t>& v, int mask) {
-  return {shfl_xor(v.n, mask), shfl_xor(v.mean, mask), shfl_xor(v.m2, mask)};
-}
 
 // Combines every thread's `v` over the CTA in a fixed order: a butterfly in each warp (both
 // lanes of a pair combine in the same order, so they get the same bits), then the warps' results
@@ -249,6 +231,49 @@ __device__ __forceinline__ State team_fold(const State& identity, int team_size,
   return team_block_fold(v, combine, smem);
 }
 
+// The mean and M2 of x - K over a group of `count` elements from its parts' moments, one (count,
+// mean, M2) a part (`load` reads part r; thread t takes parts t, t + kTeamThreads, ...): the
+// team forward's ranks, the output sweep's tiles. Merged by sums rather than Chan's pairwise
+// merges: the mean is the sum of each part's count * mean over `count`, M2 the sum of each part's
+// M2 and count * (its mean - the mean)^2, every term nonnegative (as block_moments_of_shifted_sums
+// merges a CTA's threads). Two CTA sums of additions, where the merges' chain (five butterfly
+// steps, then the warps' states in turn, a division each) sat on the team's every round
+// (docs/design.md, "Team path"). A butterfly sum gives both lanes of a pair the same bits
+// (addition commutes) and every thread adds the warps' sums in warp order, so every CTA gets the
+// same bits. A thread keeps its first part in registers for the second sum (the team's parts
+// come from L2; a team has at most kTeamThreads ranks). `smem`: 2 * kTeamThreads / kWarp values,
+// written again only after a later __syncthreads.
+template <typename acc_t, typename Load>
+__device__ __forceinline__ BlockMoments<acc_t> parts_moments(int parts, acc_t count, const Load& load, acc_t* smem) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const ChunkMoments<acc_t> c = tid < parts ? load(tid) : ChunkMoments<acc_t>{};
+  const int warps = (imin(parts, kTeamThreads) + kWarp - 1) >> kLogWarp;  // the warps holding parts
+  const auto sum = [&](acc_t v, acc_t* at) {
+    v = segment_sum(v, kWarp);
+    if ((tid & (kWarp - 1)) == 0) at[tid >> kLogWarp] = v;
+    __syncthreads();
+    v = at[0];
+    for (int w = 1; w < warps; ++w) v += at[w];
+    return v;
+  };
+  acc_t s = c.n * c.mean;
+  for (int r = tid + kTeamThreads; r < parts; r += kTeamThreads) {
+    const ChunkMoments<acc_t> p = load(r);
+    s += p.n * p.mean;
+  }
+  BlockMoments<acc_t> m;
+  m.mean = sum(s, smem) / count;
+  const acc_t d = c.mean - m.mean;
+  acc_t q = c.m2 + c.n * d * d;
+  for (int r = tid + kTeamThreads; r < parts; r += kTeamThreads) {
+    const ChunkMoments<acc_t> p = load(r);
+    const acc_t e = p.mean - m.mean;
+    q += p.m2 + p.n * e * e;
+  }
+  m.m2 = sum(q, smem + kTeamThreads / kWarp);  // other slots: no barrier between the sums
+  return m;
+}
+
 // kStraddling: some packs straddle channels (!OnePassArgs::uniform_packs; the launcher picks). A
 // kernel of its own, not a branch in the output loop: inlined beside the uniform pack, the
 // straddling pack's per-element channel walk cost the bfloat16 kernel 40 bytes of stack (8 without
@@ -260,7 +285,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char team_smem[];
   __shared__ acc_t red[kTeamThreads / kWarp];
-  __shared__ ChunkMoments<acc_t> fold[kTeamThreads / kWarp];
+  __shared__ acc_t fold[2 * kTeamThreads / kWarp];
   const OnePassArgs<scalar_t>& o = a.op;
   const TeamGrid<acc_t>& t = a.team;
   const EpiArgs<scalar_t>& e = o.epi;
@@ -319,13 +344,12 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
     const acc_t* team_part = t.read_part(team, i, rank);  // written by other SMs: read from L2
-    const ChunkMoments<acc_t> m = team_fold(
-        ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, t.team_size,
+    const BlockMoments<acc_t> m = parts_moments(t.team_size, static_cast<acc_t>(o.len),
         [&](int r) {
           const acc_t* p = team_part + r * kTeamPartials;
           return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
         },
-        [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+        fold);
     // !(m2 <= 0): a NaN M2 stays NaN (as finalize_moments_kernel's).
     const acc_t var = !(m.m2 <= acc_t(0)) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.

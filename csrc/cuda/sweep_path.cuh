@@ -34,7 +34,7 @@
 namespace fusednorm {
 namespace {
 
-// team_fold's CTA width: the output sweep folds a group's tile moments with it.
+// parts_moments' CTA width: the output sweep merges a group's tile moments with it.
 constexpr int kSweepThreads = kTeamThreads;
 // The output kernel's CTAs an SM its register cap guarantees (its launch bounds).
 constexpr int kSweepOutputBlocksPerSM = 2;
@@ -115,7 +115,7 @@ template <typename scalar_t, int V, Activation A, bool OPS>
 __global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_norm_sweep_output_kernel(const __grid_constant__ SweepArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  __shared__ ChunkMoments<acc_t> fold[kSweepThreads / kWarp];
+  __shared__ acc_t fold[2 * kSweepThreads / kWarp];
   const OnePassArgs<scalar_t>& o = a.op;
   const EpiArgs<scalar_t>& e = o.epi;
   const int64_t t = blockIdx.x;
@@ -129,10 +129,8 @@ __global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_
   // would follow the fold's barriers.
   const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
   wait_for_primary();
-  const ChunkMoments<acc_t> m = team_fold(
-      ChunkMoments<acc_t>{acc_t(0), acc_t(0), acc_t(0)}, a.split,
-      [&](int r) { return ChunkMoments<acc_t>{slots[3 * r], slots[3 * r + 1], slots[3 * r + 2]}; },
-      [](const ChunkMoments<acc_t>& l, const ChunkMoments<acc_t>& r) { return merge_chunks(l, r); }, fold);
+  const BlockMoments<acc_t> m = parts_moments(a.split, static_cast<acc_t>(o.len),
+      [&](int r) { return ChunkMoments<acc_t>{slots[3 * r], slots[3 * r + 1], slots[3 * r + 2]}; }, fold);
   // As the team forward: a NaN M2 stays NaN, an overflowed one gives NaN, not rstd 0.
   const acc_t var = !(m.m2 <= acc_t(0)) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
   const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + o.eps);
