@@ -44,7 +44,7 @@ __device__ __forceinline__ acc_t finalize_shift(const MomentsFinalizeArgs<scalar
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const MomentsFinalizeArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
-  __shared__ Moments<acc_t, 1> smem[kThreads / kWarp];
+  __shared__ acc_t smem[kThreads / kWarp];
   const int lane = threadIdx.x & ((1 << a.log_iw) - 1);
   const int per_block = kThreads >> a.log_iw;
   const int64_t first_base = static_cast<int64_t>(blockIdx.x) * per_block;
@@ -59,19 +59,29 @@ __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const Moment
   launch_dependents();
   for (int64_t base = first_base; base < a.items; base += static_cast<int64_t>(gridDim.x) * per_block) {
     const int64_t item = base + (threadIdx.x >> a.log_iw);
-    Moments<acc_t, 1> st;
-    clear(st);
-    if (item < a.items) {
-      const acc_t* p = a.part + item * a.entries * 3;
-      for (int64_t e = lane; e < a.entries; e += (1 << a.log_iw)) {
-        Moments<acc_t, 1> b;
-        b.n = p[e * 3];
-        b.mean[0] = p[e * 3 + 1];
-        b.m2[0] = p[e * 3 + 2];
-        st = merge(st, b);
-      }
+    // The entries merged by sums (parts_moments' form, group_norm_team.cuh): the count and the
+    // sum of count * mean give the mean, then M2 is the sum of each entry's M2 and count * (its
+    // mean - the mean)^2, every term nonnegative; Chan's pairwise merges chained a division each.
+    const acc_t* p = a.part + imin(item, a.items - 1) * a.entries * 3;
+    const int64_t entries = item < a.items ? a.entries : 0;
+    acc_t n = acc_t(0), s = acc_t(0);
+    for (int64_t e = lane; e < entries; e += (1 << a.log_iw)) {
+      n += p[e * 3];
+      s += p[e * 3] * p[e * 3 + 1];
     }
-    st = segment_reduce(st, a.log_iw, smem);
+    n = segment_all_sum(n, a.log_iw, smem);
+    s = segment_all_sum(s, a.log_iw, smem);
+    const acc_t mean = n > acc_t(0) ? s / n : acc_t(0);
+    acc_t m2 = acc_t(0);
+    for (int64_t e = lane; e < entries; e += (1 << a.log_iw)) {
+      const acc_t d = p[e * 3 + 1] - mean;
+      m2 += p[e * 3 + 2] + p[e * 3] * d * d;
+    }
+    m2 = segment_all_sum(m2, a.log_iw, smem);
+    Moments<acc_t, 1> st;
+    st.n = n;
+    st.mean[0] = mean;
+    st.m2[0] = m2;
     if (lane == 0 && item < a.items) {
       const acc_t K = base == first_base ? first_K : finalize_shift(a, item);
       // !(m2 <= 0), not m2 > 0: a NaN M2 (chunks whose overflowed M2 met in the merge as inf - inf)

@@ -130,6 +130,25 @@ __device__ __forceinline__ State segment_reduce(State v, int log_width, State* s
   return v;
 }
 
+// The sum of v over each aligned segment of 2^log_width consecutive threads (log_width <=
+// kLogThreads), in every thread of the segment: a butterfly in each warp, then the segment's
+// warps' sums in warp order. Every thread of the block must call it (it synchronises when a
+// segment spans several warps). `smem` holds kThreads / kWarp values.
+template <typename acc_t>
+__device__ __forceinline__ acc_t segment_all_sum(acc_t v, int log_width, acc_t* smem) {
+  v = segment_sum(v, 1 << (log_width < kLogWarp ? log_width : kLogWarp));
+  if (log_width > kLogWarp) {
+    const int warp = threadIdx.x >> kLogWarp;
+    if ((threadIdx.x & (kWarp - 1)) == 0) smem[warp] = v;
+    __syncthreads();
+    const int first = warp & ~((1 << (log_width - kLogWarp)) - 1);  // the segment's first warp
+    v = smem[first];
+    for (int w = 1; w < (1 << (log_width - kLogWarp)); ++w) v += smem[first + w];
+    __syncthreads();  // smem is reused by the next call
+  }
+  return v;
+}
+
 template <int L, int V>
 __device__ __forceinline__ constexpr int lane_of(int j) {
   return L == 1 ? 0 : j;
