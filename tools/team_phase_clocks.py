@@ -149,15 +149,23 @@ CASES = [  # label, shape, groups, dtype, knobs, activation
     ("InstanceNorm3d (2,32,128^3)", (2, 32, 128, 128, 128), 32, "float32", {"FUSEDNORM_TEAM_BACKWARD": "1"}, None),
     ("VAE GN+SiLU (1,128,512,512)", (1, 128, 512, 512), 32, "bfloat16", {}, "silu"),
     ("Attention GN (16,512,4096)", (16, 512, 4096), 32, "bfloat16", {}, None),
+    # 32 groups of 4.5 MB in 6 teams of 44 (6 rounds), and the video VAE's of 10.5 MB in 2 of 132
+    # (16 rounds; the planner gives it the sweep).
+    ("VAE GN+SiLU (1,128,768,768)", (1, 128, 768, 768), 32, "float16", {}, "silu"),
+    ("Video VAE GN+SiLU (1,128,20,256,256)", (1, 128, 20, 256, 256), 32, "bfloat16",
+     {"FUSEDNORM_SWEEP_FORWARD": "0"}, "silu"),
 ]
 
 
-def run():
+def run(only=None):
     import torch
     import fusednorm
     import fusednorm.kernel_paths
     for label, shape, G, dtype, knobs, act in CASES:
-        for name in ("FUSEDNORM_TEAM_BACKWARD", "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_ONE_PASS_MAX_BYTES"):
+        if only and not any(o in label for o in only):
+            continue
+        for name in ("FUSEDNORM_TEAM_BACKWARD", "FUSEDNORM_TEAM_FORWARD", "FUSEDNORM_ONE_PASS_MAX_BYTES",
+                     "FUSEDNORM_SWEEP_FORWARD"):
             os.environ.pop(name, None)
         os.environ.update(knobs)
         fusednorm.kernel_paths.reload_overrides()
@@ -225,7 +233,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("patch").add_argument("dst")
-    sub.add_parser("run")
+    sub.add_parser("run").add_argument("--only", action="append", help="the cases whose label contains this")
     sub.add_parser("table").add_argument("log", help="a saved output of `run`")
     args = parser.parse_args()
     if args.cmd == "patch":
@@ -235,7 +243,7 @@ def main():
     else:
         # The kernels' printf lines reach stdout at synchronisations, interleaved with ours: let
         # the caller save them (`run > log`), then `table log`.
-        run()
+        run(args.only)
 
 
 if __name__ == "__main__":
