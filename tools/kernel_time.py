@@ -20,7 +20,7 @@ import torch
 import fusednorm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench import kernel_ms  # noqa: E402
+from bench import fused_call, kernel_ms  # noqa: E402
 
 CASES = [  # label, shape, groups, dtype, activation, operands, channels_last
     ("resnet bf16 res+relu", (16, 256, 56, 56), 32, torch.bfloat16, "relu", ("residual",), False),
@@ -59,24 +59,8 @@ def main():
         if not re.search(args.filter, label):
             continue
         torch.manual_seed(0)
-        mf = torch.channels_last if cl else torch.contiguous_format
-        x = torch.randn(shape, device="cuda", dtype=dt).contiguous(memory_format=mf)
-        C = shape[1]
-        w = torch.randn(C, device="cuda", dtype=dt)
-        b = torch.randn(C, device="cuda", dtype=dt)
-        # ("same",): problem 3's tail, one tensor as residual and multiplier.
-        same = opnames == ("same",)
-        ops = {"residual": torch.randn_like(x)} if same else {k: torch.randn_like(x) for k in opnames}
-        with torch.no_grad():
-            fops = dict(ops, multiplier=ops["residual"]) if same else ops
-            forward = kernel_ms(lambda: fusednorm.group_norm(x, G, w, b, activation=act, **fops), flush, args.iters)
-        leaves = [t.detach().requires_grad_() for t in [x, w, b] + list(ops.values())]
-        kw = dict(zip(ops, leaves[3:]))
-        if same:
-            kw["multiplier"] = kw["residual"]
-        y = fusednorm.group_norm(leaves[0], G, leaves[1], leaves[2], activation=act, **kw)
-        dy = torch.randn_like(y)
-        backward = kernel_ms(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), flush, args.iters)
+        forward = kernel_ms(fused_call(shape, G, dt, act, cl, opnames), flush, args.iters)
+        backward = kernel_ms(fused_call(shape, G, dt, act, cl, opnames, backward=True), flush, args.iters)
         print(f"{label:<28} {forward:8.4f} {backward:8.4f}", flush=True)
 
 

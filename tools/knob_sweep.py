@@ -21,7 +21,6 @@ import sys
 
 import torch
 
-import fusednorm
 from fusednorm import kernel_paths
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -44,20 +43,6 @@ def apply(knob, value, fixed):
     if value is not None:
         os.environ[knob] = value
     kernel_paths.reload_overrides()
-
-
-def call_of(shape, dtype, activation, channels_last, groups, backward):
-    x = torch.randn(shape, device="cuda", dtype=dtype)
-    if channels_last:
-        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
-    w = torch.randn(shape[1], device="cuda", dtype=dtype)
-    b = torch.randn(shape[1], device="cuda", dtype=dtype)
-    if not backward:
-        return lambda: fusednorm.group_norm(x, groups, w, b, activation=activation)
-    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-    y = fusednorm.group_norm(*leaves[:1], groups, *leaves[1:], activation=activation)
-    dy = torch.randn_like(y)
-    return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
 
 
 def main():
@@ -83,13 +68,14 @@ def main():
     values = [None] + args.values.split(",")
     rows = [parse_row(r) for r in args.row]
     if not args.plans:
-        from bench import kernel_ms
+        from bench import fused_call, kernel_ms
 
         flush = torch.zeros(512 * 1024 * 1024, dtype=torch.int8, device="cuda")
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, GPU kernel time a call (ms)")
     for shape, dtype, activation, channels_last in rows:
         label = f"{shape} {str(dtype)[6:]} {activation or 'plain'}{' channels_last' if channels_last else ''}"
-        fn = None if args.plans else call_of(shape, dtype, activation, channels_last, args.groups, args.backward)
+        fn = None if args.plans else fused_call(shape, args.groups, dtype, activation, channels_last,
+                                                backward=args.backward)
         for r in range(1 if args.plans else args.rounds):
             for value in values:
                 apply(args.knob, value, fixed)
