@@ -17,7 +17,6 @@ import re
 import sys
 
 import torch
-import fusednorm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench import fused_call, kernel_ms  # noqa: E402
