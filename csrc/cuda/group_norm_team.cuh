@@ -193,13 +193,6 @@ struct TeamArgs {
   TeamGrid<acc_type<scalar_t>> team;  // partials: a chunk's count, mean and M2
 };
 
-// A chunk's moments of x - K: count, mean and M2 (a team rank's, an output sweep tile's), merged
-// by parts_moments.
-template <typename acc_t>
-struct ChunkMoments {
-  acc_t n, mean, m2;
-};
-
 // Combines every thread's `v` over the CTA in a fixed order: a butterfly in each warp (both
 // lanes of a pair combine in the same order, so they get the same bits), then the warps' results
 // in warp order. Every thread returns the same bits. `smem` (kTeamThreads / kWarp states) may be
@@ -229,49 +222,6 @@ __device__ __forceinline__ State team_fold(const State& identity, int team_size,
   State v = identity;
   for (int r = threadIdx.x; r < team_size; r += kTeamThreads) v = combine(v, load(r));
   return team_block_fold(v, combine, smem);
-}
-
-// The mean and M2 of x - K over a group of `count` elements from its parts' moments, one (count,
-// mean, M2) a part (`load` reads part r; thread t takes parts t, t + kTeamThreads, ...): the
-// team forward's ranks, the output sweep's tiles. Merged by sums rather than Chan's pairwise
-// merges: the mean is the sum of each part's count * mean over `count`, M2 the sum of each part's
-// M2 and count * (its mean - the mean)^2, every term nonnegative (as block_moments_of_shifted_sums
-// merges a CTA's threads). Two CTA sums of additions, where the merges' chain (five butterfly
-// steps, then the warps' states in turn, a division each) sat on the team's every round
-// (docs/design.md, "Team path"). A butterfly sum gives both lanes of a pair the same bits
-// (addition commutes) and every thread adds the warps' sums in warp order, so every CTA gets the
-// same bits. A thread keeps its first part in registers for the second sum (the team's parts
-// come from L2; a team has at most kTeamThreads ranks). `smem`: 2 * kTeamThreads / kWarp values,
-// written again only after a later __syncthreads.
-template <typename acc_t, typename Load>
-__device__ __forceinline__ BlockMoments<acc_t> parts_moments(int parts, acc_t count, const Load& load, acc_t* smem) {
-  const int tid = static_cast<int>(threadIdx.x);
-  const ChunkMoments<acc_t> c = tid < parts ? load(tid) : ChunkMoments<acc_t>{};
-  const int warps = (imin(parts, kTeamThreads) + kWarp - 1) >> kLogWarp;  // the warps holding parts
-  const auto sum = [&](acc_t v, acc_t* at) {
-    v = segment_sum(v, kWarp);
-    if ((tid & (kWarp - 1)) == 0) at[tid >> kLogWarp] = v;
-    __syncthreads();
-    v = at[0];
-    for (int w = 1; w < warps; ++w) v += at[w];
-    return v;
-  };
-  acc_t s = c.n * c.mean;
-  for (int r = tid + kTeamThreads; r < parts; r += kTeamThreads) {
-    const ChunkMoments<acc_t> p = load(r);
-    s += p.n * p.mean;
-  }
-  BlockMoments<acc_t> m;
-  m.mean = sum(s, smem) / count;
-  const acc_t d = c.mean - m.mean;
-  acc_t q = c.m2 + c.n * d * d;
-  for (int r = tid + kTeamThreads; r < parts; r += kTeamThreads) {
-    const ChunkMoments<acc_t> p = load(r);
-    const acc_t e = p.mean - m.mean;
-    q += p.m2 + p.n * e * e;
-  }
-  m.m2 = sum(q, smem + kTeamThreads / kWarp);  // other slots: no barrier between the sums
-  return m;
 }
 
 // kStraddling: some packs straddle channels (!OnePassArgs::uniform_packs; the launcher picks). A
@@ -344,7 +294,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     t.wait(team, i);
     const int64_t item = t.item_of(team, i);
     const acc_t* team_part = t.read_part(team, i, rank);  // written by other SMs: read from L2
-    const BlockMoments<acc_t> m = parts_moments(t.team_size, static_cast<acc_t>(o.len),
+    const BlockMoments<acc_t> m = parts_moments<kTeamThreads>(t.team_size, static_cast<acc_t>(o.len),
         [&](int r) {
           const acc_t* p = team_part + r * kTeamPartials;
           return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};

@@ -2,9 +2,11 @@
 // thread's sums of its own elements (docs/design.md, "Shifted moments and Chan merges", "Cluster
 // path"): block sums in a fixed order (of one group, or of up to kMaxColsSpan groups at once), the
 // two-step Chan merge of the threads' shifted sums (block_moments_of_shifted_sums, cta_part_moments),
-// and the cluster's exchange and merge of its CTAs' parts over distributed shared memory
-// (one_pass_cluster_moments). The one-pass kernels share them with the team, sweep and one-CTA
-// backward kernels, which include this header rather than the one-pass kernels'.
+// the cluster's exchange and merge of its CTAs' parts over distributed shared memory
+// (one_pass_cluster_moments), and a CTA's merge of a group's parts from global memory
+// (parts_moments: the team forward's ranks, the output sweep's tiles). The one-pass kernels share
+// them with the team, sweep and one-CTA backward kernels, which include this header rather than
+// the one-pass kernels'.
 // kOnePassThreads, the one-pass kernels' CTA size, is here because the block sums are sized by it.
 
 #pragma once
@@ -64,6 +66,56 @@ __device__ __forceinline__ BlockMoments<acc_t> block_moments_of_shifted_sums(
   }
   r.m2 = one_pass_block_sum<MaxThreads>(c, smem);
   return r;
+}
+
+// A part's moments of x - K: count, mean and M2 (a team rank's chunk, an output sweep tile), as
+// parts_moments reads them.
+template <typename acc_t>
+struct ChunkMoments {
+  acc_t n, mean, m2;
+};
+
+// The mean and M2 of x - K over a group of `count` elements from its parts' moments, one (count,
+// mean, M2) a part (`load` reads part r; thread t of the CTA's Threads takes parts t, t + Threads,
+// ...): the team forward's ranks, the output sweep's tiles. Merged by sums rather than Chan's
+// pairwise merges: the mean is the sum of each part's count * mean over `count`, M2 the sum of
+// each part's M2 and count * (its mean - the mean)^2, every term nonnegative (as
+// block_moments_of_shifted_sums merges a CTA's threads). Two CTA sums of additions, where the
+// merges' chain (five butterfly steps, then the warps' states in turn, a division each) sat on the
+// team's every round (docs/design.md, "Team path"). A butterfly sum gives both lanes of a pair the
+// same bits (addition commutes) and every thread adds the warps' sums in warp order, so every CTA
+// gets the same bits. A thread keeps its first part in registers for the second sum (the team's
+// parts come from L2; a team has at most Threads ranks). `smem`: 2 * Threads / kWarp values,
+// written again only after a later __syncthreads.
+template <int Threads, typename acc_t, typename Load>
+__device__ __forceinline__ BlockMoments<acc_t> parts_moments(int parts, acc_t count, const Load& load, acc_t* smem) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const ChunkMoments<acc_t> c = tid < parts ? load(tid) : ChunkMoments<acc_t>{};
+  const int warps = (imin(parts, Threads) + kWarp - 1) >> kLogWarp;  // the warps holding parts
+  const auto sum = [&](acc_t v, acc_t* at) {
+    v = segment_sum(v, kWarp);
+    if ((tid & (kWarp - 1)) == 0) at[tid >> kLogWarp] = v;
+    __syncthreads();
+    v = at[0];
+    for (int w = 1; w < warps; ++w) v += at[w];
+    return v;
+  };
+  acc_t s = c.n * c.mean;
+  for (int r = tid + Threads; r < parts; r += Threads) {
+    const ChunkMoments<acc_t> p = load(r);
+    s += p.n * p.mean;
+  }
+  BlockMoments<acc_t> m;
+  m.mean = sum(s, smem) / count;
+  const acc_t d = c.mean - m.mean;
+  acc_t q = c.m2 + c.n * d * d;
+  for (int r = tid + Threads; r < parts; r += Threads) {
+    const ChunkMoments<acc_t> p = load(r);
+    const acc_t e = p.mean - m.mean;
+    q += p.m2 + p.n * e * e;
+  }
+  m.m2 = sum(q, smem + Threads / kWarp);  // other slots: no barrier between the sums
+  return m;
 }
 
 // Most adjacent groups a CTA of group_norm_cols_one_pass_kernel takes at once (its `span`).

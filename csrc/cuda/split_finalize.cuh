@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) finalize_moments_kernel(const Moment
   launch_dependents();
   for (int64_t base = first_base; base < a.items; base += static_cast<int64_t>(gridDim.x) * per_block) {
     const int64_t item = base + (threadIdx.x >> a.log_iw);
-    // The entries merged by sums (parts_moments' form, group_norm_team.cuh): the count and the
+    // The entries merged by sums (parts_moments' form, one_pass_moments.cuh): the count and the
     // sum of count * mean give the mean, then M2 is the sum of each entry's M2 and count * (its
     // mean - the mean)^2, every term nonnegative; Chan's pairwise merges chained a division each.
     const acc_t* p = a.part + imin(item, a.items - 1) * a.entries * 3;

@@ -18,7 +18,6 @@
 #include "cuda/common/epilogue_math.cuh"
 #include "cuda/common/host.cuh"
 #include "cuda/common/output_packs.cuh"
-#include "cuda/group_norm_team.cuh"
 #include "cuda/one_pass_moments.cuh"
 #include "cuda/one_pass_output.cuh"
 #include "cuda/paths.h"
@@ -34,8 +33,8 @@
 namespace fusednorm {
 namespace {
 
-// parts_moments' CTA width: the output sweep merges a group's tile moments with it.
-constexpr int kSweepThreads = kTeamThreads;
+// The sweeps' CTAs: 512 threads, as the team forward's.
+constexpr int kSweepThreads = 512;
 // The output kernel's CTAs an SM its register cap guarantees (its launch bounds).
 constexpr int kSweepOutputBlocksPerSM = 2;
 // Packs each thread loads before using any: with three CTAs an SM (moments) or two (output), 64-96
@@ -129,7 +128,7 @@ __global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_
   // would follow the fold's barriers.
   const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
   wait_for_primary();
-  const BlockMoments<acc_t> m = parts_moments(a.split, static_cast<acc_t>(o.len),
+  const BlockMoments<acc_t> m = parts_moments<kSweepThreads>(a.split, static_cast<acc_t>(o.len),
       [&](int r) { return ChunkMoments<acc_t>{slots[3 * r], slots[3 * r + 1], slots[3 * r + 2]}; }, fold);
   // As the team forward: a NaN M2 stays NaN, an overflowed one gives NaN, not rstd 0.
   const acc_t var = !(m.m2 <= acc_t(0)) ? m.m2 / static_cast<acc_t>(o.len) : acc_t(0);
