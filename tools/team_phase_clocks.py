@@ -69,7 +69,7 @@ def before(anchor, text):
 
 
 EDITS = [
-    before("// Two CTAs of 512 threads an SM", CLOCKS + "\n"),
+    before("template <typename scalar_t>\nstruct TeamArgs {", CLOCKS + "\n"),
     # forward
     after("    moments(0, K);\n  }\n", "  PH_DECL\n"),
     ("    t.wait(team, i);\n    const int64_t item = t.item_of(team, i);\n    const acc_t* team_part = t.read_part(team, i, rank);",
@@ -77,7 +77,7 @@ EDITS = [
     # The team fold in two: thread 0's loads of the team's partials, then the CTA's merge of them
     # (parts_moments) and rstd (with a stamp between; the printf on the loaded value keeps the
     # loads before the stamp).
-    ("""    const BlockMoments<acc_t> m = parts_moments(t.team_size, static_cast<acc_t>(o.len),
+    ("""    const BlockMoments<acc_t> m = parts_moments<kTeamThreads>(t.team_size, static_cast<acc_t>(o.len),
         [&](int r) {
           const acc_t* p = team_part + r * kTeamPartials;
           return ChunkMoments<acc_t>{__ldcg(p), __ldcg(p + 1), __ldcg(p + 2)};
@@ -90,7 +90,7 @@ EDITS = [
     }
     if (threadIdx.x == 0 && ph_v.n == acc_t(-1.2345e-30f)) printf("-");
     PH(4)
-    const BlockMoments<acc_t> m = parts_moments(t.team_size, static_cast<acc_t>(o.len),
+    const BlockMoments<acc_t> m = parts_moments<kTeamThreads>(t.team_size, static_cast<acc_t>(o.len),
         [&](int r) {
           if (r == static_cast<int>(threadIdx.x)) return ph_v;
           const acc_t* p = team_part + r * kTeamPartials;
