@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The architecture list when neither nvcc nor torch can say which they support.
 FALLBACK_ARCHS = "8.0;8.6;8.9;9.0+PTX"
 # The oldest architecture the kernels compile for: the team kernels' barrier loads are
-# ld.acquire.gpu, an sm_70 instruction (csrc/cuda/group_norm_team.cuh, team_load_acquire).
+# ld.acquire.gpu, an sm_70 instruction (csrc/cuda/team_grid.cuh, team_load_acquire).
 MIN_CUDA_ARCH = (7, 0)
 LICENSE_EXPRESSION = "BSD-3-Clause"
 
