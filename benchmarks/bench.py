@@ -198,31 +198,24 @@ def kernel_ms(fn, flush, iters=20):
 
 def fused_call(shape, groups, dtype, activation=None, channels_last=False, operands=(), backward=False,
                device="cuda"):
-    """A fusednorm.group_norm call on random inputs, for the kernel-time tools (tools/kernel_time.py,
-    tools/knob_sweep.py): fn() runs the forward under no_grad or, with `backward`, the backward
-    (autograd.grad of one random dy, the graph kept for repeated calls). `operands`: names of
-    tensor-sized epilogue operands ("residual", "multiplier"), or ("same",) for one tensor as both
-    (problem 3's (h + y) * y)."""
-    x = torch.randn(shape, device=device, dtype=dtype)
-    if channels_last:  # channels innermost, at any rank
-        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
-    w = torch.randn(shape[1], device=device, dtype=dtype)
-    b = torch.randn(shape[1], device=device, dtype=dtype)
+    """A fusednorm.group_norm call on random inputs (make_inputs / grad_inputs of a Case), for the
+    kernel-time tools (tools/kernel_time.py, tools/knob_sweep.py): fn() runs the forward under
+    no_grad or, with `backward`, the backward (autograd.grad of one random dy, the graph kept for
+    repeated calls). `operands`: epilogue operand names ("residual", "multiplier", ...), or
+    ("same",) for one tensor as residual and multiplier (problem 3's (h + y) * y)."""
     same = tuple(operands) == ("same",)
-    ops = {"residual": torch.randn_like(x)} if same else {k: torch.randn_like(x) for k in operands}
+    case = Case("call", tuple(shape), dtype, "group", groups, channels_last=channels_last, activation=activation,
+                operands=("residual", "multiplier") if same else tuple(operands), same_operand=same)
+    x, w, b, ops = make_inputs(case, device)
     if not backward:
-        kw = dict(ops, multiplier=ops["residual"]) if same else ops
 
         def forward():
             with torch.no_grad():
-                return fusednorm.group_norm(x, groups, w, b, activation=activation, **kw)
+                return fusednorm.group_norm(x, groups, w, b, activation=activation, **ops)
 
         return forward
-    leaves = [t.detach().requires_grad_() for t in [x, w, b] + list(ops.values())]
-    kw = dict(zip(ops, leaves[3:]))
-    if same:
-        kw["multiplier"] = kw["residual"]
-    y = fusednorm.group_norm(leaves[0], groups, leaves[1], leaves[2], activation=activation, **kw)
+    xg, wg, bg, opsg, leaves = grad_inputs(case, x, w, b, ops)
+    y = fusednorm.group_norm(xg, groups, wg, bg, activation=activation, **opsg)
     dy = torch.randn_like(y)
     return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
 
