@@ -162,11 +162,11 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
         // Lane j sums x - (KL[j] + tk): one subtraction an element, as without input_bias. The
         // shift's rounding (half an ulp of K) moves a lane's terms by a constant: the mean by no
         // more than its float rounding as K + mean, the M2 by (ulp(K) / std)^2 relatively.
-        tk = static_cast<acc_t>(first.v[0]) - KL[0];
+        tk = pack_element<acc_t>(first, 0) - KL[0];
 #pragma unroll
         for (int j = 0; j < V; ++j) KL[j] += tk;
       } else {
-        T = static_cast<acc_t>(first.v[0]);
+        T = pack_element<acc_t>(first, 0);
         tk = T - K;
       }
       // (Packs copied out of shared memory whole: one V-wide load each.)
@@ -176,9 +176,9 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
         for (int j = 0; j < V; ++j) {
           acc_t d;
           if constexpr (kBias) {
-            d = static_cast<acc_t>(x.v[j]) - KL[j];
+            d = pack_element<acc_t>(x, j) - KL[j];
           } else {
-            d = static_cast<acc_t>(x.v[j]) - T;
+            d = pack_element<acc_t>(x, j) - T;
           }
           q1 += d;
           q2 += d * d;

@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     memcpy(&xp, &w, sizeof(P));
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const acc_t d = static_cast<acc_t>(xp.v[j]) - static_cast<acc_t>(T.v[j]);
+      const acc_t d = pack_element<acc_t>(xp, j) - pack_element<acc_t>(T, j);
       q1[j] += d;
       q2[j] += d * d;
     }
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
       const InputBiasRef<scalar_t>& ib = o.epi.input_bias;
       K += ib.template at<acc_t>(n, c_first) - ib.template at<acc_t>(n, c0 + j);
     }
-    TK[j] = static_cast<acc_t>(T.v[j]) - K;
+    TK[j] = pack_element<acc_t>(T, j) - K;
   }
   cols_sweep_tile_moments<V>(a, tile, nr, TK, q1, q2, cols_sweep_smem);
 }
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       sp.v[j] = static_cast<scalar_t>(
-          static_cast<acc_t>(xp.v[j]) + static_cast<acc_t>(ap.v[j]) + static_cast<acc_t>(pb.v[j]));
+          pack_element<acc_t>(xp, j) + pack_element<acc_t>(ap, j) + pack_element<acc_t>(pb, j));
     }
     uint4 ws;
     memcpy(&ws, &sp, sizeof(P));
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     memcpy(&T, &Tw, sizeof(P));
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const acc_t d = static_cast<acc_t>(sp.v[j]) - static_cast<acc_t>(T.v[j]);
+      const acc_t d = pack_element<acc_t>(sp, j) - pack_element<acc_t>(T, j);
       q1[j] += d;
       q2[j] += d * d;
     }
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(kColsSweepThreads, kColsSweepMinBlocks)
     const acc_t K = static_cast<acc_t>(o.x[sample + c_first]) + o.epi.input_bias.template at<acc_t>(n, c_first);
     P T;
     memcpy(&T, &Tw, sizeof(P));
-    TK[j] = static_cast<acc_t>(T.v[j]) - K;
+    TK[j] = pack_element<acc_t>(T, j) - K;
   }
   cols_sweep_tile_moments<V>(a, tile, nr, TK, q1, q2, cols_sweep_smem);
 }
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
       acc_t z[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        z[j] = output_element<A>(e, ch.K[j], ch.sm[j], ch.ca[j], ch.cb[j], xp.v[j], xp.v[j], false, xp.v[j], false);
+        z[j] = output_element<A>(e, ch.K[j], ch.sm[j], ch.ca[j], ch.cb[j], xp, xp, false, xp, false, j);
       }
       const P yp = round_pack<scalar_t, V>(z);
       uint4 yw;
@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(kColsSweepOutputThreads, kColsSweepOutputMinBl
       output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m, [&](int u) { return s + u * step < s_end; },
           [&](int u) { return v + u * stride; },
           [&](int j, const P& xp, const P& rp, const P& mp) {
-            return output_element<A>(e, ch.K[j], ch.sm[j], ch.ca[j], ch.cb[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+            return output_element<A>(e, ch.K[j], ch.sm[j], ch.ca[j], ch.cb[j], xp, rp, has_r, mp, has_m, j);
           });
     }
   }

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     // Sums of x - T, T the thread's first element (block_moments_of_shifted_sums): no second
     // pass over the chunk where K lies far from it, which sat on every round's critical path
     // (docs/design.md, "Numerics").
-    const acc_t T = threadIdx.x < count ? static_cast<acc_t>(load_pack(x[threadIdx.x]).v[0]) : acc_t(0);
+    const acc_t T = threadIdx.x < count ? pack_element<acc_t>(load_pack(x[threadIdx.x]), 0) : acc_t(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
     for (int v = threadIdx.x; v < count; v += kTeamThreads) add_shifted_sums(load_pack(x[v]), T, s1, s2);
     const int mine = count > static_cast<int>(threadIdx.x) ? (count - static_cast<int>(threadIdx.x) + kTeamThreads - 1) / kTeamThreads : 0;

@@ -119,19 +119,19 @@ struct BackwardOperands {
   // read unconditionally, the float team backwards spilled (SASS).
   template <typename I>
   __device__ __forceinline__ void operator()(I v, int j, acc_t& xc, acc_t& dzj, acc_t& rj, acc_t& mj) const {
-    xc = static_cast<acc_t>(read_pack(x[v]).v[j]) - mean;
-    dzj = static_cast<acc_t>(read_pack(dz[v]).v[j]);
+    xc = pack_element<acc_t>(read_pack(x[v]), j) - mean;
+    dzj = pack_element<acc_t>(read_pack(dz[v]), j);
     if constexpr (!kOperands) {
       rj = acc_t(0);
       mj = acc_t(1);
     } else if constexpr (sizeof(scalar_t) == 2) {
-      const acc_t held_r = static_cast<acc_t>(read_pack((r != nullptr ? r : x)[v]).v[j]);
-      const acc_t held_m = static_cast<acc_t>(read_pack((m != nullptr ? m : x)[v]).v[j]);
+      const acc_t held_r = pack_element<acc_t>(read_pack((r != nullptr ? r : x)[v]), j);
+      const acc_t held_m = pack_element<acc_t>(read_pack((m != nullptr ? m : x)[v]), j);
       rj = r != nullptr ? held_r : acc_t(0);
       mj = m != nullptr ? held_m : acc_t(1);
     } else {
-      rj = r != nullptr ? static_cast<acc_t>(r[v].v[j]) : acc_t(0);
-      mj = m != nullptr ? static_cast<acc_t>(m[v].v[j]) : acc_t(1);
+      rj = r != nullptr ? pack_element<acc_t>(r[v], j) : acc_t(0);
+      mj = m != nullptr ? pack_element<acc_t>(m[v], j) : acc_t(1);
     }
   }
 };

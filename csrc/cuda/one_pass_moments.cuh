@@ -154,7 +154,7 @@ template <typename acc_t, typename scalar_t, int V>
 __device__ __forceinline__ void add_shifted_sums(const Pack<scalar_t, V>& p, acc_t T, acc_t& q1, acc_t& q2) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const acc_t d = static_cast<acc_t>(p.v[j]) - T;
+    const acc_t d = pack_element<acc_t>(p, j) - T;
     q1 += d;
     q2 += d * d;
   }

@@ -132,17 +132,18 @@ __device__ __forceinline__ Affine<acc_t> output_coefficients(const OnePassArgs<s
   return output_coefficients(channel_affine<acc_t>(a, n, c), rstd);
 }
 
-// One element of y, before its rounding to scalar_t, of a group shifted by K whose mean is
+// Element j of a pack of y, before its rounding to scalar_t, of a group shifted by K whose mean is
 // K + shifted_mean (centred on K, then on shifted_mean: (x - mean) keeps its digits where
 // |mean| >> std), with channel coefficients (a_c, b_c): the residual added, the activation, the
 // multiplier.
-template <Activation A, typename scalar_t, typename acc_t>
+template <Activation A, typename scalar_t, int V, typename acc_t>
 __device__ __forceinline__ acc_t output_element(const EpiArgs<scalar_t>& e, acc_t K, acc_t shifted_mean, acc_t a_c,
-    acc_t b_c, scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) {
-  acc_t p = ((static_cast<acc_t>(x) - K) - shifted_mean) * a_c + b_c;
-  if (has_r) p += static_cast<acc_t>(r);
+    acc_t b_c, const Pack<scalar_t, V>& xp, const Pack<scalar_t, V>& rp, bool has_r, const Pack<scalar_t, V>& mp,
+    bool has_m, int j) {
+  acc_t p = ((pack_element<acc_t>(xp, j) - K) - shifted_mean) * a_c + b_c;
+  if (has_r) p += pack_element<acc_t>(rp, j);
   acc_t z = device_activation_forward(A, p, e.slope);
-  if (has_m) z *= static_cast<acc_t>(m);
+  if (has_m) z *= pack_element<acc_t>(mp, j);
   return z;
 }
 
@@ -188,7 +189,7 @@ struct OnePassOutput {
         ++c;
       }
       coefficients(c_first + c);
-      z[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+      z[j] = element(xp, rp, has_r, mp, has_m, j);
     }
     return round_pack<scalar_t, V>(z);
   }
@@ -197,7 +198,7 @@ struct OnePassOutput {
   __device__ __forceinline__ P constant_pack(const P& xp, const P& rp, bool has_r, const P& mp, bool has_m) const {
     acc_t z[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) z[j] = element(xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    for (int j = 0; j < V; ++j) z[j] = element(xp, rp, has_r, mp, has_m, j);
     return round_pack<scalar_t, V>(z);
   }
 
@@ -215,14 +216,14 @@ struct OnePassOutput {
     return constant_pack(xp, rp, has_r, mp, has_m);
   }
 
-  // One element of y, before its rounding to scalar_t (round_pack).
-  __device__ __forceinline__ acc_t element(scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
-    return element_with(ca, cb, x, r, has_r, m, has_m);
+  // Element j of a pack of y, before its rounding to scalar_t (round_pack).
+  __device__ __forceinline__ acc_t element(const P& xp, const P& rp, bool has_r, const P& mp, bool has_m, int j) const {
+    return element_with(ca, cb, xp, rp, has_r, mp, has_m, j);
   }
 
   __device__ __forceinline__ acc_t element_with(
-      acc_t a_c, acc_t b_c, scalar_t x, scalar_t r, bool has_r, scalar_t m, bool has_m) const {
-    return output_element<A>(a.epi, K, shifted_mean, a_c, b_c, x, r, has_r, m, has_m);
+      acc_t a_c, acc_t b_c, const P& xp, const P& rp, bool has_r, const P& mp, bool has_m, int j) const {
+    return output_element<A>(a.epi, K, shifted_mean, a_c, b_c, xp, rp, has_r, mp, has_m, j);
   }
 
   __device__ __forceinline__ Affine<acc_t> channel(int64_t c) const { return output_coefficients(a, n, c, rstd); }
@@ -251,7 +252,7 @@ struct OnePassOutput {
       const P& rp, bool has_r, const P& mp, bool has_m) const {
     acc_t z[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) z[j] = element_with(lane_a[j], lane_b[j], xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+    for (int j = 0; j < V; ++j) z[j] = element_with(lane_a[j], lane_b[j], xp, rp, has_r, mp, has_m, j);
     return round_pack<scalar_t, V>(z);
   }
 };

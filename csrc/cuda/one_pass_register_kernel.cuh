@@ -31,7 +31,7 @@ template <typename acc_t, typename scalar_t, int V>
 __device__ __forceinline__ acc_t pack_shifted_sum(const Pack<scalar_t, V>& p, acc_t K) {
   acc_t s = acc_t(0);
 #pragma unroll
-  for (int j = 0; j < V; ++j) s += static_cast<acc_t>(p.v[j]) - K;
+  for (int j = 0; j < V; ++j) s += pack_element<acc_t>(p, j) - K;
   return s;
 }
 
@@ -40,7 +40,7 @@ __device__ __forceinline__ acc_t pack_squared_deviations(const Pack<scalar_t, V>
   acc_t s = acc_t(0);
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const acc_t d = (static_cast<acc_t>(p.v[j]) - K) - shifted_mean;
+    const acc_t d = (pack_element<acc_t>(p, j) - K) - shifted_mean;
     s += d * d;
   }
   return s;

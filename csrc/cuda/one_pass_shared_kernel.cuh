@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   const acc_t K = static_cast<acc_t>(a.x[off]);
   acc_t nt = acc_t(0), tk = acc_t(0), q1 = acc_t(0), q2 = acc_t(0);
   if (threadIdx.x < count) {
-    const acc_t T = static_cast<acc_t>(load_pack(x_smem[threadIdx.x]).v[0]);
+    const acc_t T = pack_element<acc_t>(load_pack(x_smem[threadIdx.x]), 0);
     tk = T - K;
     for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
       add_shifted_sums(load_pack(x_smem[v]), T, q1, q2);

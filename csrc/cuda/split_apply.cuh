@@ -94,11 +94,11 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const Coef<acc_t>& kj = k[L == 1 ? 0 : j];
-      const acc_t x = static_cast<acc_t>(xp.v[j]);
+      const acc_t x = pack_element<acc_t>(xp, j);
       acc_t p = kj.b * ((x - kj.hi) - kj.lo) + kj.c;
-      if (has_r) p += static_cast<acc_t>(rp.v[j]);
+      if (has_r) p += pack_element<acc_t>(rp, j);
       acc_t z = device_activation_forward(act, p, e.slope);
-      if (has_m) z *= static_cast<acc_t>(mp.v[j]);
+      if (has_m) z *= pack_element<acc_t>(mp, j);
       o[j] = z;
     }
     out[v] = round_pack<scalar_t, V>(o);
@@ -109,10 +109,10 @@ __device__ __forceinline__ void apply_epi_pack(const EpiArgs<scalar_t>& e,
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int l = L == 1 ? 0 : j;
-    const acc_t xc = static_cast<acc_t>(xp.v[j]) - k[l].hi;
-    const acc_t dz = static_cast<acc_t>(dp.v[j]);
-    const acc_t m = has_m ? static_cast<acc_t>(mp.v[j]) : acc_t(1);
-    const acc_t r = has_r ? static_cast<acc_t>(rp.v[j]) : acc_t(0);
+    const acc_t xc = pack_element<acc_t>(xp, j) - k[l].hi;
+    const acc_t dz = pack_element<acc_t>(dp, j);
+    const acc_t m = has_m ? pack_element<acc_t>(mp, j) : acc_t(1);
+    const acc_t r = has_r ? pack_element<acc_t>(rp, j) : acc_t(0);
     acc_t q = acc_t(0);
     const acc_t g = epi_dp<A>(act, e.slope, xc, dz, r, m, k[l].a, pc[l], want_gm, q);
     o[j] = k[l].a * g + (k[l].b * (xc - k[l].lo) + k[l].c);
@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(1 << apply_rows_log_threads<M>(), kMinBlocks) 
           acc_t o[V];
 #pragma unroll
           for (int j = 0; j < V; ++j) {
-            o[j] = apply_one(coef, static_cast<acc_t>(xp[u].v[j]),
-                backward ? static_cast<acc_t>(dp[u].v[j]) : acc_t(0));
+            o[j] = apply_one(coef, pack_element<acc_t>(xp[u], j),
+                backward ? pack_element<acc_t>(dp[u], j) : acc_t(0));
           }
           outr[v] = round_pack<scalar_t, V>(o);
         }
@@ -336,8 +336,8 @@ __device__ __forceinline__ void apply_cols_tiles(
             acc_t o[V];
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-              o[j] = apply_one(coef[j], static_cast<acc_t>(xv[u].v[j]),
-                  backward ? static_cast<acc_t>(dv[u].v[j]) : acc_t(0));
+              o[j] = apply_one(coef[j], pack_element<acc_t>(xv[u], j),
+                  backward ? pack_element<acc_t>(dv[u], j) : acc_t(0));
             }
             outp[r * cvn + cv] = round_pack<scalar_t, V>(o);
           }

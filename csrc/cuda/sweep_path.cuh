@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
     if (first) {
       P p0;
       memcpy(&p0, &xw[0], sizeof(P));
-      T = static_cast<acc_t>(p0.v[0]);
+      T = pack_element<acc_t>(p0, 0);
       first = false;
     }
 #pragma unroll
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_
       output_packs<U, scalar_t, V>(xs, rs, ms, ys, has_r, has_m,
           [&](int u) { return i + u * kSweepThreads < count; }, [&](int u) { return i + u * kSweepThreads; },
           [&](int j, const P& xp, const P& rp, const P& mp) {
-            return out.element_with(cf.w, cf.b, xp.v[j], rp.v[j], has_r, mp.v[j], has_m);
+            return out.element_with(cf.w, cf.b, xp, rp, has_r, mp, has_m, j);
           });
     }
     s0 = s1;

@@ -108,6 +108,22 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
+// Element j of a pack, in acc_t. A bfloat16 pair is one 32-bit word, its high element the word
+// with the low half masked (one LOP3) and its low element the word shifted (one SHF); element by
+// element through c10::BFloat16 (cuda_bf16's conversion, opaque asm) the high one took a PRMT and
+// an IMAD.U32 (SASS: 1.5 instructions an element in the team forward's moments loop, against
+// half's one HADD2.F32). Exact either way, as every bfloat16 is a float with a zero low half.
+template <typename acc_t, typename scalar_t, int V>
+__device__ __forceinline__ acc_t pack_element(const Pack<scalar_t, V>& p, int j) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && V % 2 == 0 && std::is_same_v<acc_t, float>) {
+    uint32_t w;
+    memcpy(&w, &p.v[j & ~1], sizeof(w));
+    return __uint_as_float((j & 1) != 0 ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    return static_cast<acc_t>(p.v[j]);
+  }
+}
+
 // The pack of z[0..V) rounded to scalar_t. 16-bit packs are built as 32-bit words, two
 // elements a conversion: built element by element (a c10::Half or BFloat16 each), a half pack
 // of the team forward took nine PRMTs to take the converted pairs apart and put them together
@@ -159,7 +175,7 @@ __device__ __forceinline__ void load_packs(
   for (int u = 0; u < U; ++u) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      out[u][j] = u < nvalid ? static_cast<acc_t>(raw[u].v[j]) : acc_t(0);
+      out[u][j] = u < nvalid ? pack_element<acc_t>(raw[u], j) : acc_t(0);
     }
   }
 }
