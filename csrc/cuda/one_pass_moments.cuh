@@ -23,8 +23,10 @@ namespace {
 constexpr int kOnePassThreads = 256;
 
 // Sum of v over the CTA (whole warps, at most MaxThreads threads; smem holds one value a warp), in
-// a fixed order; every thread gets the total.
-template <int MaxThreads = kOnePassThreads, typename acc_t>
+// a fixed order; every thread gets the total. kReused: smem serves the next sum too, so a barrier
+// after the reads keeps a fast warp's next write from overtaking them; a caller whose sums each
+// have smem of their own, read once, skips it.
+template <int MaxThreads = kOnePassThreads, bool kReused = true, typename acc_t>
 __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
   v = segment_sum(v, kWarp);
   if ((threadIdx.x & (kWarp - 1)) == 0) smem[threadIdx.x >> kLogWarp] = v;
@@ -35,7 +37,7 @@ __device__ __forceinline__ acc_t one_pass_block_sum(acc_t v, acc_t* smem) {
   for (int w = 0; w < MaxThreads / kWarp; ++w) {
     if (w < warps) total += smem[w];
   }
-  __syncthreads();  // smem is reused by the next sum
+  if constexpr (kReused) __syncthreads();
   return total;
 }
 

@@ -165,7 +165,8 @@ struct RegisterGroup {
   }
 
   // Moments (two-pass, from registers), the statistics, and y of group `item`, once its loads
-  // are in. `red`: MaxThreads / kWarp values of shared memory.
+  // are in. `red`: 2 * MaxThreads / kWarp values of shared memory, a half for each block sum, so
+  // that neither needs a barrier after its reads (a CTA takes one group: nothing reuses them).
   template <int MaxThreads, Activation A>
   __device__ __forceinline__ void finish(const OnePassArgs<scalar_t>& a, int64_t item, acc_type<scalar_t>* red) const {
     using acc_t = acc_type<scalar_t>;
@@ -176,13 +177,13 @@ struct RegisterGroup {
       if (valid(a, k)) sum += pack_shifted_sum(x[k], K);
     }
     const acc_t total = static_cast<acc_t>(a.len);
-    const acc_t shifted_mean = one_pass_block_sum<MaxThreads>(sum, red) / total;
+    const acc_t shifted_mean = one_pass_block_sum<MaxThreads, false>(sum, red) / total;
     acc_t m2 = acc_t(0);
 #pragma unroll
     for (int k = 0; k < R; ++k) {
       if (valid(a, k)) m2 += pack_squared_deviations(x[k], K, shifted_mean);
     }
-    const acc_t var = one_pass_block_sum<MaxThreads>(m2, red) / total;
+    const acc_t var = one_pass_block_sum<MaxThreads, false>(m2, red + MaxThreads / kWarp) / total;
     // An overflowed M2 (|x - mean| above ~1.8e19 in float lanes) is NaN, not rstd 0 and zeros.
     const acc_t rstd = isinf(var) ? acc_t(NAN) : acc_t(1) / sqrt(var + a.eps);
     if (threadIdx.x == 0) {
@@ -253,7 +254,7 @@ constexpr int kRegisterCtasPerSm = kLate ? 3 : 2;
 template <typename scalar_t, int V, int R, int E, Activation A, bool kCols, bool kLate>
 __global__ void __launch_bounds__(kRegisterThreads, kRegisterCtasPerSm<kLate>)
     group_norm_registers_kernel(const OnePassArgs<scalar_t> a) {
-  __shared__ acc_type<scalar_t> red[kRegisterThreads / kWarp];
+  __shared__ acc_type<scalar_t> red[2 * kRegisterThreads / kWarp];
   RegisterGroup<scalar_t, V, R, E, kCols, kLate> group;
   group.load(a, blockIdx.x);
   group.finish<kRegisterThreads, A>(a, blockIdx.x, red);
