@@ -75,17 +75,25 @@ constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the dri
 // most kTeamCtaBytes of the group (two in the 227 KB of an SM). By default the team forward takes
 // the ChannelsFirst groups over kOnePassMaxBytes with their operands, and, of the groups the
 // one-pass clusters hold, only those of kTeamFewGroupsMinBytes of x and more in fewer groups than
-// half the SMs. Measured on an H200 (docs/design.md, "Team or one-pass"): since the clusters'
-// exchange lost its cluster barriers, the clusters beat the team on every group of 256 KB - 1 MB
-// in 128 groups and more (the InstanceNorm problem 4.43 against 4.71 ms, (8,512,128,128) bfloat16
-// GN+SiLU 0.105 against 0.122, (16,256,128,128) float16 0.087 against 0.104) and are level at
-// 64; the team keeps the VAE's 512 KB - 1 MB groups, 32 of them ((1,512,128,128) bfloat16 0.0213
-// against 0.0218). Without clusters (before sm_90) a one-pass group has one CTA, and the team
-// path keeps groups from kTeamMinBytesNoClusters (set on an H100: same section).
+// half the SMs, and those of kTeamManyGroupsMinBytes in any number. Measured on an H200
+// (docs/design.md, "Team or one-pass"): since the clusters' exchange lost its cluster barriers,
+// and before the team's chunks started on 128-byte lines, the clusters beat the team on every
+// group of 256 KB - 1 MB in 128 groups and more (the InstanceNorm problem 4.43 against 4.71 ms,
+// (8,512,128,128) bfloat16 GN+SiLU 0.105 against 0.122, (16,256,128,128) float16 0.087 against
+// 0.104) and are level at 64; the team keeps the VAE's 512 KB - 1 MB groups, 32 of them
+// ((1,512,128,128) bfloat16 0.0213 against 0.0218). Without clusters (before sm_90) a one-pass
+// group has one CTA, and the team path keeps groups from kTeamMinBytesNoClusters (set on an
+// H100: same section).
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
 constexpr int64_t kTeamCtaBytes = 108 * 1024;
 constexpr int64_t kTeamFewGroupsMinBytes = 512 * 1024;
+// Since the team's chunks start on 128-byte lines (kTeamChunkAlign), groups of 1 MB take the team
+// in any number: the InstanceNorm problem's 7168 groups 3.84 against the clusters' 4.33 ms (H200,
+// kernel time, one path_margins run, 2026-12-02; 4.40 against 4.25 before the alignment and the
+// team's merge by sums). Measured on that row alone: the other 1 MB rows of "Team or one-pass"
+// (clusters 6-7% ahead before) are predicted to follow.
+constexpr int64_t kTeamManyGroupsMinBytes = 1 << 20;
 constexpr int64_t kTeamMinBytesNoClusters = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
 // Sweep path (docs/design.md, "Sweep path"): tiles of kSweepTileBytes of a group, a CTA each. By
@@ -151,6 +159,13 @@ constexpr int kTeamPrefetchMinCtas = 16;
 // ms with 4 copies (5.21 with 8); InstanceNorm3d's (22 rounds) and teams of 24 CTAs level.
 constexpr int kTeamMaxReplicas = 16;
 constexpr int kTeamForwardReplicas = 4;
+// docs/design.md, "Team path": a CTA's chunk is a whole number of 128-byte lines (8 packs of 16
+// bytes), so that every chunk of a 128-byte aligned group starts on a line, as its shared-memory
+// buffer does: chunks of 4965 packs (the video VAE's) put most CTAs' cp.async copies across lines,
+// 1.5x the L2 sectors and 2.9x the shared-memory wavefronts of aligned ones (Nsight Compute). H200:
+// team forwards and backwards 1-4.5% faster, the InstanceNorm problem's teams 11% ahead of its
+// clusters (kTeamManyGroupsMinBytes).
+constexpr int64_t kTeamChunkAlign = 8;
 
 // One-CTA backward (docs/design.md, "One-CTA backward"): CTAs of 512 threads from 1024 packs a
 // group on (256 below), groups up to the opt-in shared memory; over 48 KB only with a group for
@@ -273,7 +288,8 @@ int64_t team_count(int64_t groups, int64_t max_teams) {
 bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Plan& pl) {
   if (!c.dev.cooperative_launch || !c.res.team_ctas_per_sm) return false;
   const int64_t cta_bytes = set(c.o.team_cta_kb) ? imax(1, c.o.team_cta_kb) * 1024 : kTeamCtaBytes;
-  const int64_t max_chunk = imin(cta_bytes, c.dev.smem_optin - kTeamSmemReserveBytes) / pack_bytes;
+  const int64_t max_chunk =
+      imin(cta_bytes, c.dev.smem_optin - kTeamSmemReserveBytes) / pack_bytes / kTeamChunkAlign * kTeamChunkAlign;
   if (max_chunk <= 0) return false;
   const int per_sm = c.res.team_ctas_per_sm(max_chunk * pack_bytes);
   const int64_t resident = static_cast<int64_t>(per_sm) * c.dev.sms;
@@ -283,7 +299,7 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
   const int64_t max_teams = imin(resident / min_team, groups);
   const int64_t teams =
       set(c.o.team_count) ? std::clamp<int64_t>(c.o.team_count, 1, max_teams) : team_count(groups, max_teams);
-  const int64_t chunk = ceil_div(lenv, imin(resident / teams, lenv));
+  const int64_t chunk = ceil_div(ceil_div(lenv, imin(resident / teams, lenv)), kTeamChunkAlign) * kTeamChunkAlign;
   const int64_t team_size = ceil_div(lenv, chunk);
   // The barrier counters reach rounds * team_size.
   if (ceil_div(groups, teams) * team_size > std::numeric_limits<unsigned>::max()) return false;
@@ -385,7 +401,7 @@ bool team_forward(const Ctx& c, Plan& pl) {
     } else if (bytes <= kOnePassMaxBytes) {
       const bool few_groups = 2 * c.items < c.dev.sms;
       if (c.dev.major < 9 ? x_bytes < kTeamMinBytesNoClusters
-                          : !few_groups || x_bytes < kTeamFewGroupsMinBytes) {
+                          : x_bytes < kTeamManyGroupsMinBytes && (!few_groups || x_bytes < kTeamFewGroupsMinBytes)) {
         return false;
       }
     }

@@ -44,11 +44,11 @@ class Row(NamedTuple):
 # benchmarks/bench.py's GPU suite, then the rows of the video VAEs and of 8192 channels.
 ROWS = [
     Row('GroupNorm problem', (112, 64, 512, 512), 8, F32, channels_last=False, activation=None, operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=4 ctas=264',
+        forward='path=team teams=3 team_size=88 chunk=5960 smem=95360 prefetch=4470 replicas=4 ctas=264',
         backward='path=split split=1 tiles=7168 param_grad_parts=2'),
     Row('InstanceNorm problem', (112, 64, 512, 512), 64, F32, channels_last=False, activation=None, operands=(), affine=False,
-        forward='path=cluster cluster=16 chunk=4096 smem=65536 ctas=114688',
-        backward='path=team teams=13 team_size=20 chunk=3277 smem=104864 prefetch=1638 replicas=16 ctas=260'),
+        forward='path=team teams=26 team_size=10 chunk=6560 smem=104960 prefetch=0 replicas=4 ctas=260',
+        backward='path=team teams=13 team_size=20 chunk=3280 smem=104960 prefetch=1640 replicas=16 ctas=260'),
     Row('SD UNet GN+SiLU b2', (2, 320, 64, 64), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=cluster cluster=4 chunk=1280 smem=20480 ctas=256',
         backward='path=team teams=64 team_size=4 chunk=1280 smem=40960 prefetch=0 replicas=4 ctas=256 param_grad_parts=1'),
@@ -98,25 +98,25 @@ ROWS = [
         forward='path=registers packs=2 extra_streams=0 threads=160 late=0 ctas=256',
         backward='path=split split=8 tiles=64 cols_act_kernel=1 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 512, 512), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=11 team_size=24 chunk=5462 smem=87392 prefetch=2048 replicas=4 ctas=264',
-        backward='path=team teams=6 team_size=44 chunk=2979 smem=95328 prefetch=1489 replicas=16 ctas=264 param_grad_parts=1'),
+        forward='path=team teams=11 team_size=24 chunk=5464 smem=87424 prefetch=2049 replicas=4 ctas=264',
+        backward='path=team teams=6 team_size=44 chunk=2984 smem=95488 prefetch=1492 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 256, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=team teams=16 team_size=16 chunk=4096 smem=65536 prefetch=1536 replicas=4 ctas=256',
-        backward='path=team teams=11 team_size=24 chunk=2731 smem=87392 prefetch=1365 replicas=16 ctas=264 param_grad_parts=1'),
+        backward='path=team teams=11 team_size=24 chunk=2736 smem=87552 prefetch=1368 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 512, 128, 128), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=team teams=32 team_size=8 chunk=4096 smem=65536 prefetch=0 replicas=4 ctas=256',
         backward='path=team teams=16 team_size=16 chunk=2048 smem=65536 prefetch=1024 replicas=16 ctas=256 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 1024, 1024), 32, F16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=4 ctas=264',
-        backward='path=team teams=1 team_size=264 chunk=1986 smem=63552 prefetch=993 replicas=16 ctas=264 param_grad_parts=1'),
+        forward='path=team teams=3 team_size=88 chunk=5960 smem=95360 prefetch=4470 replicas=4 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=1992 smem=63744 prefetch=996 replicas=16 ctas=264 param_grad_parts=1'),
     Row('VAE GN+SiLU', (1, 128, 512, 512), 32, F16, channels_last=True, activation='silu', operands=(), affine=True,
         forward='path=cols_sweep threads=512 split=264 tiles=264 output_tiles=792',
         backward='path=split split=512 tiles=512 cols_act_kernel=1 param_grad_parts=8'),
     Row('Attention GN', (16, 512, 4096), 32, BF16, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=cluster cluster=2 chunk=4096 smem=65536 ctas=1024',
-        backward='path=team teams=86 team_size=3 chunk=2731 smem=87392 prefetch=0 replicas=3 ctas=258 param_grad_parts=1'),
+        backward='path=team teams=86 team_size=3 chunk=2736 smem=87552 prefetch=0 replicas=3 ctas=258 param_grad_parts=1'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=False, activation=None, operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5958 smem=95328 prefetch=4468 replicas=4 ctas=264',
+        forward='path=team teams=3 team_size=88 chunk=5960 smem=95360 prefetch=4470 replicas=4 ctas=264',
         backward='path=split split=33 tiles=2112 param_grad_parts=2'),
     Row('InstanceNorm3d affine', (2, 32, 128, 128, 128), 32, F32, channels_last=True, activation=None, operands=(), affine=True,
         forward='path=cols_sweep threads=512 split=132 tiles=264 output_tiles=792',
@@ -135,10 +135,10 @@ ROWS = [
         backward='path=one_cta threads=512 smem=98304 ctas=1024 log_seg=0'),
     Row('video VAE GN+SiLU', (1, 128, 20, 256, 256), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
         forward='path=sweep split=40 tiles=1280',
-        backward='path=team teams=1 team_size=264 chunk=2483 smem=79456 prefetch=1241 replicas=16 ctas=264 param_grad_parts=1'),
+        backward='path=team teams=1 team_size=264 chunk=2488 smem=79616 prefetch=1244 replicas=16 ctas=264 param_grad_parts=1'),
     Row('video VAE GN+SiLU', (1, 512, 16, 90, 160), 32, BF16, channels_last=False, activation='silu', operands=(), affine=True,
-        forward='path=team teams=3 team_size=88 chunk=5237 smem=83792 prefetch=3927 replicas=4 ctas=264',
-        backward='path=team teams=1 team_size=264 chunk=1746 smem=55872 prefetch=873 replicas=16 ctas=264 param_grad_parts=1'),
+        forward='path=team teams=3 team_size=88 chunk=5240 smem=83840 prefetch=3930 replicas=4 ctas=264',
+        backward='path=team teams=1 team_size=264 chunk=1752 smem=56064 prefetch=876 replicas=16 ctas=264 param_grad_parts=1'),
     Row('rows of 8192', (1024, 1, 1, 8192), 1, F32, channels_last=False, activation=None, operands=(), affine=True,
         forward='path=registers packs=4 extra_streams=0 threads=512 late=0 ctas=1024',
         backward='path=one_cta threads=512 smem=65536 ctas=1024 log_seg=8 param_grad_parts=8'),
@@ -181,7 +181,8 @@ def test_every_path_is_planned_for_some_benchmark_shape():
 
 def test_team_forward_takes_the_one_pass_groups_only_when_few_and_large():
     """docs/design.md, "Team or one-pass": of the groups the one-pass clusters hold, the team takes
-    those of 512 KB and more in fewer groups than half the SMs; groups over 1 MB are the team's."""
+    those of 512 KB and more in fewer groups than half the SMs, and those of 1 MB in any number;
+    groups over 1 MB are the team's."""
     def forward(shape, dtype, G=32, **kw):
         return _path(kernel_paths.plan(shape, G, dtype, **kw))
     assert forward((1, 512, 128, 128), torch.bfloat16, activation="silu") == "team"     # 512 KB, 32 groups
@@ -191,7 +192,9 @@ def test_team_forward_takes_the_one_pass_groups_only_when_few_and_large():
     assert forward((2, 512, 128, 128), torch.float16, activation="silu") == "team"      # 64 groups: level
     assert forward((3, 512, 128, 128), torch.float16, activation="silu") == "cluster"   # 96 groups
     assert forward((16, 256, 128, 128), torch.float16) == "cluster"                     # 256 KB, 512 groups
-    assert forward((16, 64, 512, 512), torch.float32, G=64) == "cluster"                # 1 MB, 1024 groups
+    assert forward((16, 64, 512, 512), torch.float32, G=64) == "team"                   # 1 MB, 1024 groups
+    assert forward((16, 64, 512, 256), torch.float32, G=64) == "cluster"                # 512 KB, 1024 groups
+    assert forward((4, 256, 256, 255), torch.bfloat16, activation="silu") == "cluster"  # just under 1 MB, 128
     assert forward((16, 64, 512, 512), torch.float32, G=32) == "team"                   # 2 MB
 
 
@@ -379,7 +382,7 @@ def test_team_knobs_size_the_grid(monkeypatch):
     gn, instance = ROWS[0], ROWS[1]  # teams of 88 / 264 CTAs (GroupNorm), of 10 / 20 (InstanceNorm)
     _set(monkeypatch, {"FUSEDNORM_TEAM_PREFETCH": "0", "FUSEDNORM_TEAM_REPLICAS": "1"})
     assert "prefetch=0 replicas=1" in plan_of(gn, False)
-    assert "teams=13 team_size=20 chunk=3277 smem=104864 prefetch=0 replicas=1" in plan_of(instance, True)
+    assert "teams=13 team_size=20 chunk=3280 smem=104960 prefetch=0 replicas=1" in plan_of(instance, True)
     # One team on the whole grid without the L2 prefetch: the plain backward takes the split
     # passes, which were faster there; with an activation the team kernel stays.
     assert _path(plan_of(gn, True)) == "split"
