@@ -75,45 +75,35 @@ constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the dri
 // most kTeamCtaBytes of the group (two in the 227 KB of an SM). By default the team forward takes
 // the ChannelsFirst groups over kOnePassMaxBytes with their operands, and, of the groups the
 // one-pass clusters hold, only those of kTeamFewGroupsMinBytes of x and more in fewer groups than
-// half the SMs, and those of kTeamManyGroupsMinBytes in any number. Measured on an H200
-// (docs/design.md, "Team or one-pass"): since the clusters' exchange lost its cluster barriers,
-// and before the team's chunks started on 128-byte lines, the clusters beat the team on every
-// group of 256 KB - 1 MB in 128 groups and more (the InstanceNorm problem 4.43 against 4.71 ms,
-// (8,512,128,128) bfloat16 GN+SiLU 0.105 against 0.122, (16,256,128,128) float16 0.087 against
-// 0.104) and are level at 64; the team keeps the VAE's 512 KB - 1 MB groups, 32 of them
-// ((1,512,128,128) bfloat16 0.0213 against 0.0218). Without clusters (before sm_90) a one-pass
-// group has one CTA, and the team path keeps groups from kTeamMinBytesNoClusters (set on an
-// H100: same section).
+// half the SMs. Measured on an H200 (docs/design.md, "Team or one-pass"): since the clusters'
+// shared memory starts on a 128-byte line, as the team's, the clusters beat or match the team on
+// every group of 256 KB - 1 MB in 128 groups and more (the InstanceNorm problem 3.78 against
+// 3.88 ms, (8,512,128,128) bfloat16 GN+SiLU 0.089 against 0.100, (16,256,128,128) float16 0.076
+// against 0.093) and on 1 MB groups at 32 - 64 ((8,256,256,256) float16 GN+SiLU 0.175 both); the
+// team keeps the VAE's 512 KB - 1 MB groups, 32 of them ((1,512,128,128) bfloat16). Without
+// clusters (before sm_90) a one-pass group has one CTA, and the team path keeps groups from
+// kTeamMinBytesNoClusters (set on an H100: same section).
 constexpr int kTeamThreads = 512;
 constexpr int kTeamBlocksPerSM = 2;
 constexpr int64_t kTeamCtaBytes = 108 * 1024;
 constexpr int64_t kTeamFewGroupsMinBytes = 512 * 1024;
-// Since the team's chunks start on 128-byte lines (kTeamChunkAlign), groups of 1 MB take the team
-// in any number: the InstanceNorm problem's 7168 groups 3.84 against the clusters' 4.33 ms (H200,
-// kernel time, one path_margins run, 2026-12-02; 4.40 against 4.25 before the alignment and the
-// team's merge by sums). Measured on that row alone: the other 1 MB rows of "Team or one-pass"
-// (clusters 6-7% ahead before) are predicted to follow.
-constexpr int64_t kTeamManyGroupsMinBytes = 1 << 20;
 constexpr int64_t kTeamMinBytesNoClusters = 36 * 1024;
 constexpr int64_t kTeamSmemReserveBytes = 2048;
 // Sweep path (docs/design.md, "Sweep path"): tiles of kSweepTileBytes of a group, a CTA each. By
-// default it takes the ChannelsFirst float16 / bfloat16 groups of kSweepMinBytes of x and more,
-// kSweepOperandsMinBytes where a residual or multiplier rides along (three streams: the sweep's
-// operand kernel is the faster). Measured on an H200 against the team path (2026-12-02, kernel
-// time, GN+SiLU unless said; the team forward's straddling packs in a kernel of their own):
-// the sweep ahead from 10 MB groups, the video VAEs' (1,128,20,256,256) bfloat16 0.261 against
-// 0.296 ms, float16 0.260 against 0.278, (1,256,9,240,320) float16 0.289 against 0.297,
-// (1,128,9,480,640) float16 (21 MB) 0.533 against 0.612, (2,128,1024,1024) bfloat16 (16 MB)
-// 0.402 against 0.416; the team ahead or level on 4.5-8 MB groups, the VAE's (1,128,1024,1024)
-// float16 0.201 against 0.210, bfloat16 0.211 both, bfloat16 without an activation 0.193 against
-// 0.208, (1,512,16,90,160) float16 0.190 against 0.200 (bfloat16 0.202 against 0.200),
-// (1,128,768,768) float16 0.129 against 0.142 (0.113 in 6 teams), and on the 2 MB groups of
-// (1,128,512,512) (0.060 against 0.061); (1,256,512,512) float16 (4 MB, 32 groups) 0.103 against
-// 0.114 in the 6 teams of team_count's rule of rounds (0.119 in 4 teams before it). With an
-// operand, (1,128,1024,1024) float16: GELU times a multiplier 0.283 against the team's 0.331, SiLU
-// after a residual 0.270 against 0.279 (4-8 MB groups with an operand not measured: they keep
-// the 4 MB threshold every group had before). float32 8 MB groups lost 1-8% (the GroupNorm
-// problem 5.30 against 5.25 ms, InstanceNorm3d 0.399 against 0.369; 2026-11-29).
+// default it takes the ChannelsFirst float16 / bfloat16 groups of kSweepOperandsMinBytes and more
+// where a residual or multiplier rides along (three streams: the sweep's operand kernel is the
+// faster), before the team; and of x alone, after the team, the groups of kSweepMinBytes and more
+// that no team holds (plan_forward). Measured on an H200 against the team path (kernel time,
+// GN+SiLU unless said): on 2026-12-02, since the team's chunks start on 128-byte lines, the team
+// ahead on every group it holds, the video VAEs' (1,128,20,256,256) bfloat16 0.250 against the
+// sweep's 0.259 ms, float16 0.248 against 0.256, (1,256,9,240,320) float16 0.263 against 0.282,
+// (2,128,1024,1024) bfloat16 (16 MB) 0.364 against 0.400, level on (1,128,9,480,640) (22 MB, one
+// team of 264 CTAs) 0.526 against 0.529; before it, the sweep was ahead from 10 MB (0.261 against
+// 0.296 on the first row). With an operand, (1,128,1024,1024) float16: GELU times a multiplier
+// 0.283 against the team's 0.331, SiLU after a residual 0.270 against 0.279 (2026-12-02, before
+// the alignment; 4-8 MB groups with an operand not measured: they keep the 4 MB threshold every
+// group had before). float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30 against 5.25 ms,
+// InstanceNorm3d 0.399 against 0.369; 2026-11-29): its kernels are the 16-bit types' alone.
 constexpr int64_t kSweepTileBytes = 256 * 1024;
 constexpr int64_t kSweepMinBytes = 9 << 20;
 constexpr int64_t kSweepOperandsMinBytes = 4 << 20;
@@ -163,13 +153,12 @@ constexpr int kTeamForwardReplicas = 4;
 // bytes), so that every chunk of a 128-byte aligned group starts on a line, as its shared-memory
 // buffer does: chunks of 4965 packs (the video VAE's) put most CTAs' cp.async copies across lines,
 // 1.5x the L2 sectors and 2.9x the shared-memory wavefronts of aligned ones (Nsight Compute). H200:
-// team forwards and backwards 1-4.5% faster, the InstanceNorm problem's teams 11% ahead of its
-// clusters (kTeamManyGroupsMinBytes).
+// team forwards and backwards 1-4.5% faster.
 constexpr int64_t kTeamChunkAlign = 8;
 
 // One-CTA backward (docs/design.md, "One-CTA backward"): CTAs of 512 threads from 1024 packs a
-// group on (256 below), groups up to the opt-in shared memory; over 48 KB only with a group for
-// every SM, as the forward.
+// group on (256 below), groups up to the opt-in shared memory less kSmemReserveBytes; over 48 KB
+// only with a group for every SM, as the forward.
 constexpr int kBackwardThreads = 512;
 
 // Parameter gradients (docs/design.md, "Parameter gradients"): a channel block's finalize spreads
@@ -319,9 +308,8 @@ bool plan_team(const Ctx& c, int64_t lenv, int64_t pack_bytes, bool backward, Pl
 }
 
 // The sweep forward (docs/design.md, "Sweep path"): 16-bit ChannelsFirst groups of kSweepMinBytes
-// and more (kSweepOperandsMinBytes with a residual or multiplier), where the team forward's
-// barriers cost more than the sweeps' second read of x. Its kernels exist for the 16-bit types
-// alone, forced or not.
+// and more (kSweepOperandsMinBytes with a residual or multiplier); plan_forward asks it after the
+// team for x alone. Its kernels exist for the 16-bit types alone, forced or not.
 bool sweep_forward(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
   const int64_t mode = c.o.sweep_forward;
@@ -401,7 +389,7 @@ bool team_forward(const Ctx& c, Plan& pl) {
     } else if (bytes <= kOnePassMaxBytes) {
       const bool few_groups = 2 * c.items < c.dev.sms;
       if (c.dev.major < 9 ? x_bytes < kTeamMinBytesNoClusters
-                          : x_bytes < kTeamManyGroupsMinBytes && (!few_groups || x_bytes < kTeamFewGroupsMinBytes)) {
+                          : !few_groups || x_bytes < kTeamFewGroupsMinBytes) {
         return false;
       }
     }
@@ -575,7 +563,7 @@ int one_pass_cluster(const Ctx& c, int64_t bytes) {
   int k = 1;
   while (k < max_cluster && ceil_div(bytes, k) > kOnePassCtaBytes) k *= 2;
   while (k < max_cluster && c.items * k < c.dev.sms && bytes / (2 * k) >= kClusterMinCtaBytes) k *= 2;
-  return ceil_div(bytes, k) <= kOnePassCtaBytes || (k == 1 && bytes <= c.dev.smem_optin) ? k : 0;
+  return ceil_div(bytes, k) <= kOnePassCtaBytes || (k == 1 && bytes <= c.dev.smem_optin - kSmemReserveBytes) ? k : 0;
 }
 
 bool one_pass_forward(const Ctx& c, Plan& pl) {
@@ -646,7 +634,7 @@ bool one_cta_backward(const Ctx& c, Plan& pl) {
   const Problem& p = c.p;
   if (c.V == 1 || c.items > std::numeric_limits<int>::max() || !backward_packs_fit(c)) return false;
   const int64_t smem = c.backward_streams() * c.len * p.elem_bytes;
-  if (smem > std::min<int64_t>(c.max_bytes, c.dev.smem_optin)) return false;
+  if (smem > std::min<int64_t>(c.max_bytes, c.dev.smem_optin - kSmemReserveBytes)) return false;
   if (!c.forced && smem > kDefaultSmemBytes && c.items < c.dev.sms) return false;
   const int64_t lenv = c.len / c.V;
   pl.path = Path::OneCta;
@@ -816,8 +804,11 @@ Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res,
   const Ctx c(p, dev, res, o);
   Plan pl;
   const bool cols_sweep_first = o.cols_sweep == 1;
-  if (sweep_forward(c, pl) || (cols_sweep_first && cols_sweep_forward(c, pl)) || team_forward(c, pl) ||
-      one_pass_forward(c, pl)) {
+  // The sweep before the team where a residual or multiplier rides along (or forced); after it,
+  // for the groups no team holds, where x alone is read (kSweepMinBytes).
+  const bool sweep_first = o.sweep_forward == 1 || c.forward_streams() > 1;
+  if ((sweep_first && sweep_forward(c, pl)) || (cols_sweep_first && cols_sweep_forward(c, pl)) || team_forward(c, pl) ||
+      (!sweep_first && sweep_forward(c, pl)) || one_pass_forward(c, pl)) {
     return pl;
   }
   pl = Plan{};
