@@ -36,11 +36,19 @@ CUDART_DIR="$("$PROJECT_PY" -c "import nvidia, os; print(os.path.join(nvidia.__p
 mkdir -p "$WORK/link"
 ln -sf "$CUDART_DIR/libcudart.so.13" "$WORK/link/libcudart.so"
 
-# Over the previous copy, with the files' own modification times, so that ninja (whose build
-# folder stays there) recompiles only the translation units whose sources changed.
+# Over the previous copy: a file whose bytes differ from the copy's is copied anew, its
+# modification time now, the others left alone, so that ninja (whose build folder stays there)
+# recompiles exactly the translation units whose sources changed. (A copy with the files' own
+# times missed a source edited while the previous build ran: its objects, newer than the edit,
+# were kept.)
 echo "== copying the tracked files of $ROOT"
 mkdir -p "$WORK/src"
-git -C "$ROOT" ls-files -z | (cd "$ROOT" && tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
+(cd "$ROOT" && git ls-files -z | while IFS= read -r -d '' f; do
+  if ! cmp -s "$f" "$WORK/src/$f"; then
+    mkdir -p "$WORK/src/$(dirname "$f")"
+    cp "$f" "$WORK/src/$f"
+  fi
+done)
 # Sources no longer tracked must not stay behind (setup.py globs csrc/).
 (cd "$WORK/src" && find csrc -type f | grep -vxF -f <(git -C "$ROOT" ls-files csrc) | xargs -r rm -f) || true
 
