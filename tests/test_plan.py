@@ -568,6 +568,15 @@ def test_knob_sweep_plans_each_value():
     assert lines[0].split()[-len(default.split()):] == default.split()
     assert "default" in lines[0] and "prefetch=0 " in lines[1] and "prefetch=0 " not in lines[2]
     assert all("path=team" in line for line in lines), done.stdout
+    # Operand fields: the plan of the row with its residual or multiplier (the sweep before the
+    # team), and without the knob's sweep the team's.
+    done = subprocess.run([sys.executable, str(tool), "FUSEDNORM_SWEEP_FORWARD", "0", "--plans",
+                           "--row", "1,128,1024,1024:float16:gelu:multiplier"], check=True, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and "gelu multiplier" in lines[0], done.stdout
+    assert lines[0].split()[-1] == kernel_paths.plan((1, 128, 1024, 1024), 32, F16, activation="gelu",
+                                                     operands=["multiplier"]).split()[-1]
+    assert "path=sweep" in lines[0] and "path=team" in lines[1], done.stdout
     bad = subprocess.run([sys.executable, str(tool), "FUSEDNORM_NOT_A_KNOB", "1", "--row", "1,32,8,8", "--plans"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not one of" in bad.stderr

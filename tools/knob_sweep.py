@@ -12,8 +12,10 @@ in turns, --rounds times, and each line is one round.
         [--set FUSEDNORM_TEAM_FORWARD=1] [--backward] [--rounds 2]
     python tools/knob_sweep.py FUSEDNORM_TEAM_COUNT 2,3,4,6 --row ... --plans   # plans only, no GPU
 
-A row is SHAPE:DTYPE[:ACTIVATION][:channels_last], 32 groups unless --groups says otherwise;
---set fixes other knobs for every value (e.g. forcing the path whose constant is swept).
+A row is SHAPE:DTYPE[:ACTIVATION][:channels_last][:residual][:multiplier][:same], 32 groups unless
+--groups says otherwise (residual, multiplier: epilogue operands of x's shape; same: one tensor as
+both, problem 3's (h + y) * y); --set fixes other knobs for every value (e.g. forcing the path whose
+constant is swept).
 """
 import argparse
 import os
@@ -26,14 +28,23 @@ from fusednorm import kernel_paths
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 
+OPERAND_FIELDS = ("residual", "multiplier", "same")
+
+
 def parse_row(text):
     fields = text.split(":")
     shape = tuple(int(v) for v in fields[0].split(","))
     dtype = getattr(torch, fields[1]) if len(fields) > 1 else torch.float32
     rest = fields[2:]
     channels_last = "channels_last" in rest
-    activation = next((f for f in rest if f != "channels_last"), None)
-    return shape, dtype, activation, channels_last
+    operands = tuple(f for f in rest if f in OPERAND_FIELDS)
+    activation = next((f for f in rest if f != "channels_last" and f not in OPERAND_FIELDS), None)
+    return shape, dtype, activation, channels_last, operands
+
+
+def plan_operands(operands):
+    """fusednorm.kernel_paths.plan's spelling of a row's operands."""
+    return ["residual", "multiplier=residual"] if operands == ("same",) else list(operands)
 
 
 def apply(knob, value, fixed):
@@ -49,7 +60,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("knob", help="a FUSEDNORM_* knob of fusednorm.kernel_paths.KNOBS")
     parser.add_argument("values", help="comma-separated values to time beside the default")
-    parser.add_argument("--row", action="append", required=True, help="SHAPE:DTYPE[:ACTIVATION][:channels_last]")
+    parser.add_argument("--row", action="append", required=True,
+                        help="SHAPE:DTYPE[:ACTIVATION][:channels_last][:residual][:multiplier][:same]")
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="another knob, every value")
     parser.add_argument("--backward", action="store_true", help="time the backward (autograd.grad) instead")
@@ -72,15 +84,17 @@ def main():
 
         flush = torch.zeros(512 * 1024 * 1024, dtype=torch.int8, device="cuda")
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, GPU kernel time a call (ms)")
-    for shape, dtype, activation, channels_last in rows:
-        label = f"{shape} {str(dtype)[6:]} {activation or 'plain'}{' channels_last' if channels_last else ''}"
+    for shape, dtype, activation, channels_last, operands in rows:
+        label = (f"{shape} {str(dtype)[6:]} {activation or 'plain'}{' channels_last' if channels_last else ''}"
+                 + "".join(" " + o for o in operands))
         fn = None if args.plans else fused_call(shape, args.groups, dtype, activation, channels_last,
-                                                backward=args.backward)
+                                                operands=operands, backward=args.backward)
         for r in range(1 if args.plans else args.rounds):
             for value in values:
                 apply(args.knob, value, fixed)
                 plan = kernel_paths.plan(shape, args.groups, dtype, channels_last=channels_last,
-                                         activation=activation, backward=args.backward)
+                                         activation=activation, operands=plan_operands(operands),
+                                         backward=args.backward)
                 ms = "" if args.plans else f"{kernel_ms(fn, flush, args.iters):.4f}"
                 print(f"{label:<44} {value or 'default':>8} {ms:>8}  {plan}", flush=True)
         del fn
