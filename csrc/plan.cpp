@@ -77,8 +77,8 @@ constexpr int64_t kSmemReserveBytes = 1024;  // static shared memory and the dri
 // one-pass clusters hold, only those of kTeamFewGroupsMinBytes of x and more in fewer groups than
 // half the SMs. Measured on an H200 (docs/design.md, "Team or one-pass"): since the clusters'
 // shared memory starts on a 128-byte line, as the team's, the clusters beat or match the team on
-// every group of 256 KB - 1 MB in 128 groups and more (the InstanceNorm problem 3.78 against
-// 3.88 ms, (8,512,128,128) bfloat16 GN+SiLU 0.089 against 0.100, (16,256,128,128) float16 0.076
+// every group of 256 KB - 1 MB in 128 groups and more (the InstanceNorm problem 3.81 against
+// 3.92 ms, (8,512,128,128) bfloat16 GN+SiLU 0.089 against 0.101, (16,256,128,128) float16 0.076
 // against 0.093) and on 1 MB groups at 32 - 64 ((8,256,256,256) float16 GN+SiLU 0.175 both); the
 // team keeps the VAE's 512 KB - 1 MB groups, 32 of them ((1,512,128,128) bfloat16). Without
 // clusters (before sm_90) a one-pass group has one CTA, and the team path keeps groups from
