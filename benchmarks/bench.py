@@ -47,6 +47,10 @@ class Case:
     operands: tuple = ()  # of "scale", "shift", "residual", "multiplier"
     same_operand: bool = False  # residual and multiplier are one tensor (problem 3's (h + y) * y)
 
+    def plan_operands(self) -> List[str]:
+        """The operands as fusednorm.kernel_paths.plan names them."""
+        return ["multiplier=residual"] if self.same_operand else list(self.operands)
+
 
 def gpu_suite() -> List[Case]:
     cases = [
@@ -196,16 +200,21 @@ def kernel_ms(fn, flush, iters=20):
     return kernel_profile(fn, flush, iters)[0]
 
 
+def call_case(shape, groups, dtype, activation=None, channels_last=False, operands=()) -> Case:
+    """The Case of a kernel-time tool's call (tools/kernel_time.py, tools/knob_sweep.py).
+    `operands`: epilogue operand names ("residual", "multiplier", ...), or ("same",) for one tensor
+    as residual and multiplier (problem 3's (h + y) * y)."""
+    same = tuple(operands) == ("same",)
+    return Case("call", tuple(shape), dtype, "group", groups, channels_last=channels_last, activation=activation,
+                operands=("residual", "multiplier") if same else tuple(operands), same_operand=same)
+
+
 def fused_call(shape, groups, dtype, activation=None, channels_last=False, operands=(), backward=False,
                device="cuda"):
-    """A fusednorm.group_norm call on random inputs (make_inputs / grad_inputs of a Case), for the
-    kernel-time tools (tools/kernel_time.py, tools/knob_sweep.py): fn() runs the forward under
-    no_grad or, with `backward`, the backward (autograd.grad of one random dy, the graph kept for
-    repeated calls). `operands`: epilogue operand names ("residual", "multiplier", ...), or
-    ("same",) for one tensor as residual and multiplier (problem 3's (h + y) * y)."""
-    same = tuple(operands) == ("same",)
-    case = Case("call", tuple(shape), dtype, "group", groups, channels_last=channels_last, activation=activation,
-                operands=("residual", "multiplier") if same else tuple(operands), same_operand=same)
+    """A fusednorm.group_norm call on random inputs (make_inputs / grad_inputs of call_case's Case):
+    fn() runs the forward under no_grad or, with `backward`, the backward (autograd.grad of one
+    random dy, the graph kept for repeated calls)."""
+    case = call_case(shape, groups, dtype, activation, channels_last, operands)
     x, w, b, ops = make_inputs(case, device)
     if not backward:
 

@@ -26,6 +26,7 @@ import torch
 from fusednorm import kernel_paths
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench import call_case, fused_call, kernel_ms  # noqa: E402
 
 
 OPERAND_FIELDS = ("residual", "multiplier", "same")
@@ -40,11 +41,6 @@ def parse_row(text):
     operands = tuple(f for f in rest if f in OPERAND_FIELDS)
     activation = next((f for f in rest if f != "channels_last" and f not in OPERAND_FIELDS), None)
     return shape, dtype, activation, channels_last, operands
-
-
-def plan_operands(operands):
-    """fusednorm.kernel_paths.plan's spelling of a row's operands."""
-    return ["residual", "multiplier=residual"] if operands == ("same",) else list(operands)
 
 
 def apply(knob, value, fixed):
@@ -80,20 +76,19 @@ def main():
     values = [None] + args.values.split(",")
     rows = [parse_row(r) for r in args.row]
     if not args.plans:
-        from bench import fused_call, kernel_ms
-
         flush = torch.zeros(512 * 1024 * 1024, dtype=torch.int8, device="cuda")
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, GPU kernel time a call (ms)")
     for shape, dtype, activation, channels_last, operands in rows:
         label = (f"{shape} {str(dtype)[6:]} {activation or 'plain'}{' channels_last' if channels_last else ''}"
                  + "".join(" " + o for o in operands))
+        case = call_case(shape, args.groups, dtype, activation, channels_last, operands)
         fn = None if args.plans else fused_call(shape, args.groups, dtype, activation, channels_last,
                                                 operands=operands, backward=args.backward)
         for r in range(1 if args.plans else args.rounds):
             for value in values:
                 apply(args.knob, value, fixed)
                 plan = kernel_paths.plan(shape, args.groups, dtype, channels_last=channels_last,
-                                         activation=activation, operands=plan_operands(operands),
+                                         activation=activation, operands=case.plan_operands(),
                                          backward=args.backward)
                 ms = "" if args.plans else f"{kernel_ms(fn, flush, args.iters):.4f}"
                 print(f"{label:<44} {value or 'default':>8} {ms:>8}  {plan}", flush=True)

@@ -48,7 +48,7 @@ def plan_args(case, backward):
     return {
         "shape": list(case.shape), "num_groups": case.groups if case.kind == "group" else case.shape[1],
         "dtype": str(case.dtype)[6:], "channels_last": case.channels_last, "activation": case.activation,
-        "operands": ["multiplier=residual"] if case.same_operand else list(case.operands),
+        "operands": case.plan_operands(),
         "backward": backward, "affine": case.affine,
     }
 
