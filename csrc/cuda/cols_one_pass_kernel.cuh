@@ -77,9 +77,7 @@ __global__ void __launch_bounds__(kOnePassThreads, kBias || E == 0 ? 3 : 2) grou
   using acc_t = acc_type<scalar_t>;
   const int cluster = kClustered ? a.cluster : 1;  // (the launcher's choice: a.cluster > 1)
   using P = Pack<scalar_t, V>;
-  // On a 128-byte line, as the team kernels' (docs/design.md, "Team path"): the static arrays
-  // below would put it off one, and every warp's copies into it across five lines, not four.
-  extern __shared__ __align__(128) unsigned char one_pass_smem[];
+  extern __shared__ __align__(kSmemLineBytes) unsigned char one_pass_smem[];
   __shared__ acc_t red[kMaxColsSpan * kOnePassThreads / kWarp];
   __shared__ ClusterExchange exchange;  // the cluster's parts
   P* buffers = reinterpret_cast<P*>(one_pass_smem);  // slabs dense (ColsPlace::dense)

@@ -60,8 +60,7 @@ template <typename scalar_t, int V, Activation A, bool kStraddling>
 __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_team_kernel(const TeamArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  // On a 128-byte line, as the planner's chunks of x start (plan.cpp, kTeamChunkAlign).
-  extern __shared__ __align__(128) unsigned char team_smem[];
+  extern __shared__ __align__(kSmemLineBytes) unsigned char team_smem[];
   __shared__ acc_t red[kTeamThreads / kWarp];
   __shared__ acc_t fold[2 * kTeamThreads / kWarp];
   const OnePassArgs<scalar_t>& o = a.op;
@@ -200,7 +199,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const TeamBackwardArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  extern __shared__ __align__(128) unsigned char team_smem[];  // on a line, as the forward's
+  extern __shared__ __align__(kSmemLineBytes) unsigned char team_smem[];
   __shared__ Sums<acc_t, 1> seg_smem[kTeamThreads / kWarp];
   __shared__ Sums<acc_t, 1> fold[kTeamThreads / kWarp];
   const OnePassBackwardArgs<scalar_t>& o = a.op;

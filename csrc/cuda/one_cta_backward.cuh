@@ -312,9 +312,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 2) group_norm_backward_one_p
     const OnePassBackwardArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  // On a 128-byte line, as the team kernels' (docs/design.md, "Team path"): the static arrays
-  // below would put it off one, and every warp's copies into it across five lines, not four.
-  extern __shared__ __align__(128) unsigned char one_pass_smem[];
+  extern __shared__ __align__(kSmemLineBytes) unsigned char one_pass_smem[];
   __shared__ acc_t red[kBackwardThreads / kWarp];
   __shared__ Sums<acc_t, 1> seg_smem[kBackwardThreads / kWarp];
   const int threads = static_cast<int>(blockDim.x);

@@ -40,9 +40,7 @@ template <typename scalar_t, int V, Activation A>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(const OnePassArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  // On a 128-byte line, as the team kernels' (docs/design.md, "Team path"): the static arrays
-  // below would put it off one, and every warp's copies into it across five lines, not four.
-  extern __shared__ __align__(128) unsigned char one_pass_smem[];
+  extern __shared__ __align__(kSmemLineBytes) unsigned char one_pass_smem[];
   __shared__ acc_t red[kOnePassThreads / kWarp];
   __shared__ ClusterExchange exchange;  // the cluster's parts
   const int64_t item = div_nn(blockIdx.x, a.cluster);  // (n, g)

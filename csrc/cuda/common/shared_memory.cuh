@@ -15,6 +15,12 @@
 namespace fusednorm {
 namespace {
 
+// The alignment of the dynamic shared memory the kernels copy x into (`extern __shared__
+// __align__(kSmemLineBytes)`): a 128-byte line. Behind a kernel's static arrays it began off one,
+// and every warp's 512 bytes of copies and reads touched five lines, not four (docs/design.md,
+// "Team path"; the planner's team chunks are whole lines too, plan.cpp's kTeamChunkAlign).
+constexpr int kSmemLineBytes = 128;
+
 // A 16-byte pack from shared memory in one 16-byte load. Read element by element where it lies
 // (p.v[j] through a reference into shared memory), a half / bfloat16 pack took eight 2-byte loads.
 template <typename P>
