@@ -1,7 +1,7 @@
 """The prologue input_bias of group_norm and fused_group_norm_forward: the op normalizes
 input + input_bias (a convolution's bias (C,), plus a per-sample embedding (N, C)) in one pass.
 Against the float64 reference on every dtype, layout and kernel path (the channels-last sweep and
-one-pass kernels add it on the fly, the others are given the sum), forward and backward, twice
+one-pass kernels and the team forward add it on the fly, the others are given the sum), forward and backward, twice
 differentiable; opcheck; argument errors; and the fusion backend's rewrite of conv(h, w, b) [+ e]
 before a group norm (docs/design.md, "Input bias")."""
 
@@ -79,29 +79,37 @@ def test_against_reference(shape, dtype, layout, kind, activation, with_residual
     check(shape, G, dtype, layout, kind, device, activation, with_residual)
 
 
-# The channels-last kernels that add input_bias on the fly, each forced, and the one kernel the
-# call then launches besides them: no elementwise pass writes input + input_bias.
+# The kernels that add input_bias on the fly, each forced, and the one kernel the call then
+# launches besides them: no elementwise pass writes input + input_bias.
+TEAM = kernel_paths.PATHS["team"]
 NATIVE = [
-    # (knobs, shape, G, dtype, kernel)
-    ({"FUSEDNORM_COLS_SWEEP": "1"}, (2, 64, 16, 16), 8, torch.float16, "cols_sweep_moments"),
-    ({"FUSEDNORM_COLS_SWEEP": "1"}, (1, 128, 24, 20), 32, torch.bfloat16, "cols_sweep_moments"),
-    ({"FUSEDNORM_COLS_SWEEP": "1"}, (3, 32, 9, 7), 4, torch.float32, "cols_sweep_moments"),
-    ({}, (1, 512, 64, 64), 32, torch.float16, "cols_one_pass"),            # clusters
-    ({}, (2, 320, 16, 16), 32, torch.bfloat16, "cols_one_pass"),           # two groups a CTA
-    ({"FUSEDNORM_COLS_PIPELINE": "1"}, (4, 40, 6, 6), 4, torch.float16, "cols_one_pass"),  # double-buffered
+    # (knobs, shape, G, dtype, layout, kernel)
+    ({"FUSEDNORM_COLS_SWEEP": "1"}, (2, 64, 16, 16), 8, torch.float16, "channels_last", "cols_sweep_moments"),
+    ({"FUSEDNORM_COLS_SWEEP": "1"}, (1, 128, 24, 20), 32, torch.bfloat16, "channels_last", "cols_sweep_moments"),
+    ({"FUSEDNORM_COLS_SWEEP": "1"}, (3, 32, 9, 7), 4, torch.float32, "channels_last", "cols_sweep_moments"),
+    ({}, (1, 512, 64, 64), 32, torch.float16, "channels_last", "cols_one_pass"),            # clusters
+    ({}, (2, 320, 16, 16), 32, torch.bfloat16, "channels_last", "cols_one_pass"),           # two groups a CTA
+    ({"FUSEDNORM_COLS_PIPELINE": "1"}, (4, 40, 6, 6), 4, torch.float16, "channels_last", "cols_one_pass"),  # double-buffered
+    # The team forward: chunks of several channels, a thread's packs crossing them; channels of
+    # 16 packs (fewer than a CTA's threads: every pack of a thread in another channel); 5-D.
+    (TEAM, (2, 32, 48, 256), 4, torch.float16, "contiguous", "group_norm_team_kernel"),
+    (TEAM, (2, 32, 48, 256), 4, torch.float32, "contiguous", "group_norm_team_kernel"),
+    (TEAM, (1, 2048, 8, 16), 2, torch.float16, "contiguous", "group_norm_team_kernel"),
+    (TEAM, (1, 128, 20, 64, 64), 32, torch.bfloat16, "contiguous", "group_norm_team_kernel"),
 ]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("knobs, shape, G, dtype, kernel", NATIVE)
+@pytest.mark.parametrize("knobs, shape, G, dtype, layout, kernel", NATIVE)
 @pytest.mark.parametrize("kind", BIAS_SHAPES)
-def test_channels_last_kernels_add_it(knobs, shape, G, dtype, kernel, kind, monkeypatch):
+def test_kernels_that_add_it(knobs, shape, G, dtype, layout, kernel, kind, monkeypatch):
     kernel_paths.use_defaults(monkeypatch)
     for name, value in knobs.items():
         kernel_paths.set_knob(monkeypatch, name, value)
-    check(shape, G, dtype, "channels_last", kind, "cuda", activation="silu")
+    check(shape, G, dtype, layout, kind, "cuda", activation="silu", grads=False)  # the kernel's own output
+    check(shape, G, dtype, layout, kind, "cuda", activation="silu")
     torch.manual_seed(0)
-    x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    x = to_layout(torch.randn(shape, device="cuda", dtype=dtype), layout)
     p = make_input_bias(x, kind)
     names = kernel_paths.cuda_kernel_names(lambda: fusednorm.group_norm(x, G, activation="silu", input_bias=p))
     assert kernel in names, names

@@ -142,17 +142,17 @@ plan::Problem problem_of(const GroupNormShape& sh, Layout layout, const Epilogue
 
 // The CUDA answers to the planner's residency questions about this call's kernels (scalar_t, the
 // epilogue's activation, in the backward what its sums keep, in the forward the streams, whether
-// the team kernel's packs straddle channels and whether the channels-last one-pass kernel would
-// add input_bias: each its own instantiation).
+// the team kernel's packs straddle channels, whether it would add input_bias, and whether the
+// channels-last one-pass kernel would: each its own instantiation).
 template <typename scalar_t>
 plan::Residency residency_of(Activation act, bool backward, Keep keep, int forward_streams, bool straddling = false,
-    bool input_bias = false) {
+    bool input_bias = false, bool team_input_bias = false) {
   using acc_t = acc_type<scalar_t>;
   plan::Residency r;
   constexpr int V = pack_width<scalar_t>();
   if constexpr (V > 1) {
-    r.team_ctas_per_sm = [act, backward, keep, straddling](int64_t smem) {
-      return team_residency<scalar_t>(act, backward, static_cast<int>(keep), straddling, smem);
+    r.team_ctas_per_sm = [act, backward, keep, straddling, team_input_bias](int64_t smem) {
+      return team_residency<scalar_t>(act, backward, static_cast<int>(keep), straddling, team_input_bias, smem);
     };
     r.cols_ctas_per_sm = [act, forward_streams, input_bias](int pack_bytes, int64_t smem) {
       return cols_one_pass_residency<scalar_t>(act, forward_streams, pack_bytes, smem, input_bias);
@@ -174,7 +174,8 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
   const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams,
       /*straddling=*/team_packs_straddle(sh, pack_width<scalar_t>(), weight, bias, ep),
-      /*input_bias=*/ep.input_bias.defined() && streams == 1);
+      /*input_bias=*/ep.input_bias.defined() && streams == 1,
+      /*team_input_bias=*/team_adds_input_bias(sh, pack_width<scalar_t>(), ep));
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
   if (ep.addend.defined() && (pl.path != plan::Path::ColsSweep || !aligned16(ep.addend.data_ptr()) ||
                                  !aligned16(ep.sum.data_ptr()))) {
@@ -187,19 +188,25 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     rest.addend = rest.sum = rest.input_bias = at::Tensor();
     return forward_impl<scalar_t>(ep.sum, weight, bias, eps, sh, layout, rest, y, mean, rstd);
   }
-  if (ep.input_bias.defined() && pl.path != plan::Path::ColsSweep && (pl.path != plan::Path::ColsShared || streams > 1)) {
-    // Only the channels-last sweep and one-pass kernels (the latter without a residual or
-    // multiplier) add input_bias on the fly (docs/design.md, "Input bias"); the others normalize
-    // input + input_bias materialized.
+  // Only the channels-last sweep and one-pass kernels (the latter without a residual or
+  // multiplier) and the team forward (team_adds_input_bias) add input_bias on the fly
+  // (docs/design.md, "Input bias"); the others normalize input + input_bias materialized.
+  const auto adds_input_bias = [&](plan::Path path) {
+    return path == plan::Path::ColsSweep || (path == plan::Path::ColsShared && streams == 1) ||
+           (path == plan::Path::Team && team_adds_input_bias(sh, pack_width<scalar_t>(), ep));
+  };
+  const auto given_the_sum = [&] {
     Epilogue rest = ep;
     rest.input_bias = at::Tensor();
-    return forward_impl<scalar_t>(to_layout(add_input_bias(x, ep.input_bias), layout), weight, bias, eps, sh,
-        layout, rest, y, mean, rstd);
-  }
+    forward_impl<scalar_t>(to_layout(add_input_bias(x, ep.input_bias), layout), weight, bias, eps, sh, layout, rest,
+        y, mean, rstd);
+  };
+  if (ep.input_bias.defined() && !adds_input_bias(pl.path)) return given_the_sum();
   if (pl.path == plan::Path::Team) {
     if (team_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd)) return;
     prob.team_refused = true;  // another context holds part of the device
     pl = plan::plan_forward(prob, dev, res, plan::overrides());
+    if (ep.input_bias.defined() && !adds_input_bias(pl.path)) return given_the_sum();
   }
   switch (pl.path) {
     case plan::Path::Split: return split_forward<scalar_t>(pl, x, weight, bias, eps, sh, layout, ep, y, mean, rstd);

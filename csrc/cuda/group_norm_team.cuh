@@ -56,8 +56,15 @@ struct TeamArgs {
 // straddling pack's per-element channel walk cost the bfloat16 kernel 40 bytes of stack (8 without
 // it) and float16/float32 8 (0 without it), spilled inside the loop (docs/design.md, "Team
 // path").
-template <typename scalar_t, int V, Activation A, bool kStraddling>
+//
+// kBias: with input_bias (docs/design.md, "Input bias"), its own instantiation (uniform packs, x
+// alone, the common activations: team_adds_input_bias), so that the kernels without it keep their
+// machine code. x' = x + p_c is never formed: a thread sums each pack of channel c against the
+// shift T - (p_c - p_t) (p_t: input_bias at the channel of its first pack), the group's shift is
+// K + p at its first channel, and the output shifts channel c by that less p_c.
+template <typename scalar_t, int V, Activation A, bool kStraddling, bool kBias = false>
 __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_team_kernel(const TeamArgs<scalar_t> a) {
+  static_assert(!(kBias && kStraddling), "input_bias on the fly takes packs within one channel");
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   extern __shared__ __align__(kSmemLineBytes) unsigned char team_smem[];
@@ -86,24 +93,56 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   // and a constant group gives exactly M2 = 0. A CTA writes round i's partials after passing
   // round i - 1's barrier, which the whole team reaches after reading round i - 2's: two slots
   // (round parities) suffice.
+  // kBias: the group's channel of the thread's first pack (the same every round).
+  const int64_t spv = o.S / V;
+  const int64_t c_mine = kBias ? div_nn(v_begin + threadIdx.x, spv) : 0;
   const auto moments = [&](unsigned i, acc_t K) {
+    // kBias: input_bias at the thread's first channel, loaded before the wait.
+    const int64_t item = t.item_of(team, i);
+    const int64_t ng = kBias ? div_nn(item, o.G) : 0;
+    const int64_t c_first = kBias ? (item - ng * o.G) * o.D : 0;
+    const acc_t p_t = kBias ? e.input_bias.template at<acc_t>(ng, c_first + c_mine) : acc_t(0);
     __pipeline_wait_prior(0);
     // Sums of x - T, T the thread's first element (block_moments_of_shifted_sums): no second
     // pass over the chunk where K lies far from it, which sat on every round's critical path
     // (docs/design.md, "Numerics").
     const acc_t T = threadIdx.x < count ? pack_element<acc_t>(load_pack(x[threadIdx.x]), 0) : acc_t(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
-    for (int v = threadIdx.x; v < count; v += kTeamThreads) add_shifted_sums(load_pack(x[v]), T, s1, s2);
+    if constexpr (kBias) {
+      // x + p_c - (T + p_t) = x - Tc, Tc = T - (p_c - p_t), as the thread's packs reach channel c.
+      acc_t Tc = T;
+      int64_t c_end = (c_mine + 1) * spv - v_begin;  // the first pack past the channel of Tc
+      for (int v = threadIdx.x; v < count; v += kTeamThreads) {
+        if (v >= c_end) {
+          const int64_t c = div_nn(v_begin + v, spv);
+          c_end = (c + 1) * spv - v_begin;
+          Tc = T - (e.input_bias.template at<acc_t>(ng, c_first + c) - p_t);
+        }
+        add_shifted_sums(load_pack(x[v]), Tc, s1, s2);
+      }
+    } else {
+      for (int v = threadIdx.x; v < count; v += kTeamThreads) add_shifted_sums(load_pack(x[v]), T, s1, s2);
+    }
     const int mine = count > static_cast<int>(threadIdx.x) ? (count - static_cast<int>(threadIdx.x) + kTeamThreads - 1) / kTeamThreads : 0;
     const acc_t n = static_cast<acc_t>(count * V);
+    // kBias: K is the group's first element of x + input_bias (first_of), T's channel has p_t.
+    const acc_t tk = kBias ? (T + p_t) - K : T - K;
     const BlockMoments<acc_t> bm = block_moments_of_shifted_sums<kTeamThreads>(
-        static_cast<acc_t>(mine * V), T - K, s1, s2, n, red);
+        static_cast<acc_t>(mine * V), tk, s1, s2, n, red);
     const acc_t mean = bm.mean;
     const acc_t m2 = bm.m2;
     if (threadIdx.x == 0) t.publish(team, rank, i, n, mean, m2);
   };
-  // The group's first element, loaded well before moments() needs it.
-  const auto first_of = [&](unsigned i) { return static_cast<acc_t>(o.x[t.item_of(team, i) * o.len]); };
+  // The group's first element (kBias: of x + input_bias), loaded well before moments() needs it.
+  const auto first_of = [&](unsigned i) {
+    const int64_t item = t.item_of(team, i);
+    acc_t k = static_cast<acc_t>(o.x[item * o.len]);
+    if constexpr (kBias) {
+      const int64_t ng = div_nn(item, o.G);
+      k += e.input_bias.template at<acc_t>(ng, (item - ng * o.G) * o.D);
+    }
+    return k;
+  };
 
   acc_t K = acc_t(0);
   t.start(team);
@@ -136,7 +175,7 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
       o.rstd[item] = rstd;
     }
     const int64_t ng = div_nn(item, o.G);
-    OnePassOutput<scalar_t, V, A> out(o, ng, item - ng * o.G, K, m.mean, rstd);
+    OnePassOutput<scalar_t, V, A, kBias> out(o, ng, item - ng * o.G, K, m.mean, rstd);
     const int64_t off = item * o.len;
     const P* rg = reinterpret_cast<const P*>(offset_or_null(e.residual, off)) + v_begin;
     const P* mg = reinterpret_cast<const P*>(offset_or_null(e.multiplier, off)) + v_begin;
@@ -377,11 +416,20 @@ bool forward_team(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& w
     bool launched = false;
     const bool straddling = team_packs_straddle(sh, V, weight, bias, ep);
     TORCH_INTERNAL_ASSERT(straddling == !o.template uniform_packs<V>(), "team forward: packs straddle or not");
+    const size_t smem = static_cast<size_t>(a.team.chunk * pack_bytes);
+    if (o.epi.input_bias.ptr != nullptr) {
+      TORCH_INTERNAL_ASSERT(team_adds_input_bias(sh, V, ep), "team forward given an input_bias it cannot add");
+      dispatch_common_activation(ep.activation, [&](auto act) {
+        launched = launch_team_grid(group_norm_team_kernel<scalar_t, V, decltype(act)::value, false, true>, a, a.team,
+            smem, x);
+      });
+      return launched;
+    }
     dispatch_activation(ep.activation, [&](auto act) {
       constexpr Activation kA = decltype(act)::value;
       auto kernel =
           straddling ? group_norm_team_kernel<scalar_t, V, kA, true> : group_norm_team_kernel<scalar_t, V, kA, false>;
-      launched = launch_team_grid(kernel, a, a.team, static_cast<size_t>(a.team.chunk * pack_bytes), x);
+      launched = launch_team_grid(kernel, a, a.team, smem, x);
     });
     return launched;
   }
@@ -454,9 +502,15 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 }
 
 template <typename scalar_t>
-int team_residency(Activation act, bool backward, int keep, bool straddling, int64_t smem) {
+int team_residency(Activation act, bool backward, int keep, bool straddling, bool input_bias, int64_t smem) {
   constexpr int V = pack_width<scalar_t>();
   int per_sm = 0;
+  if (!backward && input_bias) {
+    dispatch_common_activation(act, [&](auto a) {
+      per_sm = team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, decltype(a)::value, false, true>, smem);
+    });
+    return per_sm;
+  }
   dispatch_activation(act, [&](auto a) {
     constexpr Activation kA = decltype(a)::value;
     if (!backward) {
@@ -484,4 +538,4 @@ int team_residency(Activation act, bool backward, int keep, bool straddling, int
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const GroupNormShape&,    \
       Layout, const Epilogue&, const FusedGradMask&, FusedGrads&, bool, at::Tensor&, at::Tensor&)
 #define FUSEDNORM_INSTANTIATE_TEAM_RESIDENCY(T) \
-  template int fusednorm::team_residency<T>(Activation, bool, int, bool, int64_t)
+  template int fusednorm::team_residency<T>(Activation, bool, int, bool, bool, int64_t)

@@ -150,14 +150,17 @@ __device__ __forceinline__ acc_t output_element(const EpiArgs<scalar_t>& e, acc_
 // y = act(((x - K) - shifted_mean) * rstd * w_eff + b_eff + residual) * multiplier for the packs
 // of group (n, g), with the per-(n, c) modulation folded into w_eff and b_eff (epilogue.h); a
 // channel's coefficients are cached, as with S >= V a pack lies in one channel. A: the activation,
-// fixed at compile time.
-template <typename scalar_t, int V, Activation A>
+// fixed at compile time. kBias (the team forward's, uniform packs): y of x + input_bias, K the
+// group's shift in x + input_bias; channel c's elements are shifted by K - p_c instead
+// (docs/design.md, "Input bias").
+template <typename scalar_t, int V, Activation A, bool kBias = false>
 struct OnePassOutput {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
   const OnePassArgs<scalar_t>& a;
   int64_t n, c_first;
   acc_t K, shifted_mean, rstd;
+  acc_t K_group;  // kBias: the group's shift, K that of the cached channel
   bool uniform;  // every pack's elements share their coefficients (OnePassArgs::uniform_packs)
   int64_t cached_c = -1;
   acc_t ca = acc_t(0), cb = acc_t(0);
@@ -167,7 +170,7 @@ struct OnePassOutput {
 
   __device__ __forceinline__ OnePassOutput(
       const OnePassArgs<scalar_t>& args, int64_t n_, int64_t g, acc_t K_, acc_t shifted_mean_, acc_t rstd_)
-      : a(args), n(n_), c_first(g * args.D), K(K_), shifted_mean(shifted_mean_), rstd(rstd_),
+      : a(args), n(n_), c_first(g * args.D), K(K_), shifted_mean(shifted_mean_), rstd(rstd_), K_group(K_),
         uniform(args.template uniform_packs<V>()) {}
 
   // Pack v (counted from the group's start) of y from x's, with the residual's and multiplier's
@@ -233,6 +236,7 @@ struct OnePassOutput {
       const Affine<acc_t> m = channel(c);
       ca = m.w;
       cb = m.b;
+      if constexpr (kBias) K = K_group - a.epi.input_bias.template at<acc_t>(n, c);
       cached_c = c;
     }
   }

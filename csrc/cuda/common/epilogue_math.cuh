@@ -18,7 +18,8 @@ namespace {
 
 // The prologue input_bias (group_norm.h, make_input_bias; docs/design.md, "Input bias"), in the
 // input's dtype: (C,) (sample_stride 0) or (N, C) (sample_stride C); null: absent. Only the
-// channels-last sweep and one-pass forwards read it (the other paths are given input + input_bias).
+// channels-last sweep and one-pass forwards and the team forward read it (the other paths are
+// given input + input_bias).
 template <typename scalar_t>
 struct InputBiasRef {
   const scalar_t* ptr;
