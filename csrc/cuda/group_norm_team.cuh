@@ -109,16 +109,17 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
     const acc_t T = threadIdx.x < count ? pack_element<acc_t>(load_pack(x[threadIdx.x]), 0) : acc_t(0);
     acc_t s1 = acc_t(0), s2 = acc_t(0);
     if constexpr (kBias) {
-      // x + p_c - (T + p_t) = x - Tc, Tc = T - (p_c - p_t), as the thread's packs reach channel c.
+      // x + p_c - (T + p_t) = x - Tc, Tc = T - (p_c - p_t): the thread's packs a channel at a
+      // time, each run the plain loop (a channel test a pack in it was 0-1.5% slower).
       acc_t Tc = T;
-      int64_t c_end = (c_mine + 1) * spv - v_begin;  // the first pack past the channel of Tc
-      for (int v = threadIdx.x; v < count; v += kTeamThreads) {
-        if (v >= c_end) {
-          const int64_t c = div_nn(v_begin + v, spv);
-          c_end = (c + 1) * spv - v_begin;
-          Tc = T - (e.input_bias.template at<acc_t>(ng, c_first + c) - p_t);
-        }
-        add_shifted_sums(load_pack(x[v]), Tc, s1, s2);
+      int64_t c = c_mine;
+      int v = threadIdx.x;
+      for (;;) {
+        const int end = static_cast<int>(imin((c + 1) * spv - v_begin, static_cast<int64_t>(count)));
+        for (; v < end; v += kTeamThreads) add_shifted_sums(load_pack(x[v]), Tc, s1, s2);
+        if (v >= count) break;
+        c = div_nn(v_begin + v, spv);
+        Tc = T - (e.input_bias.template at<acc_t>(ng, c_first + c) - p_t);
       }
     } else {
       for (int v = threadIdx.x; v < count; v += kTeamThreads) add_shifted_sums(load_pack(x[v]), T, s1, s2);
