@@ -172,8 +172,6 @@ constexpr int kMaxParamGradParts = 8;
 
 int pack_width(int elem_bytes) { return elem_bytes >= 8 ? 1 : 16 / elem_bytes; }
 
-bool common_activation(Act a) { return a == Act::None || a == Act::SiLU || a == Act::ReLU; }
-
 bool set(int64_t v) { return v != kUnset; }
 
 // ---------------------------------------------------------------------------------------------

@@ -102,6 +102,11 @@ Residency modeled_residency(const DeviceInfo& dev);
 // Activations as epilogue.h numbers them.
 enum class Act : int { None = 0, SiLU, GELU, GELUTanh, ReLU, LeakyReLU, Mish };
 
+// The activations the specialised kernels are instantiated for (none, SiLU, ReLU: the register,
+// channels-last one-pass, channels-last activation kernels and the team forward with input_bias;
+// dispatch_common_activation launches them); the others take a more general path.
+inline bool common_activation(Act a) { return a == Act::None || a == Act::SiLU || a == Act::ReLU; }
+
 // One call's problem: the input viewed as (N, C, S) with G groups (group_norm.h).
 struct Problem {
   int64_t N = 1, C = 1, S = 1, G = 1;

@@ -60,13 +60,12 @@ inline bool team_packs_straddle(const GroupNormShape& sh, int V, const at::Tenso
   return sh.S % V != 0 && (weight.defined() || bias.defined() || ep.scale.defined() || ep.shift.defined());
 }
 // Whether the team forward adds the call's input_bias on the fly (docs/design.md, "Input bias"):
-// packs within one channel (S a multiple of V), x read alone, an activation of
-// dispatch_common_activation's. Such a call launches the team kernel built for it; other calls
-// with input_bias are given input + input_bias.
+// packs within one channel (S a multiple of V), x read alone, a common activation
+// (plan::common_activation). Such a call launches the team kernel built for it; other calls with
+// input_bias are given input + input_bias.
 inline bool team_adds_input_bias(const GroupNormShape& sh, int V, const Epilogue& ep) {
-  const bool common = ep.activation == Activation::None || ep.activation == Activation::SiLU ||
-                      ep.activation == Activation::ReLU;
-  return ep.input_bias.defined() && sh.S % V == 0 && !ep.residual.defined() && !ep.multiplier.defined() && common;
+  return ep.input_bias.defined() && sh.S % V == 0 && !ep.residual.defined() && !ep.multiplier.defined() &&
+         plan::common_activation(static_cast<plan::Act>(static_cast<int>(ep.activation)));
 }
 // The planner's residency question about the team kernel a call launches (backward: `keep`, the
 // backward's Keep, picks it; forward: `straddling`, team_packs_straddle, and `input_bias`,

@@ -87,10 +87,11 @@ void dispatch_activation(Activation act, const F& f) {
   }
 }
 
-// As dispatch_activation, for the kernels instantiated for the common activations only (none,
-// SiLU, ReLU: the register, channels-last one-pass and channels-last activation kernels, where
-// each activation is one more copy of an unrolled element loop). Returns false, calling nothing,
-// for the others: the caller takes a more general kernel.
+// As dispatch_activation, for the kernels instantiated for the common activations only
+// (plan::common_activation: none, SiLU, ReLU; the register, channels-last one-pass and
+// channels-last activation kernels and the team forward with input_bias, where each activation is
+// one more copy of an unrolled element loop). Returns false, calling nothing, for the others: the
+// caller takes a more general kernel.
 template <typename F>
 bool dispatch_common_activation(Activation act, const F& f) {
   switch (act) {
