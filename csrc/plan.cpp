@@ -99,10 +99,11 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // sweep's 0.259 ms, float16 0.248 against 0.256, (1,256,9,240,320) float16 0.263 against 0.282,
 // (2,128,1024,1024) bfloat16 (16 MB) 0.364 against 0.400, level on (1,128,9,480,640) (22 MB, one
 // team of 264 CTAs) 0.526 against 0.529; before it, the sweep was ahead from 10 MB (0.261 against
-// 0.296 on the first row). With an operand, (1,128,1024,1024) float16: GELU times a multiplier
-// 0.283 against the team's 0.331, SiLU after a residual 0.270 against 0.279 (2026-12-02, before
-// the alignment; 4-8 MB groups with an operand not measured: they keep the 4 MB threshold every
-// group had before). float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30 against 5.25 ms,
+// 0.296 on the first row). With an operand, since the alignment (2026-12-02, evening):
+// (1,128,1024,1024) float16 GELU times a multiplier 0.278 against the team's 0.316, SiLU after a
+// residual level (0.264 against 0.263), (1,128,20,256,256) bfloat16 SiLU after a residual 0.330
+// against 0.340, (2,128,1024,1024) bfloat16 (h + y) * y 0.513 against 0.509 (within the noise);
+// 4-8 MB groups with an operand not measured: they keep the 4 MB threshold every group had before. float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30 against 5.25 ms,
 // InstanceNorm3d 0.399 against 0.369; 2026-11-29): its kernels are the 16-bit types' alone.
 constexpr int64_t kSweepTileBytes = 256 * 1024;
 constexpr int64_t kSweepMinBytes = 9 << 20;
