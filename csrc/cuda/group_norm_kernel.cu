@@ -172,10 +172,11 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   prob.aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(residual) && aligned16(multiplier);
   const plan::DeviceInfo dev = device_info();
   const int streams = 1 + (residual != nullptr) + (multiplier != nullptr && multiplier != residual);
+  const bool team_input_bias = team_adds_input_bias(sh, pack_width<scalar_t>(), ep);
   const plan::Residency res = residency_of<scalar_t>(ep.activation, /*backward=*/false, Keep::None, streams,
       /*straddling=*/team_packs_straddle(sh, pack_width<scalar_t>(), weight, bias, ep),
       /*input_bias=*/ep.input_bias.defined() && streams == 1,
-      /*team_input_bias=*/team_adds_input_bias(sh, pack_width<scalar_t>(), ep));
+      team_input_bias);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
   if (ep.addend.defined() && (pl.path != plan::Path::ColsSweep || !aligned16(ep.addend.data_ptr()) ||
                                  !aligned16(ep.sum.data_ptr()))) {
@@ -193,7 +194,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   // (docs/design.md, "Input bias"); the others normalize input + input_bias materialized.
   const auto adds_input_bias = [&](plan::Path path) {
     return path == plan::Path::ColsSweep || (path == plan::Path::ColsShared && streams == 1) ||
-           (path == plan::Path::Team && team_adds_input_bias(sh, pack_width<scalar_t>(), ep));
+           (path == plan::Path::Team && team_input_bias);
   };
   const auto given_the_sum = [&] {
     Epilogue rest = ep;

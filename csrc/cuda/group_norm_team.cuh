@@ -395,6 +395,27 @@ __global__ void __launch_bounds__(kTeamThreads, kTeamBlocksPerSM) group_norm_tea
   }
 }
 
+// The team forward's kernel for a call: instantiated for its activation, for packs that straddle
+// channels or not and, packs within one channel and a common activation (team_adds_input_bias),
+// for adding input_bias on the fly. forward_team launches it and team_residency asks how many fit
+// an SM: one choice, so the planner's residency answer is about the kernel that runs.
+template <typename scalar_t, int V = pack_width<scalar_t>()>
+auto team_forward_kernel(Activation act, bool straddling, bool input_bias) {
+  void (*kernel)(TeamArgs<scalar_t>) = nullptr;
+  if (input_bias) {
+    TORCH_INTERNAL_ASSERT(!straddling, "team forward: input_bias on the fly takes packs within one channel");
+    dispatch_common_activation(
+        act, [&](auto a) { kernel = group_norm_team_kernel<scalar_t, V, decltype(a)::value, false, true>; });
+  } else {
+    dispatch_activation(act, [&](auto a) {
+      constexpr Activation kA = decltype(a)::value;
+      kernel = straddling ? group_norm_team_kernel<scalar_t, V, kA, true> : group_norm_team_kernel<scalar_t, V, kA, false>;
+    });
+  }
+  TORCH_INTERNAL_ASSERT(kernel != nullptr, "team forward planned for an activation it is not instantiated for");
+  return kernel;
+}
+
 // Runs the team forward as planned (plan.path == Team); false, having launched nothing, where the
 // device refuses the grid (the caller plans again without the team path).
 template <typename scalar_t>
@@ -414,25 +435,12 @@ bool forward_team(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& w
     a.team.groups = sh.N * sh.G;
     set_team_grid(pl, a.team);
     constexpr int64_t pack_bytes = V * static_cast<int64_t>(sizeof(scalar_t));
-    bool launched = false;
     const bool straddling = team_packs_straddle(sh, V, weight, bias, ep);
     TORCH_INTERNAL_ASSERT(straddling == !o.template uniform_packs<V>(), "team forward: packs straddle or not");
+    const bool input_bias = o.epi.input_bias.ptr != nullptr;
+    TORCH_INTERNAL_ASSERT(!input_bias || team_adds_input_bias(sh, V, ep), "team forward given an input_bias it cannot add");
     const size_t smem = static_cast<size_t>(a.team.chunk * pack_bytes);
-    if (o.epi.input_bias.ptr != nullptr) {
-      TORCH_INTERNAL_ASSERT(team_adds_input_bias(sh, V, ep), "team forward given an input_bias it cannot add");
-      dispatch_common_activation(ep.activation, [&](auto act) {
-        launched = launch_team_grid(group_norm_team_kernel<scalar_t, V, decltype(act)::value, false, true>, a, a.team,
-            smem, x);
-      });
-      return launched;
-    }
-    dispatch_activation(ep.activation, [&](auto act) {
-      constexpr Activation kA = decltype(act)::value;
-      auto kernel =
-          straddling ? group_norm_team_kernel<scalar_t, V, kA, true> : group_norm_team_kernel<scalar_t, V, kA, false>;
-      launched = launch_team_grid(kernel, a, a.team, smem, x);
-    });
-    return launched;
+    return launch_team_grid(team_forward_kernel<scalar_t>(ep.activation, straddling, input_bias), a, a.team, smem, x);
   }
 }
 
@@ -505,26 +513,18 @@ bool team_backward(const plan::Plan& pl, const at::Tensor& dy, const at::Tensor&
 template <typename scalar_t>
 int team_residency(Activation act, bool backward, int keep, bool straddling, bool input_bias, int64_t smem) {
   constexpr int V = pack_width<scalar_t>();
-  int per_sm = 0;
-  if (!backward && input_bias) {
-    dispatch_common_activation(act, [&](auto a) {
-      per_sm = team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, decltype(a)::value, false, true>, smem);
-    });
-    return per_sm;
+  if (!backward) {
+    // Only the kernel forward_team launches is allowed the shared memory (one left at the default
+    // 48 KB is refused the grid, and the call falls back to another path): asking of every
+    // instantiation doubled the driver calls of every team forward's planning.
+    return team_ctas_per_sm(team_forward_kernel<scalar_t, V>(act, straddling, input_bias), smem);
   }
+  int per_sm = 0;
   dispatch_activation(act, [&](auto a) {
     constexpr Activation kA = decltype(a)::value;
-    if (!backward) {
-      // Only the kernel forward_team launches is allowed the shared memory (one left at the
-      // default 48 KB is refused the grid, and the call falls back to another path): asking of
-      // both doubled the driver calls of every team forward's planning.
-      per_sm = straddling ? team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, true>, smem)
-                          : team_ctas_per_sm(group_norm_team_kernel<scalar_t, V, kA, false>, smem);
-    } else {
-      dispatch_keep<kA>(static_cast<Keep>(keep), [&](auto k) {
-        per_sm = team_ctas_per_sm(group_norm_team_backward_kernel<scalar_t, V, kA, decltype(k)::value>, smem);
-      });
-    }
+    dispatch_keep<kA>(static_cast<Keep>(keep), [&](auto k) {
+      per_sm = team_ctas_per_sm(group_norm_team_backward_kernel<scalar_t, V, kA, decltype(k)::value>, smem);
+    });
   });
   return per_sm;
 }
