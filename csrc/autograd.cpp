@@ -1,4 +1,5 @@
-// Autograd of the forward kernel ops, group_norm_forward and fused_group_norm_forward: C++ autograd
+// Autograd of the forward kernel ops, group_norm_forward and fused_group_norm_forward (and, at
+// the end, replication_pad's, which is ATen's pad wherever a graph is recorded): C++ autograd
 // Functions at the Autograd key, as ATen's own norms have. A backward then runs no Python, and
 // the graph a call records is one C++ node: the host time of small shapes (the UNet rows at batch
 // 2, where the kernels take 5-40 us) is what bounds them. It also gives programs that run without
@@ -14,6 +15,7 @@
 //     one that records a graph under a functorch transform (torch.func.grad / vjp / jacrev /
 //     hessian, which refuse C++ autograd Functions), returns its output.
 #include <ATen/FuncTorchTLS.h>
+#include <ATen/ops/pad.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -385,12 +387,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_group_norm_forwar
   return {output, sum, mean, rstd};
 }
 
+// replication_pad: the kernel op where the call records no graph and carries no tangent (the
+// fusion backend's inference graphs); otherwise ATen's pad, which is what the op computes and
+// which ATen differentiates in every mode (docs/design.md, "Replication pad").
+at::Tensor replication_pad_autograd(const at::Tensor& input, at::IntArrayRef padding) {
+  const OptTensor x(input);
+  const bool graph = records_graph({&x});
+  if (graph || needs_composition({&x}, graph)) return at::pad(input, padding, "replicate");
+  static auto op = find_op<ReplicationPadFn>("fusednorm::replication_pad");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(input, padding);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusednorm, Autograd, m) {
   m.impl("group_norm_forward", &group_norm_forward_autograd);
   m.impl("fused_group_norm_forward", &fused_group_norm_forward_autograd);
   m.impl("add_group_norm_forward", &add_group_norm_forward_autograd);
+  m.impl("replication_pad", &replication_pad_autograd);
 }
 
 }  // namespace fusednorm

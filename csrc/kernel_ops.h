@@ -37,6 +37,8 @@ using FusedBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
 using AddForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
     const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double, const OptTensor&, const OptTensor&,
     const OptTensor&, c10::string_view, double, const OptTensor&, const OptTensor&);
+// replication_pad(input, padding) -> output
+using ReplicationPadFn = at::Tensor(const at::Tensor&, at::IntArrayRef);
 
 // The typed handle of kernel op `name` ("fusednorm::..."); callers keep it in a function-local
 // static.

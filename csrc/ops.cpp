@@ -22,6 +22,10 @@
 //                          sum = input + other (+ input_bias), which it also returns (the input's
 //                          dtype and kernel layout); its backward is the autograd kernel's, on the
 //                          sum materialized by ATen
+//   replication_pad    -> F.pad(input, padding, mode="replicate"), the fusion backend's pad after a
+//                          fused op (docs/design.md, "Replication pad"): CUDA's kernel in
+//                          cuda/replication_pad_kernel.cu, ATen's pad on the CPU and wherever
+//                          that kernel does not apply; autograd.cpp records ATen's pad instead
 // Composite ops (this file):
 //   group_norm     F.group_norm semantics, plus the optional epilogue keywords and input_bias
 //   add_group_norm (group_norm(input + other, ...), input + other): the residual-add prologue
@@ -292,6 +296,7 @@ TORCH_LIBRARY(fusednorm, m) {
       " float eps=1e-05, *, str? activation=None, float negative_slope=0.01,"
       " Tensor? scale=None, Tensor? shift=None, Tensor? residual=None, Tensor? multiplier=None)"
       " -> Tensor");
+  m.def("replication_pad(Tensor input, int[] padding) -> Tensor");
   // Private: the CUDA kernel planner (plan.h, plan_op.cpp).
   m.def(
       "_plan(int[] sizes, int num_groups, ScalarType dtype, bool channels_last=False,"

@@ -1,6 +1,7 @@
 """Fake (meta) kernels for the kernel ops defined in csrc/ops.cpp.
 
 The composite ops (group_norm, instance_norm) need none: they decompose into the kernel ops.
+replication_pad's is ATen's pad on the fake input.
 Fake kernels go through torch.library.register_fake (torch >= 2.4) or its older equivalents (see
 _compat). Autograd is in C++ (csrc/autograd.cpp), so that a backward runs no Python.
 """
@@ -239,3 +240,10 @@ def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, n
     grad_residual = _empty_like_kernel_output(input, input.dtype) if wants_residual else input.new_empty((0,))
     grad_multiplier = _empty_like_kernel_output(input, input.dtype) if wants_multiplier else input.new_empty((0,))
     return grad_input, grad_weight, grad_bias, grad_scale, grad_shift, grad_residual, grad_multiplier
+
+
+@register_fake("replication_pad")
+def _replication_pad_fake(input, padding):
+    # ATen's pad on the fake input: its shape, strides and errors are the kernel's (which is
+    # ATen's pad wherever it does not apply itself).
+    return torch.nn.functional.pad(input, list(padding), mode="replicate")

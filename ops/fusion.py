@@ -50,6 +50,12 @@ convolution with a bias used only by the add, becomes ``torch.ops.fusednorm.add_
 when those come after the chain, and only where the CUDA planner gives the call the channels-last
 sweep, the one path that computes the sum on the fly (docs/design.md, "Residual-add prologue").
 
+After a fused op on CUDA tensors, ``F.pad(z, padding, mode="replicate")`` (non-negative padding of
+1-3 dimensions; z the op's output, or an eval-mode dropout of it) becomes
+``torch.ops.fusednorm.replication_pad``: the causal convolutions of the video VAEs pad a norm's
+output so, and Inductor, which folds the pad into its own norm kernel, runs it alone and slowly
+after an opaque op (docs/design.md, "Replication pad").
+
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
 it reads the running statistics the norm updates (it would see them before the update), or when
 a node between it and the previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
@@ -102,6 +108,10 @@ _MUTATING_METHODS = {f"__{f.__name__}__" for f in _MUTATING}  # __setitem__, __i
 _RUNNING_STATS = {F.batch_norm, F.instance_norm, torch.batch_norm, torch.instance_norm}  # update buffers
 _ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div}
 _ELEMENTWISE_METHODS = {"add", "sub", "mul", "div"}
+_PADS = {F.pad, torch._C._nn.pad}
+_PAD_PARAMS = inspect.signature(lambda input, pad, mode="constant", value=None: None).parameters
+_DROPOUTS = {F.dropout, torch.dropout}
+_DROPOUT_PARAMS = inspect.signature(lambda input, p, train: None).parameters  # torch.dropout
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
 # A chain whose input Inductor would compute inside its own norm kernels is left to it below this
 # size (docs/performance.md, "The fusion backend's rule"): at 8 MiB and over, the fused op wins
@@ -449,6 +459,61 @@ def _take_residual_add(gm: fx.GraphModule, found: Dict[str, Any], before: fx.Nod
     return input_bias
 
 
+def _identity_dropout(node: fx.Node) -> bool:
+    """Whether `node` is a dropout that returns its input (``training=False``, as nn.Dropout in
+    eval mode calls it), not in place."""
+    if node.op != "call_function" or node.target not in _DROPOUTS:
+        return False
+    params = inspect.signature(F.dropout).parameters if node.target is F.dropout else _DROPOUT_PARAMS
+    try:
+        bound = inspect.Signature(list(params.values())).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    bound.apply_defaults()
+    return bound.arguments.get("train", bound.arguments.get("training")) is False \
+        and not bound.arguments.get("inplace", False)
+
+
+def _replication_pad_pays(value: torch.Tensor) -> bool:
+    """Whether the CUDA kernel takes a replication pad of `value` (docs/design.md, "Replication
+    pad"): on the CPU the op is ATen's pad, where Inductor's own pad kernel is as good."""
+    return value.device.type == "cuda"
+
+
+def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
+    """Replaces ``F.pad(output, padding, mode="replicate")`` (through dropouts that return their
+    input, as in a causal convolution after ``norm -> act -> nn.Dropout``) with
+    ``fusednorm.replication_pad``: after a fused op, Inductor can no longer fold the pad into the
+    norm's output kernel, and the pad it runs alone is slower than a copy (docs/performance.md,
+    "Replication pads"). Returns whether it did."""
+    cur = output
+    while len(cur.users) == 1 and _identity_dropout(next(iter(cur.users))):
+        cur = next(iter(cur.users))
+    if len(cur.users) != 1:
+        return False
+    pad = next(iter(cur.users))
+    if pad.op != "call_function" or pad.target not in _PADS:
+        return False
+    try:
+        bound = inspect.Signature(list(_PAD_PARAMS.values())).bind(*pad.args, **pad.kwargs)
+    except TypeError:
+        return False
+    bound.apply_defaults()
+    args = bound.arguments
+    padding, value = args["pad"], _value(cur)
+    if args["mode"] != "replicate" or args["value"] is not None or value is None or args["input"] is not cur \
+            or not isinstance(padding, (tuple, list)) or len(padding) not in (2, 4, 6) \
+            or not all(type(p) is int and p >= 0 for p in padding) or value.dim() != len(padding) // 2 + 2 \
+            or not _replication_pad_pays(value):
+        return False
+    with gm.graph.inserting_before(pad):
+        fast = gm.graph.call_function(torch.ops.fusednorm.replication_pad.default, (cur, list(padding)))
+    fast.meta.update(pad.meta)
+    pad.replace_all_uses_with(fast)
+    gm.graph.erase_node(pad)
+    return True
+
+
 def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) -> bool:
     norm = _norm(gm, node)
     ref = _value(node)
@@ -531,6 +596,7 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
     for dead in dying:
         if not dead.users:
             graph.erase_node(dead)
+    _take_replication_pad(gm, output)
     return True
 
 

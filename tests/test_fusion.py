@@ -243,6 +243,50 @@ def test_leave_to_inductor_small_single_use_prologues(shape, keep, fused):
     assert not fusion.backend("aot_eager").leave_to_inductor and not fusion.backend(inner(True)).leave_to_inductor
 
 
+class CausalConvs(nn.Module):
+    """A causal 3-D convolution's replication pad after norm -> SiLU (-> eval-mode dropout), as in
+    the HunyuanVideo VAE's resnets, plus pads the rule must leave: another mode, a pad whose input
+    has a second user, a negative (cropping) pad."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.norm, self.dropout, self.conv = nn.GroupNorm(2, 4), nn.Dropout(0.5), nn.Conv3d(4, 4, 3)
+
+    def forward(self, h):
+        y = self.dropout(F.silu(self.norm(h))) if self.case == "dropout" else F.silu(self.norm(h))
+        if self.case == "reflect":
+            return self.conv(F.pad(y, (1, 1, 1, 1, 1, 1), mode="reflect"))
+        if self.case == "negative":
+            return F.pad(y, (1, 1, 1, 1, 2, -1), mode="replicate")
+        padded = self.conv(F.pad(y, (1, 1, 1, 1, 2, 0), mode="replicate"))
+        return padded + y.sum() if self.case == "second_user" else padded
+
+
+@pytest.mark.parametrize("case, taken", [("plain", True), ("dropout", True), ("reflect", False),
+                                         ("second_user", False), ("negative", False)])
+def test_replication_pad_after_a_fused_op(case, taken, device, monkeypatch):
+    if device == "cpu":  # the rule takes CUDA tensors alone (fusion._replication_pad_pays)
+        monkeypatch.setattr(fusion, "_replication_pad_pays", lambda value: True)
+    torch.manual_seed(0)
+    module = CausalConvs(case).to(device).eval()
+    backend = Recording()
+    compile_and_compare(module, [torch.randn(2, 4, 3, 5, 6, device=device)], backend, atol=1e-4, rtol=1e-4)
+    assert backend.fusions == [1]
+    assert ("torch.ops.fusednorm.replication_pad" in backend.code[0]) == taken, backend.code[0]
+    with torch.no_grad():  # without a graph, the kernel op itself
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(module, backend=Recording())(torch.ones(1, 4, 2, 3, 4, device=device)),
+                                   module(torch.ones(1, 4, 2, 3, 4, device=device)), atol=1e-4, rtol=1e-4)
+
+
+def test_replication_pad_left_on_the_cpu():
+    module = CausalConvs("plain").eval()
+    backend = Recording()
+    compile_and_compare(module, [torch.randn(2, 4, 3, 5, 6)], backend, atol=1e-4, rtol=1e-4, backward=False)
+    assert "replication_pad" not in backend.code[0] and backend.fusions == [1]
+
+
 @pytest.mark.parametrize("how", ["backend", "torch.compile"])
 def test_inductor_mode_and_options_reach_compile_fx(how, monkeypatch):
     # backend(mode=..., options=...) compiles with Inductor's compile_fx under the config patches

@@ -1,7 +1,8 @@
 // The CPU kernels of the fusednorm ops: argument checks and layout here, then the build of the
 // kernels that fits this CPU (capability.h; docs/design.md, 'CPU capabilities'). The plain ops
-// are the fused ones with an empty epilogue. Also the private op _cpu_capability.
+// are the fused ones with an empty epilogue; replication_pad is ATen's. Also the private op _cpu_capability.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/pad.h>
 #include <c10/util/Optional.h>
 #include <c10/util/string_view.h>
 #include <torch/library.h>
@@ -90,6 +91,11 @@ fused_group_norm_backward_cpu(
   return fused_grads_outputs(g, sum_residual_multiplier_grads);
 }
 
+// ATen's own pad: the op exists for the CUDA kernel (docs/design.md, "Replication pad").
+at::Tensor replication_pad_cpu(const at::Tensor& input, at::IntArrayRef padding) {
+  return at::pad(input, padding, "replicate");
+}
+
 // The capability the CPU kernels use now: "avx512", "avx2" or "default".
 std::string cpu_capability() {
   return capability_name(capability());
@@ -103,6 +109,7 @@ TORCH_LIBRARY_IMPL(fusednorm, CPU, m) {
   m.impl("fused_group_norm_forward", &fused_group_norm_forward_cpu);
   m.impl("add_group_norm_forward", &add_group_norm_forward_cpu);
   m.impl("fused_group_norm_backward", &fused_group_norm_backward_cpu);
+  m.impl("replication_pad", &replication_pad_cpu);
 }
 
 // A private op (no tensors: it runs on no backend in particular), for diagnostics and tests.

@@ -1,0 +1,123 @@
+"""fusednorm.replication_pad, the fusion backend's pad after a fused op: F.pad(mode="replicate")
+exactly (a copy: compared for equality), on every dtype, padding rank and awkward shape; its
+errors are PyTorch's; autograd, opcheck."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import fusednorm  # noqa: F401  (registers the ops)
+
+pad_op = torch.ops.fusednorm.replication_pad
+
+
+def reference(x, padding):
+    return F.pad(x, tuple(padding), mode="replicate")
+
+
+@st.composite
+def pad_cases(draw):
+    dims = draw(st.integers(1, 3))
+    batched = draw(st.booleans())
+    lead = [draw(st.integers(1, 3)) for _ in range(2 if batched else 1)]
+    sizes = [draw(st.integers(1, 9)) for _ in range(dims)]
+    padding = [draw(st.integers(0, 11)) for _ in range(2 * dims)]  # wider than the input, too
+    return lead + sizes, padding
+
+
+@given(case=pad_cases(), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       seed=st.integers(0, 2**16))
+@example(case=([1, 3, 2, 7, 9], [1, 1, 1, 1, 2, 0]), dtype=torch.float16, seed=0)  # a causal conv's pad
+@example(case=([2, 1], [0, 0]), dtype=torch.float32, seed=0)  # unbatched 1-d, no padding
+def test_matches_f_pad(case, dtype, seed, device):
+    sizes, padding = case
+    x = torch.randn(sizes, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    out = pad_op(x, padding)
+    ref = reference(x, padding)
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.stride() == ref.stride()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("shape, padding", [
+    ((1, 128, 9, 48, 64), (1, 1, 1, 1, 2, 0)),  # rows of more than a block's columns' pass below
+    ((3, 5, 1300), (3, 0)),
+    ((1, 2, 3, 4, 1100), (2, 1, 0, 3, 1, 1)),
+])
+def test_long_rows_and_many_rows(shape, padding, device):
+    x = torch.randn(shape, device=device, dtype=torch.float16)
+    assert torch.equal(pad_op(x, list(padding)), reference(x, padding))
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.to(memory_format=torch.channels_last_3d),
+    lambda x: x.transpose(-1, -2),
+    lambda x: x[..., ::2],
+])
+def test_non_contiguous_input(make, device):
+    x = make(torch.randn(2, 3, 4, 5, 6, device=device))
+    out = pad_op(x, [1, 2, 0, 1, 2, 0])
+    ref = reference(x, [1, 2, 0, 1, 2, 0])
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
+
+
+def test_nan_and_inf_are_copied(device):
+    x = torch.tensor([[[float("nan"), float("inf"), -float("inf"), -0.0]]], device=device)
+    out = pad_op(x, [2, 3])
+    assert torch.equal(out.isnan(), reference(x, [2, 3]).isnan())
+    torch.testing.assert_close(out, reference(x, [2, 3]), equal_nan=True)
+    assert torch.signbit(out[0, 0, -1])
+
+
+def outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  (the type and message are what is compared)
+        return e
+
+
+@pytest.mark.parametrize("shape, padding, dtype", [
+    ((2, 3, 4), (-1, 1), torch.float32),                 # negative padding crops
+    ((2, 3, 4), (1, 1, 1), torch.float32),               # odd length
+    ((2, 3, 4), (1, 1, 1, 1, 1, 1, 1, 1), torch.float32),  # four padded dimensions
+    ((4,), (1, 1), torch.float32),                       # too few dimensions
+    ((1, 2, 3, 4, 5), (1, 1), torch.float32),            # too many for a 1-d pad
+    ((2, 0, 4), (1, 1), torch.float32),                  # an empty batch dimension
+    ((2, 3, 0), (1, 1), torch.float32),                  # an empty padded dimension
+    ((2, 3, 4), (1, 1), torch.int64),                    # an integer dtype
+    ((2, 3, 4), (1, 1), torch.complex64),
+])
+def test_other_calls_are_atens(shape, padding, dtype, device):
+    # Same result, or the same exception type and message, as F.pad.
+    x = torch.ones(shape, device=device, dtype=dtype)
+    got, want = outcome(lambda: pad_op(x, list(padding))), outcome(lambda: reference(x, padding))
+    if isinstance(want, Exception):
+        assert type(got) is type(want) and str(got) == str(want)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_gradients_are_atens(device):
+    x = torch.randn(2, 3, 4, 5, device=device, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: pad_op(t, [1, 2, 3, 0]), (x,))
+    torch.autograd.gradgradcheck(lambda t: pad_op(t, [1, 2, 3, 0]), (x,))
+    with torch.no_grad():  # no graph: the kernel op
+        assert torch.equal(pad_op(x, [1, 2, 3, 0]), reference(x, [1, 2, 3, 0]))
+
+
+def test_forward_mode_and_vmap(device):
+    x, t = torch.randn(2, 3, 5, device=device, dtype=torch.float64), torch.randn(2, 3, 5, device=device,
+                                                                                dtype=torch.float64)
+    out, tangent = torch.func.jvp(lambda a: pad_op(a, [2, 1]), (x,), (t,))
+    assert torch.equal(out, reference(x, [2, 1])) and torch.equal(tangent, reference(t, [2, 1]))
+    batched = torch.func.vmap(lambda a: pad_op(a, [2, 1]))(x)
+    assert torch.equal(batched, reference(x, [2, 1]))
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck needs torch >= 2.4")
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(requires_grad, device):
+    x = torch.randn(2, 3, 4, 5, 6, device=device, requires_grad=requires_grad)
+    torch.library.opcheck(pad_op.default, (x, [1, 1, 1, 1, 2, 0]))
+    torch.library.opcheck(pad_op.default, (x[0, 0], [0, 3]))
