@@ -22,7 +22,9 @@ def pad_cases(draw):
     dims = draw(st.integers(1, 3))
     batched = draw(st.booleans())
     lead = [draw(st.integers(1, 3)) for _ in range(2 if batched else 1)]
-    sizes = [draw(st.integers(1, 9)) for _ in range(dims)]
+    # The last dimension short (the rows kernel) or long (the lines kernel, from 256-byte rows).
+    sizes = [draw(st.integers(1, 9)) for _ in range(dims - 1)] + [draw(st.one_of(st.integers(1, 9),
+                                                                                  st.integers(120, 300)))]
     padding = [draw(st.integers(0, 11)) for _ in range(2 * dims)]  # wider than the input, too
     return lead + sizes, padding
 
@@ -33,20 +35,26 @@ def pad_cases(draw):
 @example(case=([2, 1], [0, 0]), dtype=torch.float32, seed=0)  # unbatched 1-d, no padding
 def test_matches_f_pad(case, dtype, seed, device):
     sizes, padding = case
-    x = torch.randn(sizes, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    offset = seed % 4  # the first element 0-3 elements past a 16-byte line
+    numel = torch.Size(sizes).numel()
+    x = torch.randn(numel + offset, generator=torch.Generator().manual_seed(seed)).to(device, dtype)[offset:].view(sizes)
     out = pad_op(x, padding)
     ref = reference(x, padding)
     assert out.shape == ref.shape and out.dtype == ref.dtype and out.stride() == ref.stride()
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("shape, padding", [
-    ((1, 128, 9, 48, 64), (1, 1, 1, 1, 2, 0)),  # rows of more than a block's columns' pass below
-    ((3, 5, 1300), (3, 0)),
+    ((1, 128, 9, 48, 64), (1, 1, 1, 1, 2, 0)),
+    ((3, 5, 1300), (3, 0)),  # rows of several of the kernel's 2 KiB items
     ((1, 2, 3, 4, 1100), (2, 1, 0, 3, 1, 1)),
 ])
-def test_long_rows_and_many_rows(shape, padding, device):
-    x = torch.randn(shape, device=device, dtype=torch.float16)
+@pytest.mark.parametrize("offset", [0, 1, 3])  # the input's first element that far past a 16-byte line
+def test_long_rows_and_unaligned_inputs(shape, padding, dtype, offset, device):
+    numel = torch.Size(shape).numel()
+    x = torch.randn(numel + offset, device=device).to(dtype)[offset:].view(shape)
+    assert x.is_contiguous()
     assert torch.equal(pad_op(x, list(padding)), reference(x, padding))
 
 

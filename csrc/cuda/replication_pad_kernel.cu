@@ -1,7 +1,7 @@
 // The CUDA kernel of replication_pad (ops.cpp): F.pad(input, padding, mode="replicate") on a
 // contiguous floating-point input, a copy in which each output row reads its clamped source row
 // (docs/design.md, "Replication pad"). Every other call (another layout or dtype, negative
-// padding, an empty dimension, 2^30 output rows or more) is ATen's own pad, which also raises
+// padding, an empty dimension, 2^30 items or more) is ATen's own pad, which also raises
 // PyTorch's errors for bad arguments.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -20,30 +20,99 @@
 namespace fusednorm {
 namespace {
 
-// Output rows a thread copies, and the columns of each (kCols * blockDim.x a pass over a row):
-// 16 loads a thread in flight before its stores, the bytes in flight an SM needs at the copy rate
-// with 2-byte elements, whose rows (an odd left padding) allow no wider access.
+// Two kernels (docs/design.md, "Replication pad"). Rows of kLinesMinBytes and more: a warp copies
+// an item, at most kChunkBytes of an output row; it stages the input elements the item reads in
+// its shared-memory buffer with 16-byte loads, then writes the item with 16-byte stores, each lane
+// gathering its line's elements from the buffer (an odd left padding puts an output row at 2-byte
+// offsets from its source row, so that no access wide enough for the copy rate reads and writes
+// the same elements). Shorter rows, where a warp's one row a round in flight is too few bytes: a
+// thread copies kCols columns of kRows rows, element by element, its 16 loads issued before its
+// stores.
+constexpr int kPadThreads = 256;
+constexpr int kPadWarps = kPadThreads / 32;
+constexpr int kChunkBytes = 2048;
+constexpr int kLine = 16;
+// A buffer holds an item's input and the part of a line before its first element.
+constexpr int kBufferLines = (kChunkBytes + 2 * kLine) / kLine;
+constexpr int kLinesMinBytes = 256;
 constexpr int kRows = 4;
 constexpr int kCols = 4;
-constexpr int kPadThreads = 256;
 
 // The padded problem as (planes, D, H, W), the padded dimensions right-aligned (a 1-d or 2-d
-// padding has D = 1, or D = H = 1, and no padding there).
+// padding has D = 1, or D = H = 1, and no padding there); the lines kernel's items are (output
+// row, chunk), the rows kernel's output rows (one chunk a row).
 struct PadGeometry {
-  at::cuda::detail::IntDivider<unsigned> out_h, out_d;  // output rows: (plane, d, h) of one index
-  unsigned rows;                                        // planes * out_d * out_h
-  int D, H, W, out_w;
-  int front, top, left;  // padding before each dimension
+  at::cuda::detail::IntDivider<unsigned> chunks, out_h, out_d;  // an item's (row, chunk); a row's (plane, d, h)
+  unsigned items;
+  int D, H, W, out_w, chunk;  // chunk: elements an item (kChunkBytes of them)
+  int front, top, left;       // padding before each dimension
 };
 
 __device__ __forceinline__ int clamp_index(int i, int size) {
   return min(max(i, 0), size - 1);
 }
 
-// Element type T: the dtype's bits (uint16_t, uint32_t, uint64_t), copied unchanged.
+// The row of the input that output row `row` copies.
+__device__ __forceinline__ int64_t source_row(const PadGeometry& g, unsigned row) {
+  const auto h = g.out_h.divmod(row);
+  const auto d = g.out_d.divmod(h.div);
+  return (static_cast<int64_t>(d.div) * g.D + clamp_index(static_cast<int>(d.mod) - g.front, g.D)) * g.H +
+         clamp_index(static_cast<int>(h.mod) - g.top, g.H);
+}
+
+// Element type T in both: the dtype's bits (uint16_t, uint32_t, uint64_t), copied unchanged.
 template <typename T>
-__global__ void __launch_bounds__(kPadThreads) replication_pad_kernel(const T* __restrict__ in, T* __restrict__ out,
-    const PadGeometry g) {
+__global__ void __launch_bounds__(kPadThreads) replication_pad_lines_kernel(const T* __restrict__ in,
+    T* __restrict__ out, const PadGeometry g) {
+  constexpr int E = kLine / static_cast<int>(sizeof(T));  // elements a line
+  __shared__ uint4 buffers[kPadWarps][kBufferLines];
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  T* buf = reinterpret_cast<T*>(buffers[warp]);
+  const unsigned stride = gridDim.x * kPadWarps;
+  for (unsigned item = blockIdx.x * kPadWarps + warp; item < g.items; item += stride) {
+    const auto rc = g.chunks.divmod(item);
+    const T* src = in + source_row(g, rc.div) * g.W;
+    T* dst = out + static_cast<int64_t>(rc.div) * g.out_w;
+    const int c0 = static_cast<int>(rc.mod) * g.chunk;  // the item's output elements [c0, c1)
+    const int c1 = min(c0 + g.chunk, g.out_w);
+    const int i0 = clamp_index(c0 - g.left, g.W);  // and the input elements they read, [i0, i1)
+    const int i1 = clamp_index(c1 - 1 - g.left, g.W) + 1;
+    // buf[k] is src[base + k], base the first element of i0's line: lines whole within [i0, i1)
+    // by 16-byte loads, the partial lines' elements one at a time.
+    const int base = i0 - static_cast<int>(reinterpret_cast<uintptr_t>(src + i0) % kLine / sizeof(T));
+    const int first_line = base == i0 ? 0 : 1;
+    const int end_line = max((i1 - base) / E, first_line);
+    const uint4* src_lines = reinterpret_cast<const uint4*>(src + base);
+    for (int v = first_line + lane; v < end_line; v += 32) buffers[warp][v] = src_lines[v];
+    for (int k = i0 + lane; k < min(i1, base + first_line * E); k += 32) buf[k - base] = src[k];
+    for (int k = max(i0, base + end_line * E) + lane; k < i1; k += 32) buf[k - base] = src[k];
+    __syncwarp();
+    const auto value = [&](int w) { return buf[clamp_index(w - g.left, g.W) - base]; };
+    // Output elements to dst's next 16-byte line one at a time, then whole lines, then the rest.
+    const int lead = static_cast<int>((kLine - reinterpret_cast<uintptr_t>(dst + c0) % kLine) % kLine / sizeof(T));
+    const int body = c0 + min(lead, c1 - c0);
+    const int lines = (c1 - body) / E;
+    if (lane < body - c0) dst[c0 + lane] = value(c0 + lane);
+    uint4* dst_lines = reinterpret_cast<uint4*>(dst + body);
+    for (int v = lane; v < lines; v += 32) {
+      union {
+        uint4 line;
+        T e[E];
+      } u;
+#pragma unroll
+      for (int e = 0; e < E; ++e) u.e[e] = value(body + v * E + e);
+      dst_lines[v] = u.line;
+    }
+    for (int w = body + lines * E + lane; w < c1; w += 32) dst[w] = value(w);
+    __syncwarp();  // the buffer is the next item's
+  }
+}
+
+// Blocks of (tx, ty) threads, tx along a row.
+template <typename T>
+__global__ void __launch_bounds__(kPadThreads) replication_pad_rows_kernel(const T* __restrict__ in,
+    T* __restrict__ out, const PadGeometry g) {
   const unsigned first = blockIdx.x * (blockDim.y * kRows) + threadIdx.y;
   const T* src[kRows];
   T* dst[kRows];
@@ -51,14 +120,8 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_kernel(const T* _
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
     const unsigned row = first + j * blockDim.y;
-    live[j] = row < g.rows;
-    const auto h = g.out_h.divmod(live[j] ? row : 0u);
-    const auto d = g.out_d.divmod(h.div);
-    const int64_t plane = d.div;
-    const int64_t source_row =
-        (plane * g.D + clamp_index(static_cast<int>(d.mod) - g.front, g.D)) * g.H +
-        clamp_index(static_cast<int>(h.mod) - g.top, g.H);
-    src[j] = in + source_row * g.W;
+    live[j] = row < g.items;
+    src[j] = in + source_row(g, live[j] ? row : 0u) * g.W;
     dst[j] = out + static_cast<int64_t>(row) * g.out_w;
   }
   for (int w0 = threadIdx.x; w0 < g.out_w; w0 += kCols * blockDim.x) {
@@ -84,7 +147,7 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_kernel(const T* _
 
 // Whether the kernel takes the call: what ATen's pad would accept (a batched or unbatched input
 // of the padding's dimensions), non-negative padding, a contiguous floating-point input with no
-// empty dimension, and sizes well inside the kernel's 32-bit row and column indices.
+// empty dimension, and sizes well inside the kernel's 32-bit item and column indices.
 bool kernel_takes(const at::Tensor& input, at::IntArrayRef padding) {
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   if (padding.size() % 2 != 0 || dims < 1 || dims > 3) return false;
@@ -102,11 +165,14 @@ bool kernel_takes(const at::Tensor& input, at::IntArrayRef padding) {
     rows *= size;
     if (rows > kMax) return false;
   }
-  return input.size(-1) + padding[0] + padding[1] <= kMax;
+  const int64_t out_w = input.size(-1) + padding[0] + padding[1];
+  const int64_t chunk = kChunkBytes / static_cast<int64_t>(input.element_size());
+  return out_w <= kMax && rows * ((out_w + chunk - 1) / chunk) <= kMax;
 }
 
 at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
   if (!kernel_takes(input, padding)) return at::pad(input, padding, "replicate");
+  const c10::cuda::CUDAGuard guard(input.device());
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   const auto pad_of = [&](int64_t from_end, int64_t side) {  // from_end 0: W, 1: H, 2: D
     return from_end < dims ? static_cast<int>(padding[2 * from_end + side]) : 0;
@@ -129,18 +195,30 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   const unsigned out_d = static_cast<unsigned>(g.D + g.front + pad_of(2, 1));
   g.out_h = at::cuda::detail::IntDivider<unsigned>(out_h);
   g.out_d = at::cuda::detail::IntDivider<unsigned>(out_d);
-  g.rows = static_cast<unsigned>(out.numel() / g.out_w);
-  // Threads along a row: a whole number of warps covering it in one pass of kCols columns where
-  // it fits; the rest of the block's threads take other rows.
-  const int tx = std::min(kPadThreads, (g.out_w + kCols * 32 - 1) / (kCols * 32) * 32);
-  const int ty = std::max(1, kPadThreads / tx);
-  const int64_t blocks = (static_cast<int64_t>(g.rows) + ty * kRows - 1) / (ty * kRows);
-  const c10::cuda::CUDAGuard guard(input.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const unsigned rows = static_cast<unsigned>(out.numel() / g.out_w);
   const auto launch = [&](auto bits) {
     using T = decltype(bits);
-    replication_pad_kernel<T><<<static_cast<unsigned>(blocks), dim3(tx, ty), 0, stream>>>(
-        static_cast<const T*>(input.data_ptr()), static_cast<T*>(out.data_ptr()), g);
+    const auto* src = static_cast<const T*>(input.data_ptr());
+    auto* dst = static_cast<T*>(out.data_ptr());
+    if (g.out_w * static_cast<int64_t>(sizeof(T)) >= kLinesMinBytes) {
+      g.chunk = kChunkBytes / static_cast<int>(sizeof(T));
+      const unsigned chunks = static_cast<unsigned>((g.out_w + g.chunk - 1) / g.chunk);
+      g.chunks = at::cuda::detail::IntDivider<unsigned>(chunks);
+      g.items = rows * chunks;
+      // As many blocks as the items need, at most 8 an SM (2048 threads); a warp loops over items.
+      const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      const int64_t blocks = std::min<int64_t>((g.items + kPadWarps - 1) / kPadWarps, sms * 8);
+      replication_pad_lines_kernel<T><<<static_cast<unsigned>(blocks), kPadThreads, 0, stream>>>(src, dst, g);
+    } else {
+      g.items = rows;
+      // A whole number of warps along a row, covering it in one pass of kCols columns; the rest
+      // of the block's threads take other rows.
+      const int tx = std::min(kPadThreads, (g.out_w + kCols * 32 - 1) / (kCols * 32) * 32);
+      const int ty = kPadThreads / tx;
+      const int64_t blocks = (static_cast<int64_t>(rows) + ty * kRows - 1) / (ty * kRows);
+      replication_pad_rows_kernel<T><<<static_cast<unsigned>(blocks), dim3(tx, ty), 0, stream>>>(src, dst, g);
+    }
   };
   switch (input.element_size()) {
     case 2: launch(uint16_t()); break;
