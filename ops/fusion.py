@@ -110,8 +110,8 @@ _ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, torc
 _ELEMENTWISE_METHODS = {"add", "sub", "mul", "div"}
 _PADS = {F.pad, torch._C._nn.pad}
 _PAD_PARAMS = inspect.signature(lambda input, pad, mode="constant", value=None: None).parameters
-_DROPOUTS = {F.dropout, torch.dropout}
-_DROPOUT_PARAMS = inspect.signature(lambda input, p, train: None).parameters  # torch.dropout
+_DROPOUT_PARAMS = {F.dropout: inspect.signature(F.dropout).parameters,
+                   torch.dropout: inspect.signature(lambda input, p, train: None).parameters}
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
 # A chain whose input Inductor would compute inside its own norm kernels is left to it below this
 # size (docs/performance.md, "The fusion backend's rule"): at 8 MiB and over, the fused op wins
@@ -462,11 +462,10 @@ def _take_residual_add(gm: fx.GraphModule, found: Dict[str, Any], before: fx.Nod
 def _identity_dropout(node: fx.Node) -> bool:
     """Whether `node` is a dropout that returns its input (``training=False``, as nn.Dropout in
     eval mode calls it), not in place."""
-    if node.op != "call_function" or node.target not in _DROPOUTS:
+    if node.op != "call_function" or node.target not in _DROPOUT_PARAMS:
         return False
-    params = inspect.signature(F.dropout).parameters if node.target is F.dropout else _DROPOUT_PARAMS
     try:
-        bound = inspect.Signature(list(params.values())).bind(*node.args, **node.kwargs)
+        bound = inspect.Signature(list(_DROPOUT_PARAMS[node.target].values())).bind(*node.args, **node.kwargs)
     except TypeError:
         return False
     bound.apply_defaults()

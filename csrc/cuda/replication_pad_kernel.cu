@@ -1,4 +1,4 @@
-// The CUDA kernel of replication_pad (ops.cpp): F.pad(input, padding, mode="replicate") on a
+// The CUDA kernels of replication_pad (ops.cpp): F.pad(input, padding, mode="replicate") on a
 // contiguous floating-point input, a copy in which each output row reads its clamped source row
 // (docs/design.md, "Replication pad"). Every other call (another layout or dtype, negative
 // padding, an empty dimension, 2^30 items or more) is ATen's own pad, which also raises
