@@ -103,7 +103,8 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // (1,128,1024,1024) float16 GELU times a multiplier 0.278 against the team's 0.316, SiLU after a
 // residual level (0.264 against 0.263), (1,128,20,256,256) bfloat16 SiLU after a residual 0.330
 // against 0.340, (2,128,1024,1024) bfloat16 (h + y) * y 0.513 against 0.509 (within the noise);
-// 4-8 MB groups with an operand not measured: they keep the 4 MB threshold every group had before. float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30 against 5.25 ms,
+// 4-8 MB groups with an operand not measured: they keep the 4 MB threshold every group had
+// before. float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30 against 5.25 ms,
 // InstanceNorm3d 0.399 against 0.369; 2026-11-29): its kernels are the 16-bit types' alone.
 constexpr int64_t kSweepTileBytes = 256 * 1024;
 constexpr int64_t kSweepMinBytes = 9 << 20;

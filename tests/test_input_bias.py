@@ -1,9 +1,9 @@
 """The prologue input_bias of group_norm and fused_group_norm_forward: the op normalizes
 input + input_bias (a convolution's bias (C,), plus a per-sample embedding (N, C)) in one pass.
 Against the float64 reference on every dtype, layout and kernel path (the channels-last sweep and
-one-pass kernels and the team forward add it on the fly, the others are given the sum), forward and backward, twice
-differentiable; opcheck; argument errors; and the fusion backend's rewrite of conv(h, w, b) [+ e]
-before a group norm (docs/design.md, "Input bias")."""
+one-pass kernels and the team forward add it on the fly, the others are given the sum), forward
+and backward, twice differentiable; opcheck; argument errors; and the fusion backend's rewrite of
+conv(h, w, b) [+ e] before a group norm (docs/design.md, "Input bias")."""
 
 import pytest
 import torch

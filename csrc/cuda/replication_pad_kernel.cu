@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_rows_kernel(const
   }
 }
 
-// Whether the kernel takes the call: what ATen's pad would accept (a batched or unbatched input
+// Whether the kernels take the call: what ATen's pad would accept (a batched or unbatched input
 // of the padding's dimensions), non-negative padding, a contiguous floating-point input with no
 // empty dimension, and sizes well inside the kernel's 32-bit item and column indices.
 bool kernel_takes(const at::Tensor& input, at::IntArrayRef padding) {
