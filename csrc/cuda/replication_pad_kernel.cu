@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace fusednorm {
@@ -145,56 +146,57 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_rows_kernel(const
   }
 }
 
-// Whether the kernels take the call: what ATen's pad would accept (a batched or unbatched input
-// of the padding's dimensions), non-negative padding, a contiguous floating-point input with no
-// empty dimension, and sizes well inside the kernel's 32-bit item and column indices.
-bool kernel_takes(const at::Tensor& input, at::IntArrayRef padding) {
+// The padded output's sizes when the kernels take the call: what ATen's pad would accept (a
+// batched or unbatched input of the padding's dimensions), non-negative padding, a contiguous
+// floating-point input with no empty dimension, and sizes well inside the kernels' 32-bit item
+// and column indices. Nothing when they do not: ATen's pad takes the call.
+std::optional<std::vector<int64_t>> kernel_output_sizes(const at::Tensor& input, at::IntArrayRef padding) {
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
-  if (padding.size() % 2 != 0 || dims < 1 || dims > 3) return false;
-  if (input.dim() != dims + 1 && input.dim() != dims + 2) return false;
+  if (padding.size() % 2 != 0 || dims < 1 || dims > 3) return std::nullopt;
+  if (input.dim() != dims + 1 && input.dim() != dims + 2) return std::nullopt;
   const auto dtype = input.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) return false;
-  if (!input.is_contiguous() || input.numel() == 0) return false;
-  if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p < 0; })) return false;
+  if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) return std::nullopt;
+  if (!input.is_contiguous() || input.numel() == 0) return std::nullopt;
+  if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p < 0; })) return std::nullopt;
+  std::vector<int64_t> sizes = input.sizes().vec();
+  for (int64_t k = 0; k < dims; ++k) sizes[input.dim() - 1 - k] += padding[2 * k] + padding[2 * k + 1];
   constexpr int64_t kMax = std::numeric_limits<int>::max() / 2;
   int64_t rows = 1;
-  for (int64_t k = 0; k < input.dim() - 1; ++k) {
-    const int64_t from_end = input.dim() - 1 - k;  // 1: H, 2: D
-    const int64_t size = input.size(k) + (from_end <= dims - 1 ? padding[2 * from_end] + padding[2 * from_end + 1] : 0);
-    if (size > kMax) return false;
-    rows *= size;
-    if (rows > kMax) return false;
+  for (size_t k = 0; k + 1 < sizes.size(); ++k) {
+    if (sizes[k] > kMax) return std::nullopt;
+    rows *= sizes[k];
+    if (rows > kMax) return std::nullopt;
   }
-  const int64_t out_w = input.size(-1) + padding[0] + padding[1];
+  const int64_t out_w = sizes.back();
   const int64_t chunk = kChunkBytes / static_cast<int64_t>(input.element_size());
-  return out_w <= kMax && rows * ((out_w + chunk - 1) / chunk) <= kMax;
+  if (out_w > kMax || rows * ((out_w + chunk - 1) / chunk) > kMax) return std::nullopt;
+  return sizes;
 }
 
 at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
-  if (!kernel_takes(input, padding)) return at::pad(input, padding, "replicate");
+  const auto out_sizes = kernel_output_sizes(input, padding);
+  if (!out_sizes) return at::pad(input, padding, "replicate");
   const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor out = at::empty(*out_sizes, input.options());
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
-  const auto pad_of = [&](int64_t from_end, int64_t side) {  // from_end 0: W, 1: H, 2: D
-    return from_end < dims ? static_cast<int>(padding[2 * from_end + side]) : 0;
+  // Sizes and leading pads by dimension from the end (0: W, 1: H, 2: D); 1 and 0 past the padded ones.
+  const auto size_of = [&](const std::vector<int64_t>& sizes, int64_t from_end) {
+    return from_end < dims ? static_cast<int>(sizes[sizes.size() - 1 - from_end]) : 1;
   };
-  const auto size_of = [&](int64_t from_end) {
-    return from_end < input.dim() - 1 ? static_cast<int>(input.size(-1 - from_end)) : 1;
+  const auto leading_pad = [&](int64_t from_end) {
+    return from_end < dims ? static_cast<int>(padding[2 * from_end]) : 0;
   };
-  std::vector<int64_t> out_sizes = input.sizes().vec();
-  for (int64_t k = 0; k < dims; ++k) out_sizes[input.dim() - 1 - k] += pad_of(k, 0) + pad_of(k, 1);
-  at::Tensor out = at::empty(out_sizes, input.options());
+  const std::vector<int64_t> in_sizes = input.sizes().vec();
   PadGeometry g;
-  g.W = size_of(0);
-  g.H = dims >= 2 ? size_of(1) : 1;
-  g.D = dims >= 3 ? size_of(2) : 1;
-  g.left = pad_of(0, 0);
-  g.top = pad_of(1, 0);
-  g.front = pad_of(2, 0);
-  g.out_w = g.W + g.left + pad_of(0, 1);
-  const unsigned out_h = static_cast<unsigned>(g.H + g.top + pad_of(1, 1));
-  const unsigned out_d = static_cast<unsigned>(g.D + g.front + pad_of(2, 1));
-  g.out_h = at::cuda::detail::IntDivider<unsigned>(out_h);
-  g.out_d = at::cuda::detail::IntDivider<unsigned>(out_d);
+  g.W = size_of(in_sizes, 0);
+  g.H = size_of(in_sizes, 1);
+  g.D = size_of(in_sizes, 2);
+  g.left = leading_pad(0);
+  g.top = leading_pad(1);
+  g.front = leading_pad(2);
+  g.out_w = size_of(*out_sizes, 0);
+  g.out_h = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 1)));
+  g.out_d = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 2)));
   const auto stream = at::cuda::getCurrentCUDAStream();
   const unsigned rows = static_cast<unsigned>(out.numel() / g.out_w);
   const auto launch = [&](auto bits) {
