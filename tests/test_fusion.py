@@ -246,7 +246,8 @@ def test_leave_to_inductor_small_single_use_prologues(shape, keep, fused):
 class CausalConvs(nn.Module):
     """A causal 3-D convolution's replication pad after norm -> SiLU (-> eval-mode dropout), as in
     the HunyuanVideo VAE's resnets, plus pads the rule must leave: another mode, a pad whose input
-    has a second user, a negative (cropping) pad."""
+    has a second user, a negative (cropping) pad, a channels-last input (which the kernels do not
+    take)."""
 
     def __init__(self, case):
         super().__init__()
@@ -264,14 +265,17 @@ class CausalConvs(nn.Module):
 
 
 @pytest.mark.parametrize("case, taken", [("plain", True), ("dropout", True), ("reflect", False),
-                                         ("second_user", False), ("negative", False)])
+                                         ("second_user", False), ("negative", False), ("channels_last", False)])
 def test_replication_pad_after_a_fused_op(case, taken, device, monkeypatch):
     if device == "cpu":  # the rule takes CUDA tensors alone (fusion._replication_pad_pays)
         monkeypatch.setattr(fusion, "_replication_pad_pays", lambda value: True)
     torch.manual_seed(0)
     module = CausalConvs(case).to(device).eval()
     backend = Recording()
-    compile_and_compare(module, [torch.randn(2, 4, 3, 5, 6, device=device)], backend, atol=1e-4, rtol=1e-4)
+    x = torch.randn(2, 4, 3, 5, 6, device=device)
+    if case == "channels_last":
+        x = x.to(memory_format=torch.channels_last_3d)
+    compile_and_compare(module, [x], backend, atol=1e-4, rtol=1e-4)
     assert backend.fusions == [1]
     assert ("torch.ops.fusednorm.replication_pad" in backend.code[0]) == taken, backend.code[0]
     with torch.no_grad():  # without a graph, the kernel op itself
