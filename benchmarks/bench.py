@@ -235,7 +235,20 @@ def timer(device: str):
         try:
             from triton.testing import do_bench
 
-            return lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median")
+            def do_bench_time(fn):
+                # do_bench repeats rep / (its estimate of a call) times: at least 10 for calls
+                # longer than 20 ms too (a 140 ms video decode got one repeat with rep=200).
+                fn()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                estimate = start.elapsed_time(end)
+                return do_bench(fn, warmup=max(25, 2 * estimate), rep=max(200, 10 * estimate),
+                                return_mode="median")
+
+            return do_bench_time
         except ImportError:
             pass
 

@@ -42,12 +42,16 @@ size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
                                          [--workloads NAMES] [--variants LABELS] [--profile]
+                                         [--channels-last]
 
 --workloads: comma-separated workload names or parts of them, case-insensitive ("VAE" picks the
 three VAE rows, "b8" the batch-8 UNet); --variants: comma-separated variant labels as above,
 case-insensitive. Default: all. Each compiled variant compiles its model anew, so all of it most
 likely takes more than 10 minutes on a GPU machine (an estimate); for calls of 10 minutes run it
 in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), the same --out.
+
+--channels-last: the models' 4-D and 5-D weights and inputs in channels_last / channels_last_3d
+(as users of convolutional models often run them); written to diffusers_<device>_channels_last.json.
 
 --profile (GPU only): after timing a variant, its GPU kernel time a call by category (fusednorm,
 convolution, attention, GEMM, Inductor's generated kernels, other; torch.profiler over 5 calls,
@@ -190,6 +194,19 @@ def pick(spec, known, what, substrings):
             raise SystemExit(f"unknown {what} {token!r}; known: {', '.join(known)}")
         chosen.update(found)
     return [k for k in known if k in chosen]
+
+
+def to_channels_last(model, inputs):
+    """The model's and inputs' 4-D and 5-D floating-point tensors in channels_last and
+    channels_last_3d (nn.Module.to(memory_format=...) takes one format for both ranks)."""
+    def convert(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() in (4, 5):
+            return t.to(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+        return t
+
+    for p in model.parameters():
+        p.data = convert(p.data)
+    return model, tuple(convert(t) for t in inputs)
 
 
 def make_variant(label, model):
@@ -383,6 +400,8 @@ def main():
     parser.add_argument("--workloads", help="comma-separated names or parts of names (default: all)")
     parser.add_argument("--variants", help="comma-separated variant labels (default: all)")
     parser.add_argument("--profile", action="store_true", help="GPU kernel time by category (GPU only)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="4-D / 5-D weights and inputs in channels_last / channels_last_3d")
     args = parser.parse_args()
     names = pick(args.workloads, WORKLOADS, "workload", substrings=True)
     labels = pick(args.variants, VARIANTS, "variant", substrings=False)
@@ -397,7 +416,8 @@ def main():
     # On the CPU the rows are a smoke test, not a measurement: the median of a few calls.
     measure = timer(device) if full else functools.partial(timer("cpu"), reps=5, warmup=1)
     card = torch.cuda.get_device_name() if full else "cpu"
-    print(f"diffusers {diffusers.__version__} models on {card}, torch {torch.__version__}, {dtype}")
+    print(f"diffusers {diffusers.__version__} models on {card}, torch {torch.__version__}, {dtype}"
+          + (", channels_last" if args.channels_last else ""))
     if not full:
         print("  on the CPU these are tiny configs of each model (2 blocks of 32-64 channels, latents of "
               "8-16 px), not the real ones, which take minutes a call here. The rows check that convert "
@@ -416,8 +436,10 @@ def main():
         print(f"  no variant to run on the {device}")
         return 0
 
-    path = os.path.join(args.out, f"diffusers_{device}.json")
-    meta = {"card": card, "torch": torch.__version__, "diffusers": diffusers.__version__, "dtype": str(dtype)}
+    layout = "_channels_last" if args.channels_last else ""
+    path = os.path.join(args.out, f"diffusers_{device}{layout}.json")
+    meta = {"card": card, "torch": torch.__version__, "diffusers": diffusers.__version__, "dtype": str(dtype),
+            "channels_last": args.channels_last}
     old_rows = []
     if (args.workloads or args.variants) and os.path.exists(path):
         try:
@@ -448,6 +470,8 @@ def main():
         for name in names:
             try:
                 model, inputs = WORKLOADS[name](device, dtype, full)
+                if args.channels_last:
+                    model, inputs = to_channels_last(model, inputs)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 errors.append(f"{name}: {type(e).__name__}: {e}")
