@@ -3,6 +3,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace fusednorm {
 namespace {
@@ -95,15 +99,30 @@ GroupNormShape check_group_norm_backward_args(
 namespace {
 
 // Whether t's strides are those of a dense tensor in `layout` (size-1 dimensions ignored), read
-// from the strides themselves: is_contiguous() calls every empty tensor contiguous.
+// from the sizes and strides themselves: is_contiguous() calls every empty tensor contiguous, and a
+// movedim view for the check would cost host time on every call (docs/design.md, "Host time").
 bool has_strides_of(const at::Tensor& t, Layout layout) {
-  const at::Tensor v = layout == Layout::ChannelsLast ? t.movedim(1, -1) : t;
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
   int64_t expected = 1;
-  for (int64_t d = v.dim() - 1; d >= 0; --d) {
-    if (v.size(d) != 1 && v.stride(d) != expected) return false;
-    expected *= std::max<int64_t>(v.size(d), 1);
+  const auto dense_at = [&](int64_t d) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= std::max<int64_t>(sizes[d], 1);
+    return true;
+  };
+  const int64_t dims = t.dim();
+  if (layout == Layout::ChannelsFirst) {
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      if (!dense_at(d)) return false;
+    }
+    return true;
   }
-  return true;
+  // Channels-last, innermost first: the channels, the spatial dimensions last to first, the batch.
+  if (!dense_at(1)) return false;
+  for (int64_t d = dims - 1; d >= 2; --d) {
+    if (!dense_at(d)) return false;
+  }
+  return dense_at(0);
 }
 
 }  // namespace
@@ -119,7 +138,7 @@ Layout layout_for(const at::Tensor& t) {
         : Layout::ChannelsFirst;
   }
   if (t.is_contiguous()) return Layout::ChannelsFirst;
-  if (t.dim() >= 3 && t.movedim(1, -1).is_contiguous()) return Layout::ChannelsLast;
+  if (t.dim() >= 3 && has_strides_of(t, Layout::ChannelsLast)) return Layout::ChannelsLast;
   // Not dense in either layout (a slice): copied to the layout eager would return.
   const auto suggested = t.suggest_memory_format();
   return suggested == at::MemoryFormat::ChannelsLast || suggested == at::MemoryFormat::ChannelsLast3d
@@ -129,13 +148,27 @@ Layout layout_for(const at::Tensor& t) {
 
 at::Tensor to_layout(const at::Tensor& t, Layout layout) {
   if (layout == Layout::ChannelsFirst) return t.contiguous();
+  if (has_strides_of(t, Layout::ChannelsLast)) return t;
   return t.movedim(1, -1).contiguous().movedim(-1, 1);
 }
 
 at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dtype) {
   const auto options = t.options().dtype(dtype);
   if (layout == Layout::ChannelsFirst) return at::empty(t.sizes(), options);
-  return at::empty(t.movedim(1, -1).sizes(), options).movedim(-1, 1);
+  // The strides of a contiguous tensor of the sizes with the channels moved last (each stride the
+  // product of the inner sizes, a 0 counted as 1, as at::empty gives), in the sizes' order.
+  const auto sizes = t.sizes();
+  const int64_t dims = t.dim();
+  std::vector<int64_t> strides(dims);
+  int64_t next = 1;
+  const auto place = [&](int64_t d) {
+    strides[d] = next;
+    next *= std::max<int64_t>(sizes[d], 1);
+  };
+  place(1);
+  for (int64_t d = dims - 1; d >= 2; --d) place(d);
+  place(0);
+  return at::empty_strided(sizes, strides, options);
 }
 
 }  // namespace fusednorm
