@@ -146,9 +146,27 @@ Layout layout_for(const at::Tensor& t) {
       : Layout::ChannelsFirst;
 }
 
+namespace {
+
+LayoutCopy& cuda_layout_copy() {
+  static LayoutCopy copy = nullptr;
+  return copy;
+}
+
+}  // namespace
+
+void register_cuda_layout_copy(LayoutCopy copy) {
+  cuda_layout_copy() = copy;
+}
+
 at::Tensor to_layout(const at::Tensor& t, Layout layout) {
+  if (layout == Layout::ChannelsFirst ? t.is_contiguous() : has_strides_of(t, Layout::ChannelsLast)) return t;
+  const Layout other = layout == Layout::ChannelsFirst ? Layout::ChannelsLast : Layout::ChannelsFirst;
+  if (t.is_cuda() && cuda_layout_copy() != nullptr && t.dim() >= 3 && t.numel() > 0 && has_strides_of(t, other)) {
+    at::Tensor copy = cuda_layout_copy()(t, layout);
+    if (copy.defined()) return copy;
+  }
   if (layout == Layout::ChannelsFirst) return t.contiguous();
-  if (has_strides_of(t, Layout::ChannelsLast)) return t;
   return t.movedim(1, -1).contiguous().movedim(-1, 1);
 }
 

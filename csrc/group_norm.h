@@ -60,8 +60,16 @@ GroupNormShape check_group_norm_backward_args(
 // dense with the channel dimension innermost, otherwise ChannelsFirst after a copy.
 Layout layout_for(const at::Tensor& t);
 
-// `t` in `layout`, copied only when its strides are not already those of `layout`.
+// `t` in `layout`, copied only when its strides are not already those of `layout`. A CUDA tensor
+// dense in the other layout is copied by the registered layout copy (below) where there is one.
 at::Tensor to_layout(const at::Tensor& t, Layout layout);
+
+// The copy of a CUDA tensor of rank >= 3 with elements, dense in the layout other than the one
+// given, into that layout; an undefined result leaves the copy to ATen. The CUDA build registers
+// its kernel at load (csrc/cuda/layout_copy_kernel.cu; docs/design.md, "Layout copies"); host code
+// built without CUDA has none.
+using LayoutCopy = at::Tensor (*)(const at::Tensor& t, Layout layout);
+void register_cuda_layout_copy(LayoutCopy copy);
 
 // An uninitialised tensor of `t`'s shape in `layout`, with the given dtype.
 at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dtype);

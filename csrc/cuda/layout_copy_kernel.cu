@@ -1,0 +1,103 @@
+// The CUDA copy of an operand dense in one layout into the other (channels-first <-> channels-last),
+// which to_layout (group_norm.cpp) takes for CUDA tensors: a batched transpose through shared-memory
+// tiles whose loads and stores fill whole 32-byte sectors, where ATen's copy of the permuted view
+// reads an element a sector (docs/design.md, "Layout copies").
+#include "group_norm.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace fusednorm {
+namespace {
+
+// A CTA moves a kTile x kTile tile: kTile / kTileWarps rows a warp, two elements a lane each row,
+// 16 loads a thread in flight before the tile's stores.
+constexpr int kTile = 64;
+constexpr int kTileWarps = 8;
+
+// out[b][k][r] = in[b][r][k] for every batch b, r < rows, k < cols; T the element's bits. A CTA a
+// tile; the tile's index decomposes into (batch, row tile, column tile), column tiles fastest.
+template <typename T>
+__global__ void __launch_bounds__(32 * kTileWarps) transpose_tiles_kernel(const T* __restrict__ in,
+    T* __restrict__ out, int64_t rows, int64_t cols, int64_t row_tiles, int64_t col_tiles) {
+  __shared__ T tile[kTile][kTile + 1];
+  const int64_t t = blockIdx.x;
+  const int64_t per_batch = row_tiles * col_tiles;
+  const int64_t batch = t / per_batch;
+  const int64_t r0 = (t - batch * per_batch) / col_tiles * kTile;
+  const int64_t k0 = (t - batch * per_batch) % col_tiles * kTile;
+  const T* src = in + batch * rows * cols;
+  T* dst = out + batch * rows * cols;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  // Every load issued before the first store to shared memory.
+  T v[kTile / kTileWarps][kTile / 32];
+#pragma unroll
+  for (int a = 0; a < kTile / kTileWarps; ++a) {
+#pragma unroll
+    for (int b = 0; b < kTile / 32; ++b) {
+      const int i = warp + a * kTileWarps;
+      const int j = lane + b * 32;
+      v[a][b] = r0 + i < rows && k0 + j < cols ? src[(r0 + i) * cols + k0 + j] : T(0);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < kTile / kTileWarps; ++a) {
+#pragma unroll
+    for (int b = 0; b < kTile / 32; ++b) tile[warp + a * kTileWarps][lane + b * 32] = v[a][b];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int a = 0; a < kTile / kTileWarps; ++a) {
+#pragma unroll
+    for (int b = 0; b < kTile / 32; ++b) {
+      const int i = warp + a * kTileWarps;
+      const int j = lane + b * 32;
+      if (k0 + i < cols && r0 + j < rows) dst[(k0 + i) * rows + r0 + j] = tile[j][i];
+    }
+  }
+}
+
+template <typename T>
+void launch_transpose(const at::Tensor& in, at::Tensor& out, int64_t batches, int64_t rows, int64_t cols) {
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  const int64_t col_tiles = (cols + kTile - 1) / kTile;
+  transpose_tiles_kernel<T><<<static_cast<unsigned>(batches * row_tiles * col_tiles), 32 * kTileWarps, 0,
+      at::cuda::getCurrentCUDAStream()>>>(static_cast<const T*>(in.data_ptr()),
+      static_cast<T*>(out.data_ptr()), rows, cols, row_tiles, col_tiles);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// `t` (a CUDA tensor of rank >= 3 with elements, dense in the layout other than `layout`) copied
+// into `layout`; undefined where the kernel does not take it (elements of another size, a grid of
+// more tiles than a launch holds), and to_layout then copies with ATen.
+at::Tensor layout_copy_cuda(const at::Tensor& t, Layout layout) {
+  const int64_t batches = t.size(0);
+  const int64_t channels = t.size(1);
+  const int64_t spatial = t.numel() / (batches * channels);
+  // Channels-last memory is (N, S, C): rows of C; channels-first memory is (N, C, S): rows of S.
+  const bool to_first = layout == Layout::ChannelsFirst;
+  const int64_t rows = to_first ? spatial : channels;
+  const int64_t cols = to_first ? channels : spatial;
+  const int64_t tiles = batches * ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  const auto bytes = t.element_size();
+  if (tiles > std::numeric_limits<int32_t>::max() || (bytes != 2 && bytes != 4 && bytes != 8)) return at::Tensor();
+  const c10::cuda::CUDAGuard guard(t.device());
+  at::Tensor out = empty_in_layout(t, layout, t.scalar_type());
+  switch (bytes) {
+    case 2: launch_transpose<uint16_t>(t, out, batches, rows, cols); break;
+    case 4: launch_transpose<uint32_t>(t, out, batches, rows, cols); break;
+    default: launch_transpose<uint64_t>(t, out, batches, rows, cols); break;
+  }
+  return out;
+}
+
+const bool registered = (register_cuda_layout_copy(&layout_copy_cuda), true);
+
+}  // namespace
+}  // namespace fusednorm
