@@ -16,7 +16,7 @@ namespace fusednorm {
 namespace {
 
 // A CTA moves a kTile x kTile tile: kTile / kTileWarps rows a warp, two elements a lane each row,
-// 16 loads a thread in flight before the tile's stores.
+// 16 loads a thread.
 constexpr int kTile = 64;
 constexpr int kTileWarps = 8;
 
@@ -25,7 +25,7 @@ constexpr int kTileWarps = 8;
 template <typename T>
 __global__ void __launch_bounds__(32 * kTileWarps) transpose_tiles_kernel(const T* __restrict__ in,
     T* __restrict__ out, int64_t rows, int64_t cols, int64_t row_tiles, int64_t col_tiles) {
-  __shared__ T tile[kTile][kTile + 1];
+  __shared__ T tile[kTile][kTile + 1];  // + 1: a column's elements in different banks
   const int64_t t = blockIdx.x;
   const int64_t per_batch = row_tiles * col_tiles;
   const int64_t batch = t / per_batch;
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(32 * kTileWarps) transpose_tiles_kernel(const 
   T* dst = out + batch * rows * cols;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  // Every load issued before the first store to shared memory.
+  // The loads go to registers first, so that they are in flight together, not one a store.
   T v[kTile / kTileWarps][kTile / 32];
 #pragma unroll
   for (int a = 0; a < kTile / kTileWarps; ++a) {
