@@ -4,9 +4,9 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
-#include <vector>
 
 namespace fusednorm {
 namespace {
@@ -98,6 +98,17 @@ GroupNormShape check_group_norm_backward_args(
 
 namespace {
 
+// The dimensions of a dense rank-`dims` tensor in `layout`, innermost first: channels-first the
+// last to the first; channels-last the channels, the spatial dimensions last to first, the batch.
+c10::SmallVector<int64_t, 8> dims_innermost_first(int64_t dims, Layout layout) {
+  c10::SmallVector<int64_t, 8> order;
+  if (layout == Layout::ChannelsLast) order.push_back(1);
+  for (int64_t d = dims - 1; d >= 0; --d) {
+    if (layout == Layout::ChannelsFirst || d != 1) order.push_back(d);
+  }
+  return order;
+}
+
 // Whether t's strides are those of a dense tensor in `layout` (size-1 dimensions ignored), read
 // from the sizes and strides themselves: is_contiguous() calls every empty tensor contiguous, and a
 // movedim view for the check would cost host time on every call (docs/design.md, "Host time").
@@ -105,24 +116,11 @@ bool has_strides_of(const at::Tensor& t, Layout layout) {
   const auto sizes = t.sizes();
   const auto strides = t.strides();
   int64_t expected = 1;
-  const auto dense_at = [&](int64_t d) {
+  for (const int64_t d : dims_innermost_first(t.dim(), layout)) {
     if (sizes[d] != 1 && strides[d] != expected) return false;
     expected *= std::max<int64_t>(sizes[d], 1);
-    return true;
-  };
-  const int64_t dims = t.dim();
-  if (layout == Layout::ChannelsFirst) {
-    for (int64_t d = dims - 1; d >= 0; --d) {
-      if (!dense_at(d)) return false;
-    }
-    return true;
   }
-  // Channels-last, innermost first: the channels, the spatial dimensions last to first, the batch.
-  if (!dense_at(1)) return false;
-  for (int64_t d = dims - 1; d >= 2; --d) {
-    if (!dense_at(d)) return false;
-  }
-  return dense_at(0);
+  return true;
 }
 
 }  // namespace
@@ -176,16 +174,12 @@ at::Tensor empty_in_layout(const at::Tensor& t, Layout layout, at::ScalarType dt
   // The strides of a contiguous tensor of the sizes with the channels moved last (each stride the
   // product of the inner sizes, a 0 counted as 1, as at::empty gives), in the sizes' order.
   const auto sizes = t.sizes();
-  const int64_t dims = t.dim();
-  std::vector<int64_t> strides(dims);
+  c10::SmallVector<int64_t, 8> strides(sizes.size());
   int64_t next = 1;
-  const auto place = [&](int64_t d) {
+  for (const int64_t d : dims_innermost_first(t.dim(), layout)) {
     strides[d] = next;
     next *= std::max<int64_t>(sizes[d], 1);
-  };
-  place(1);
-  for (int64_t d = dims - 1; d >= 2; --d) place(d);
-  place(0);
+  }
   return at::empty_strided(sizes, strides, options);
 }
 

@@ -36,6 +36,7 @@ def in_other_layout(t, layout):
     """t's values, dense in `layout`, and checked to be so (the case tests the copy)."""
     u = to_layout(t, layout)
     assert torch.equal(u, t)
+    assert (u if layout == "contiguous" else u.movedim(1, -1)).is_contiguous()
     return u
 
 
