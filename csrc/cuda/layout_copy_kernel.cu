@@ -64,9 +64,8 @@ __global__ void __launch_bounds__(32 * kTileWarps) transpose_tiles_kernel(const 
 }
 
 template <typename T>
-void launch_transpose(const at::Tensor& in, at::Tensor& out, int64_t batches, int64_t rows, int64_t cols) {
-  const int64_t row_tiles = (rows + kTile - 1) / kTile;
-  const int64_t col_tiles = (cols + kTile - 1) / kTile;
+void launch_transpose(const at::Tensor& in, at::Tensor& out, int64_t batches, int64_t rows, int64_t cols,
+    int64_t row_tiles, int64_t col_tiles) {
   transpose_tiles_kernel<T><<<static_cast<unsigned>(batches * row_tiles * col_tiles), 32 * kTileWarps, 0,
       at::cuda::getCurrentCUDAStream()>>>(static_cast<const T*>(in.data_ptr()),
       static_cast<T*>(out.data_ptr()), rows, cols, row_tiles, col_tiles);
@@ -84,15 +83,18 @@ at::Tensor layout_copy_cuda(const at::Tensor& t, Layout layout) {
   const bool to_first = layout == Layout::ChannelsFirst;
   const int64_t rows = to_first ? spatial : channels;
   const int64_t cols = to_first ? channels : spatial;
-  const int64_t tiles = batches * ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  const int64_t col_tiles = (cols + kTile - 1) / kTile;
   const auto bytes = t.element_size();
-  if (tiles > std::numeric_limits<int32_t>::max() || (bytes != 2 && bytes != 4 && bytes != 8)) return at::Tensor();
+  if (batches * row_tiles * col_tiles > std::numeric_limits<int32_t>::max() || (bytes != 2 && bytes != 4 && bytes != 8)) {
+    return at::Tensor();
+  }
   const c10::cuda::CUDAGuard guard(t.device());
   at::Tensor out = empty_in_layout(t, layout, t.scalar_type());
   switch (bytes) {
-    case 2: launch_transpose<uint16_t>(t, out, batches, rows, cols); break;
-    case 4: launch_transpose<uint32_t>(t, out, batches, rows, cols); break;
-    default: launch_transpose<uint64_t>(t, out, batches, rows, cols); break;
+    case 2: launch_transpose<uint16_t>(t, out, batches, rows, cols, row_tiles, col_tiles); break;
+    case 4: launch_transpose<uint32_t>(t, out, batches, rows, cols, row_tiles, col_tiles); break;
+    default: launch_transpose<uint64_t>(t, out, batches, rows, cols, row_tiles, col_tiles); break;
   }
   return out;
 }
