@@ -1,14 +1,16 @@
 """The replication pad after a fused norm (docs/design.md, "Replication pad"): fusednorm's
 `replication_pad` against ATen's and Inductor's pads and a copy of the padded output (the
 roofline), alone and after GN32+SiLU, on the four pad shapes of the HunyuanVideo VAE's decoder,
-fp16, in one run.
+fp16, in one run; with --channels-last, on channels_last_3d inputs (the pads then keep that
+format).
 
-    python benchmarks/pad_bench.py
+    python benchmarks/pad_bench.py [--channels-last]
 
 GPU kernel time (`bench.kernel_ms`: L2 flushed, host time excluded), best of 3 of 10 calls, ms.
 "GN+SiLU+pad compiled" is what plain torch.compile runs (the pad folded into its norm's output
 kernel); "fused + ... pad" what the fusion backend runs. Needs a CUDA device.
 """
+import argparse
 import os
 import sys
 
@@ -24,16 +26,20 @@ SHAPES = [(1, 128, 9, 480, 640), (1, 256, 9, 240, 320), (1, 512, 5, 120, 160), (
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--channels-last", action="store_true", help="channels_last_3d inputs")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("pad_bench.py needs a CUDA device")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, float16, ms")
+    fmt = torch.channels_last_3d if args.channels_last else torch.contiguous_format
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, float16, {fmt}, ms")
     flush = torch.zeros(512 * 2**20, dtype=torch.int8, device="cuda")
 
     def best(fn):
         return min(kernel_ms(fn, flush, iters=10) for _ in range(3))
 
     for shape in SHAPES:
-        x = torch.randn(shape, device="cuda", dtype=torch.float16)
+        x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
         w, b = torch.randn(shape[1], device="cuda", dtype=x.dtype), torch.randn(shape[1], device="cuda", dtype=x.dtype)
         inductor_pad = torch.compile(lambda t: F.pad(t, PAD, mode="replicate"), dynamic=False)
         chain = torch.compile(lambda t: F.pad(F.silu(F.group_norm(t, 32, w, b, 1e-6)), PAD, mode="replicate"),
@@ -42,6 +48,8 @@ def main():
         fused = lambda: fusednorm.group_norm(x, 32, w, b, 1e-6, activation="silu")  # noqa: E731
         expected = F.pad(x, PAD, mode="replicate")
         assert torch.equal(ours(x), expected) and torch.equal(inductor_pad(x), expected)
+        assert ours(x).is_contiguous(memory_format=fmt)
+        expected = expected.contiguous(memory_format=fmt)
         copy_source = torch.empty_like(expected)
         with torch.no_grad():
             chain(x)

@@ -389,11 +389,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_group_norm_forwar
 
 // replication_pad: the kernel op where the call records no graph and carries no tangent (the
 // fusion backend's inference graphs); otherwise ATen's pad, which is what the op computes and
-// which ATen differentiates in every mode (docs/design.md, "Replication pad").
+// which ATen differentiates in every mode, in the op's memory format (docs/design.md,
+// "Replication pad").
 at::Tensor replication_pad_autograd(const at::Tensor& input, at::IntArrayRef padding) {
   const OptTensor x(input);
   const bool graph = records_graph({&x});
-  if (graph || needs_composition({&x}, graph)) return at::pad(input, padding, "replicate");
+  if (graph || needs_composition({&x}, graph)) {
+    return at::pad(input, padding, "replicate").contiguous(input.suggest_memory_format());
+  }
   static auto op = find_op<ReplicationPadFn>("fusednorm::replication_pad");
   at::AutoDispatchBelowADInplaceOrView guard;
   return op.call(input, padding);

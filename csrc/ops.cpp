@@ -22,7 +22,8 @@
 //                          sum = input + other (+ input_bias), which it also returns (the input's
 //                          dtype and kernel layout); its backward is the autograd kernel's, on the
 //                          sum materialized by ATen
-//   replication_pad    -> F.pad(input, padding, mode="replicate"), the fusion backend's pad after a
+//   replication_pad    -> F.pad(input, padding, mode="replicate") in the input's suggested memory
+//                          format, the fusion backend's pad after a
 //                          fused op (docs/design.md, "Replication pad"): CUDA's kernel in
 //                          cuda/replication_pad_kernel.cu, ATen's pad on the CPU and wherever
 //                          that kernel does not apply; autograd.cpp records ATen's pad instead

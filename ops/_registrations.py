@@ -1,7 +1,7 @@
 """Fake (meta) kernels for the kernel ops defined in csrc/ops.cpp.
 
 The composite ops (group_norm, instance_norm) need none: they decompose into the kernel ops.
-replication_pad's is ATen's pad on the fake input.
+replication_pad's is ATen's pad on the fake input, in the input's suggested memory format.
 Fake kernels go through torch.library.register_fake (torch >= 2.4) or its older equivalents (see
 _compat). Autograd is in C++ (csrc/autograd.cpp), so that a backward runs no Python.
 """
@@ -57,13 +57,17 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _suggests_channels_last(t: Tensor) -> bool:
+def _suggested_memory_format(t: Tensor) -> torch.memory_format:
     # Tensor::suggest_memory_format() of C++, which Python does not expose as a method.
     try:
         from torch._prims_common import suggest_memory_format
     except ImportError:  # pragma: no cover (every supported torch has it)
-        return False
-    return suggest_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
+        return torch.contiguous_format
+    return suggest_memory_format(t)
+
+
+def _suggests_channels_last(t: Tensor) -> bool:
+    return _suggested_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
 
 
 def _has_strides_of(t: Tensor, channels_last: bool) -> bool:
@@ -244,6 +248,8 @@ def _fused_group_norm_backward_fake(grad_out, input, mean, rstd, weight, bias, n
 
 @register_fake("replication_pad")
 def _replication_pad_fake(input, padding):
-    # ATen's pad on the fake input: its shape, strides and errors are the kernel's (which is
-    # ATen's pad wherever it does not apply itself).
-    return torch.nn.functional.pad(input, list(padding), mode="replicate")
+    # ATen's pad on the fake input (its shape and errors are the kernels', which are ATen's pad
+    # wherever they do not apply), in the input's suggested memory format, as the op's output on
+    # every device (ATen's CUDA pad returns a contiguous tensor, its CPU pad that format).
+    return torch.nn.functional.pad(input, list(padding), mode="replicate").contiguous(
+        memory_format=_suggested_memory_format(input))

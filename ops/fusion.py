@@ -54,8 +54,8 @@ After a fused op on CUDA tensors, ``F.pad(z, padding, mode="replicate")`` (non-n
 1-3 dimensions; z the op's output, or an eval-mode dropout of it) becomes
 ``torch.ops.fusednorm.replication_pad``: the causal convolutions of the video VAEs pad a norm's
 output so, and Inductor, which folds the pad into its own norm kernel, runs it alone and slowly
-after an opaque op. Not after an op whose output is channels-last: Inductor's pad is the faster
-one there (docs/design.md, "Replication pad").
+after an opaque op. The op's kernels take contiguous and channels-last inputs and keep the format
+(docs/design.md, "Replication pad").
 
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
 it reads the running statistics the norm updates (it would see them before the update), or when
@@ -76,7 +76,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._registrations import _suggests_channels_last
 from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
@@ -481,17 +480,13 @@ def _replication_pad_pays(value: torch.Tensor) -> bool:
     return value.device.type == "cuda"
 
 
-def _take_replication_pad(gm: fx.GraphModule, output: fx.Node, channels_last: bool) -> bool:
+def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
     """Replaces ``F.pad(output, padding, mode="replicate")`` (through dropouts that return their
     input, as in a causal convolution after ``norm -> act -> nn.Dropout``) with
     ``fusednorm.replication_pad``: after a fused op, Inductor can no longer fold the pad into the
     norm's output kernel, and the pad it runs alone is slower than a copy (docs/performance.md,
-    "Replication pads"). Not when the op's output is channels-last (`channels_last`: its input
-    suggests that format): the kernels take contiguous inputs alone, ATen's pad of a channels-last
-    input is slower than Inductor's, and Inductor's writes the layout the next convolution wants
-    (docs/design.md, "Replication pad"). Returns whether it did."""
-    if channels_last:
-        return False
+    "Replication pads"), in either layout: the op's kernels take contiguous and channels-last
+    inputs and keep the format (docs/design.md, "Replication pad"). Returns whether it did."""
     cur = output
     while len(cur.users) == 1 and _identity_dropout(next(iter(cur.users))):
         cur = next(iter(cur.users))
@@ -510,7 +505,7 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node, channels_last: bo
     if args["mode"] != "replicate" or args["value"] is not None or value is None or args["input"] is not cur \
             or not isinstance(padding, (tuple, list)) or len(padding) not in (2, 4, 6) \
             or not all(type(p) is int and p >= 0 for p in padding) or value.dim() != len(padding) // 2 + 2 \
-            or not value.is_contiguous() or not _replication_pad_pays(value):
+            or not _replication_pad_pays(value):
         return False
     with gm.graph.inserting_before(pad):
         fast = gm.graph.call_function(torch.ops.fusednorm.replication_pad.default, (cur, list(padding)))
@@ -602,9 +597,7 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
     for dead in dying:
         if not dead.users:
             graph.erase_node(dead)
-    # (Dynamo's example value of a group norm's output is contiguous whatever its input's format:
-    # the op's output format, its input's, is the one to go by.)
-    _take_replication_pad(gm, output, _suggests_channels_last(source))
+    _take_replication_pad(gm, output)
     return True
 
 

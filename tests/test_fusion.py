@@ -245,9 +245,8 @@ def test_leave_to_inductor_small_single_use_prologues(shape, keep, fused):
 
 class CausalConvs(nn.Module):
     """A causal 3-D convolution's replication pad after norm -> SiLU (-> eval-mode dropout), as in
-    the HunyuanVideo VAE's resnets, plus pads the rule must leave: another mode, a pad whose input
-    has a second user, a negative (cropping) pad, a channels-last input (which the kernels do not
-    take)."""
+    the HunyuanVideo VAE's resnets (also on a channels-last input), plus pads the rule must leave:
+    another mode, a pad whose input has a second user, a negative (cropping) pad."""
 
     def __init__(self, case):
         super().__init__()
@@ -265,7 +264,7 @@ class CausalConvs(nn.Module):
 
 
 @pytest.mark.parametrize("case, taken", [("plain", True), ("dropout", True), ("reflect", False),
-                                         ("second_user", False), ("negative", False), ("channels_last", False)])
+                                         ("second_user", False), ("negative", False), ("channels_last", True)])
 def test_replication_pad_after_a_fused_op(case, taken, device, monkeypatch):
     if device == "cpu":  # the rule takes CUDA tensors alone (fusion._replication_pad_pays)
         monkeypatch.setattr(fusion, "_replication_pad_pays", lambda value: True)

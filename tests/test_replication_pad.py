@@ -1,12 +1,13 @@
 """fusednorm.replication_pad, the fusion backend's pad after a fused op: F.pad(mode="replicate")
-exactly (a copy: compared for equality), on every dtype, padding rank and awkward shape; its
-errors are PyTorch's; autograd, opcheck."""
+exactly (a copy: compared for equality), on every dtype, padding rank and awkward shape, in the
+input's suggested memory format (channels-last kept); its errors are PyTorch's; autograd, opcheck."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch._prims_common import suggest_memory_format
 
 import fusednorm  # noqa: F401  (registers the ops)
 
@@ -67,7 +68,34 @@ def test_non_contiguous_input(make, device):
     x = make(torch.randn(2, 3, 4, 5, 6, device=device))
     out = pad_op(x, [1, 2, 0, 1, 2, 0])
     ref = reference(x, [1, 2, 0, 1, 2, 0])
-    assert torch.equal(out, ref) and out.stride() == ref.stride()
+    assert torch.equal(out, ref) and out.stride() == ref.contiguous(memory_format=suggest_memory_format(x)).stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape, padding", [
+    ((1, 128, 9, 12, 16), (1, 1, 1, 1, 2, 0)),  # a causal convolution's pad, 16-byte channel vectors
+    ((2, 3, 4, 5, 6), (2, 0, 1, 3, 0, 4)),  # 3 channels: vectors of 6-24 bytes
+    ((3, 12, 2, 3, 4), (5, 5, 4, 4, 3, 3)),  # padding wider than the input
+    ((2, 1, 3, 4, 5), (1, 1, 1, 1, 1, 1)),  # one channel
+    ((2, 20, 7, 9), (1, 2, 3, 0)),  # 4-D, channels_last
+    ((1, 6, 1, 1), (2, 3, 1, 0)),
+])
+@pytest.mark.parametrize("offset", [0, 1])  # the input one batch entry into a larger tensor
+def test_channels_last_input(shape, padding, dtype, offset, device):
+    # A batched input dense in channels_last(_3d), padded in every spatial dimension: the
+    # channels-last kernel (its units of 2-16 bytes by the vectors' bytes and the input's address),
+    # and the output in the same format.
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    big = torch.randn((shape[0] + offset,) + shape[1:], device=device).to(dtype).to(memory_format=fmt)
+    x = big[offset:]
+    assert suggest_memory_format(x) == fmt and x.is_contiguous(memory_format=fmt)
+    out = pad_op(x, list(padding))
+    ref = reference(x, padding)
+    assert torch.equal(out, ref)
+    # The strides of an empty tensor in that format (those of dimensions of size 1 are free).
+    want = torch.empty(ref.shape, memory_format=fmt).stride()
+    assert out.is_contiguous(memory_format=fmt)
+    assert all(a == b for a, b, n in zip(out.stride(), want, out.shape) if n > 1), (out.stride(), want)
 
 
 def test_nan_and_inf_are_copied(device):
@@ -129,3 +157,20 @@ def test_opcheck(requires_grad, device):
     x = torch.randn(2, 3, 4, 5, 6, device=device, requires_grad=requires_grad)
     torch.library.opcheck(pad_op.default, (x, [1, 1, 1, 1, 2, 0]))
     torch.library.opcheck(pad_op.default, (x[0, 0], [0, 3]))
+    # A channels-last input: the fake's strides are the kernel's (the input's format, kept).
+    torch.library.opcheck(pad_op.default, (x.detach().to(memory_format=torch.channels_last_3d).requires_grad_(requires_grad),
+                                           [1, 1, 1, 1, 2, 0]))
+    torch.library.opcheck(pad_op.default, (x[:, :, 0].detach().to(memory_format=torch.channels_last).requires_grad_(requires_grad),
+                                           [1, 2, 0, 1]))
+
+
+def test_compiled_with_dynamic_shapes(device):
+    # Under torch.compile the fake kernel gives Inductor the op's output strides (either format),
+    # shapes symbolic; a wrong stride would fail Inductor's assert_size_stride or the values.
+    compiled = torch.compile(lambda t: pad_op(t, [1, 1, 1, 1, 2, 0]) * 2, dynamic=True, fullgraph=True)
+    for shape in [(2, 8, 3, 4, 5), (3, 8, 4, 6, 7), (1, 3, 2, 5, 5)]:
+        for fmt in [torch.contiguous_format, torch.channels_last_3d]:
+            x = torch.randn(shape, device=device).contiguous(memory_format=fmt)
+            out = compiled(x)
+            assert torch.equal(out, reference(x, (1, 1, 1, 1, 2, 0)) * 2)
+            assert out.is_contiguous(memory_format=fmt)

@@ -91,9 +91,10 @@ fused_group_norm_backward_cpu(
   return fused_grads_outputs(g, sum_residual_multiplier_grads);
 }
 
-// ATen's own pad: the op exists for the CUDA kernel (docs/design.md, "Replication pad").
+// ATen's own pad (the op exists for the CUDA kernel), in the input's suggested memory format as
+// on every device (docs/design.md, "Replication pad"); ATen's CPU pad already keeps it.
 at::Tensor replication_pad_cpu(const at::Tensor& input, at::IntArrayRef padding) {
-  return at::pad(input, padding, "replicate");
+  return at::pad(input, padding, "replicate").contiguous(input.suggest_memory_format());
 }
 
 // The capability the CPU kernels use now: "avx512", "avx2" or "default".

@@ -1,8 +1,9 @@
 // The CUDA kernels of replication_pad (ops.cpp): F.pad(input, padding, mode="replicate") on a
-// contiguous floating-point input, a copy in which each output row reads its clamped source row
-// (docs/design.md, "Replication pad"). Every other call (another layout or dtype, negative
-// padding, an empty dimension, 2^30 items or more) is ATen's own pad, which also raises
-// PyTorch's errors for bad arguments.
+// contiguous or channels-last floating-point input, a copy in which each output row reads its
+// clamped source row, the output in the input's suggested memory format (docs/design.md,
+// "Replication pad"). Every other call (another layout or dtype, negative padding, an empty
+// dimension, 2^30 items or more) is ATen's own pad, which also raises PyTorch's errors for bad
+// arguments, its output then put in that format.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
@@ -28,7 +29,8 @@ namespace {
 // offsets from its source row, so that no access wide enough for the copy rate reads and writes
 // the same elements). Shorter rows, where a warp's one row a round in flight is too few bytes: a
 // thread copies kCols columns of kRows rows, element by element, its 16 loads issued before its
-// stores.
+// stores. A channels-last input moves its channel vectors whole, in units of up to 16 bytes, kUnits
+// of them a thread in flight.
 constexpr int kPadThreads = 256;
 constexpr int kPadWarps = kPadThreads / 32;
 constexpr int kChunkBytes = 2048;
@@ -38,12 +40,15 @@ constexpr int kBufferLines = (kChunkBytes + 2 * kLine) / kLine;
 constexpr int kLinesMinBytes = 256;
 constexpr int kRows = 4;
 constexpr int kCols = 4;
+constexpr int kUnits = 4;
 
 // The padded problem as (planes, D, H, W), the padded dimensions right-aligned (a 1-d or 2-d
 // padding has D = 1, or D = H = 1, and no padding there); the lines kernel's items are (output
-// row, chunk), the rows kernel's output rows (one chunk a row).
+// row, chunk), the rows kernel's output rows (one chunk a row), the channels-last kernel's the
+// units of the output, each row's out_w channel vectors of vector_units units.
 struct PadGeometry {
   at::cuda::detail::IntDivider<unsigned> chunks, out_h, out_d;  // an item's (row, chunk); a row's (plane, d, h)
+  at::cuda::detail::IntDivider<unsigned> vector_units, out_w_vectors;  // channels-last: a unit's (vector, unit); a vector's (row, w)
   unsigned items;
   int D, H, W, out_w, chunk;  // chunk: elements an item (kChunkBytes of them)
   int front, top, left;       // padding before each dimension
@@ -146,17 +151,49 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_rows_kernel(const
   }
 }
 
+// Channels-last input: memory (planes, D, H, W, C), padded in D, H and W; U the unit's bits (16, 8,
+// 4 or 2 bytes), a whole number of them a channel vector. Unit i of the output copies the unit of
+// its vector's source: the same unit of the vector at the clamped (d, h, w).
+template <typename U>
+__global__ void __launch_bounds__(kPadThreads) replication_pad_channels_last_kernel(const U* __restrict__ in,
+    U* __restrict__ out, const PadGeometry g) {
+  const unsigned stride = gridDim.x * kPadThreads * kUnits;
+  for (unsigned first = blockIdx.x * kPadThreads * kUnits + threadIdx.x; first < g.items; first += stride) {
+    U v[kUnits];
+#pragma unroll
+    for (int k = 0; k < kUnits; ++k) {  // the loads first, all in flight together
+      const unsigned i = first + k * kPadThreads;
+      if (i < g.items) {
+        const auto unit = g.vector_units.divmod(i);
+        const auto vector = g.out_w_vectors.divmod(unit.div);
+        const int64_t source_vector =
+            source_row(g, vector.div) * g.W + clamp_index(static_cast<int>(vector.mod) - g.left, g.W);
+        v[k] = in[source_vector * g.vector_units.divisor + unit.mod];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnits; ++k) {
+      const unsigned i = first + k * kPadThreads;
+      if (i < g.items) out[i] = v[k];
+    }
+  }
+}
+
 // The padded output's sizes when the kernels take the call: what ATen's pad would accept (a
-// batched or unbatched input of the padding's dimensions), non-negative padding, a contiguous
-// floating-point input with no empty dimension, and sizes well inside the kernels' 32-bit item
-// and column indices. Nothing when they do not: ATen's pad takes the call.
-std::optional<std::vector<int64_t>> kernel_output_sizes(const at::Tensor& input, at::IntArrayRef padding) {
+// batched or unbatched input of the padding's dimensions), non-negative padding, a floating-point
+// input with no empty dimension, dense in its suggested memory format `format` (contiguous, or
+// channels-last on a batched input padded in every spatial dimension), and sizes well inside the
+// kernels' 32-bit item and column indices. Nothing when they do not: ATen's pad takes the call.
+std::optional<std::vector<int64_t>> kernel_output_sizes(
+    const at::Tensor& input, at::IntArrayRef padding, at::MemoryFormat format) {
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   if (padding.size() % 2 != 0 || dims < 1 || dims > 3) return std::nullopt;
   if (input.dim() != dims + 1 && input.dim() != dims + 2) return std::nullopt;
   const auto dtype = input.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) return std::nullopt;
-  if (!input.is_contiguous() || input.numel() == 0) return std::nullopt;
+  if (!input.is_contiguous(format) || input.numel() == 0) return std::nullopt;
+  const bool channels_last = format != at::MemoryFormat::Contiguous;
+  if (channels_last && input.dim() != dims + 2) return std::nullopt;
   if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p < 0; })) return std::nullopt;
   std::vector<int64_t> sizes = input.sizes().vec();
   for (int64_t k = 0; k < dims; ++k) sizes[input.dim() - 1 - k] += padding[2 * k] + padding[2 * k + 1];
@@ -170,14 +207,26 @@ std::optional<std::vector<int64_t>> kernel_output_sizes(const at::Tensor& input,
   const int64_t out_w = sizes.back();
   const int64_t chunk = kChunkBytes / static_cast<int64_t>(input.element_size());
   if (out_w > kMax || rows * ((out_w + chunk - 1) / chunk) > kMax) return std::nullopt;
+  if (channels_last && rows * out_w > kMax) return std::nullopt;  // its items: at most the output's elements
   return sizes;
 }
 
+// The unit of the channels-last kernel: the widest of 16, 8, 4 and 2 bytes, at least an element,
+// that divides a channel vector's bytes and the input's address (the output's is 16-byte aligned).
+int channels_last_unit(const at::Tensor& input) {
+  const int64_t vector_bytes = input.size(1) * static_cast<int64_t>(input.element_size());
+  const auto address = reinterpret_cast<uintptr_t>(input.data_ptr());
+  int unit = 16;
+  while (unit > input.element_size() && (vector_bytes % unit != 0 || address % unit != 0)) unit /= 2;
+  return unit;
+}
+
 at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
-  const auto out_sizes = kernel_output_sizes(input, padding);
-  if (!out_sizes) return at::pad(input, padding, "replicate");
+  const auto format = input.suggest_memory_format();
+  const auto out_sizes = kernel_output_sizes(input, padding, format);
+  if (!out_sizes) return at::pad(input, padding, "replicate").contiguous(format);
   const c10::cuda::CUDAGuard guard(input.device());
-  at::Tensor out = at::empty(*out_sizes, input.options());
+  at::Tensor out = at::empty(*out_sizes, input.options().memory_format(format));
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   // Sizes and leading pads by dimension from the end (0: W, 1: H, 2: D); 1 and 0 past the padded ones.
   const auto size_of = [&](const std::vector<int64_t>& sizes, int64_t from_end) {
@@ -198,6 +247,28 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   g.out_h = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 1)));
   g.out_d = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 2)));
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (format != at::MemoryFormat::Contiguous) {
+    const auto launch_channels_last = [&](auto bits) {
+      using U = decltype(bits);
+      const unsigned vector_units = static_cast<unsigned>(input.size(1) * input.element_size() / sizeof(U));
+      g.vector_units = at::cuda::detail::IntDivider<unsigned>(vector_units);
+      g.out_w_vectors = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(g.out_w));
+      g.items = static_cast<unsigned>(out.numel() / input.size(1)) * vector_units;
+      // As many blocks as the units need, at most 8 an SM (2048 threads); a thread loops over units.
+      const int64_t blocks = std::min<int64_t>((g.items + kPadThreads * kUnits - 1) / (kPadThreads * kUnits), sms * 8);
+      replication_pad_channels_last_kernel<U><<<static_cast<unsigned>(blocks), kPadThreads, 0, stream>>>(
+          static_cast<const U*>(input.data_ptr()), static_cast<U*>(out.data_ptr()), g);
+    };
+    switch (channels_last_unit(input)) {
+      case 16: launch_channels_last(uint4()); break;
+      case 8: launch_channels_last(uint2()); break;
+      case 4: launch_channels_last(uint32_t()); break;
+      default: launch_channels_last(uint16_t()); break;
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+  }
   const unsigned rows = static_cast<unsigned>(out.numel() / g.out_w);
   const auto launch = [&](auto bits) {
     using T = decltype(bits);
@@ -209,7 +280,6 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
       g.chunks = at::cuda::detail::IntDivider<unsigned>(chunks);
       g.items = rows * chunks;
       // As many blocks as the items need, at most 8 an SM (2048 threads); a warp loops over items.
-      const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       const int64_t blocks = std::min<int64_t>((g.items + kPadWarps - 1) / kPadWarps, sms * 8);
       replication_pad_lines_kernel<T><<<static_cast<unsigned>(blocks), kPadThreads, 0, stream>>>(src, dst, g);
     } else {
