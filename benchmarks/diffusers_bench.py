@@ -41,7 +41,7 @@ VAE decode 1024 and UNet step b8 run eager and eager + convert only unless --wor
 size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 0.
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
-                                         [--workloads NAMES] [--variants LABELS] [--profile]
+                                         [--workloads NAMES] [--variants LABELS] [--profile [--top N]]
                                          [--channels-last]
 
 --workloads: comma-separated workload names or parts of them, case-insensitive ("VAE" picks the
@@ -57,7 +57,9 @@ in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), th
 convolution, attention, GEMM, Inductor's generated kernels, other; torch.profiler over 5 calls,
 kernels' durations summed): where a model's time goes, e.g. which kernels a fusion replaced. The
 part of Inductor's that carries a norm op in its kernel names is also given ("inductor,
-norm-related": the norms Inductor computes, and the passes that feed fusednorm's ops).
+norm-related": the norms Inductor computes, and the passes that feed fusednorm's ops). With --top
+N, also the N kernels that take the most time, each with its launches a call (docs/performance.md,
+"Channels-last replication pads", found the transposes and pads that bound the video decode so).
 """
 
 import argparse
@@ -272,8 +274,9 @@ def norm_related(name):
     return any(k in lowered for k in NORM_RELATED)
 
 
-def kernel_ms_by_category(call, iters=5):
-    """GPU kernel time a call of call() by kernel_category, ms (durations summed), largest first."""
+def kernel_ms_by_name(call, iters=5):
+    """{kernel name: (GPU ms a call, launches a call)} of call() (torch.profiler over `iters` calls,
+    after one more)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -283,21 +286,36 @@ def kernel_ms_by_category(call, iters=5):
         for _ in range(iters):
             call()
         torch.cuda.synchronize()
-    by, norms = {}, 0.0
+    by = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            category = kernel_category(e.name)
-            ms = (e.time_range.end - e.time_range.start) / iters / 1000.0
-            by[category] = by.get(category, 0.0) + ms
-            if category == "inductor" and norm_related(e.name):
-                norms += ms
+            ms, count = by.get(e.name, (0.0, 0))
+            by[e.name] = (ms + (e.time_range.end - e.time_range.start) / iters / 1000.0, count + 1)
+    return {name: (ms, count / iters) for name, (ms, count) in by.items()}
+
+
+def by_category(kernels):
+    """kernel_ms_by_name's times summed by kernel_category, ms, largest first, with the
+    norm-related part of Inductor's."""
+    by, norms = {}, 0.0
+    for name, (ms, _) in kernels.items():
+        category = kernel_category(name)
+        by[category] = by.get(category, 0.0) + ms
+        if category == "inductor" and norm_related(name):
+            norms += ms
     by["total"] = sum(by.values())
     if "inductor" in by:
         by["inductor, norm-related"] = norms  # (a part of "inductor", not in the total twice)
     return {k: round(v, 4) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
 
 
-def run_workload(name, model, inputs, labels, measure, device, errors, profile=False):
+def longest(kernels, n):
+    """The n kernels of kernel_ms_by_name that take the most time, as printable lines."""
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:n]
+    return [f"{ms:9.3f} ms {count:5.0f}x  {name[:150]}" for name, (ms, count) in top]
+
+
+def run_workload(name, model, inputs, labels, measure, device, errors, profile=False, top=0):
     row = {"workload": name, "ms": {}, "max_abs_diff": {}}
     fusions = {}
     want = model(*inputs)
@@ -340,8 +358,11 @@ def run_workload(name, model, inputs, labels, measure, device, errors, profile=F
             print(f"  {name:16s} {label:29s} {row['ms'][label]:10.3f} ms  (max |diff| vs eager "
                   f"{row['max_abs_diff'][label]:.2e}{compiling})", flush=True)
             if profile:
-                row.setdefault("kernel_ms", {})[label] = kernel_ms_by_category(timed)
+                kernels = kernel_ms_by_name(timed)
+                row.setdefault("kernel_ms", {})[label] = by_category(kernels)
                 print(f"  {name:16s} {label} GPU kernel ms by category: {row['kernel_ms'][label]}", flush=True)
+                for line in longest(kernels, top):
+                    print(f"  {name:16s} {label} {line}", flush=True)
             if backend is not None:
                 fusions[label] = sum(backend.fusions)
                 print(f"  {name:16s} {label} rewrote {fusions[label]} norm chains", flush=True)
@@ -400,6 +421,7 @@ def main():
     parser.add_argument("--workloads", help="comma-separated names or parts of names (default: all)")
     parser.add_argument("--variants", help="comma-separated variant labels (default: all)")
     parser.add_argument("--profile", action="store_true", help="GPU kernel time by category (GPU only)")
+    parser.add_argument("--top", type=int, default=0, metavar="N", help="with --profile, the N longest kernels too")
     parser.add_argument("--channels-last", action="store_true",
                         help="4-D / 5-D weights and inputs in channels_last / channels_last_3d")
     args = parser.parse_args()
@@ -480,7 +502,7 @@ def main():
                 continue
             free_memory(device)
             these = [v for v in labels if not (name in eager_only and v in COMPILED)]
-            rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile))
+            rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile, args.top))
             del model, inputs
             free_memory(device)
             save(rows, complete=False)
