@@ -71,6 +71,32 @@ def test_non_contiguous_input(make, device):
     assert torch.equal(out, ref) and out.stride() == ref.contiguous(memory_format=suggest_memory_format(x)).stride()
 
 
+@st.composite
+def channels_last_cases(draw):
+    spatial = draw(st.integers(2, 3))
+    # Channel counts whose vectors take every unit width (2-16 bytes) on every dtype.
+    channels = draw(st.one_of(st.integers(1, 20), st.sampled_from([24, 64, 72, 128])))
+    sizes = [draw(st.integers(1, 4)), channels] + [draw(st.integers(1, 7)) for _ in range(spatial)]
+    padding = [draw(st.integers(0, 9)) for _ in range(2 * spatial)]
+    return sizes, padding
+
+
+@given(case=channels_last_cases(), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       offset=st.integers(0, 1), seed=st.integers(0, 2**16))
+def test_channels_last_matches_f_pad(case, dtype, offset, seed, device):
+    # Random channels-last inputs, the input `offset` batch entries into a larger tensor (its
+    # address then a vector's bytes times the spatial size past the allocation's).
+    sizes, padding = case
+    fmt = torch.channels_last if len(sizes) == 4 else torch.channels_last_3d
+    big = torch.randn([sizes[0] + offset] + sizes[1:], generator=torch.Generator().manual_seed(seed))
+    x = big.to(device, dtype).contiguous(memory_format=fmt)[offset:]
+    out = pad_op(x, padding)
+    ref = reference(x, padding)
+    assert torch.equal(out, ref)
+    want = torch.empty(ref.shape, memory_format=suggest_memory_format(x)).stride()
+    assert all(a == b for a, b, n in zip(out.stride(), want, out.shape) if n > 1), (out.stride(), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("shape, padding", [
     ((1, 128, 9, 12, 16), (1, 1, 1, 1, 2, 0)),  # a causal convolution's pad, 16-byte channel vectors
