@@ -57,6 +57,12 @@ output so, and Inductor, which folds the pad into its own norm kernel, runs it a
 after an opaque op. The op's kernels take contiguous and channels-last inputs and keep the format
 (docs/design.md, "Replication pad").
 
+With Inductor, on a graph that needs no backward, the backend also runs the 3-D convolutions of
+half / bfloat16 CUDA tensors in channels_last_3d, with 5-D concatenations laid out so too
+(``backend(conv3d_channels_last=False)`` turns this off; docs/design.md, "3-D convolutions in
+channels_last_3d"): Inductor does so for 2-D convolutions alone, and cuDNN transposes an NCDHW
+convolution's operands in and out of NDHWC.
+
 The fused op runs where the chain ends, so a step is also refused when a node between the norm and
 it reads the running statistics the norm updates (it would see them before the update), or when
 a node between it and the previous one may mutate a tensor or change grad mode / autocast (in-place ops, ``out=``,
@@ -76,6 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ._conv3d_layout import channels_last_3d_convolutions
 from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
@@ -643,15 +650,18 @@ class FusionBackend:
     """A Dynamo backend: :func:`fuse_graph`, then the inner backend (with ``leave_to_inductor``
     when that is Inductor, named ``"inductor"``). ``fusions`` lists the number
     of chains rewritten in each graph compiled so far (graphs whose compilation raised, as Dynamo's
-    own restarts do, are not listed). ``mode`` / ``options`` (only with ``inner="inductor"``): see
-    :func:`backend`; ``config_patches`` holds the Inductor config patches they make (None without
-    them)."""
+    own restarts do, are not listed), ``channels_last_3d_convolutions`` the number of 3-D
+    convolutions each runs in channels_last_3d (``conv3d_channels_last``: see :func:`backend`).
+    ``mode`` / ``options`` (only with ``inner="inductor"``): see :func:`backend`;
+    ``config_patches`` holds the Inductor config patches they make (None without them)."""
 
     def __init__(self, inner: Any = "inductor", *, mode: Optional[str] = None,
-                 options: Optional[Dict[str, Any]] = None):
+                 options: Optional[Dict[str, Any]] = None, conv3d_channels_last: bool = True):
         self.inner = inner
         self.leave_to_inductor = isinstance(inner, str) and inner == "inductor"
+        self.conv3d_channels_last = conv3d_channels_last
         self.fusions: List[int] = []
+        self.channels_last_3d_convolutions: List[int] = []
         self.config_patches: Optional[Dict[str, Any]] = None
         if mode is not None or options is not None:
             if not (isinstance(inner, str) and inner == "inductor"):
@@ -660,6 +670,10 @@ class FusionBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
         count = fuse_graph(gm, leave_to_inductor=self.leave_to_inductor)
+        convs = 0
+        if self.leave_to_inductor and self.conv3d_channels_last and not (
+                torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)):
+            convs = channels_last_3d_convolutions(gm)  # (its prim has no backward: inference graphs only)
         if self.config_patches is not None:  # Inductor with torch.compile's mode / options
             from torch._inductor.compile_fx import compile_fx
 
@@ -672,6 +686,7 @@ class FusionBackend:
                 inner = lookup_backend(inner)
             compiled = inner(gm, example_inputs)
         self.fusions.append(count)  # only for graphs compiled (Dynamo may restart an analysis)
+        self.channels_last_3d_convolutions.append(convs)
         return compiled
 
     def reset(self) -> None:
@@ -686,7 +701,7 @@ class FusionBackend:
 
 
 def backend(inner: Any = "inductor", *, mode: Optional[str] = None,
-            options: Optional[Dict[str, Any]] = None) -> FusionBackend:
+            options: Optional[Dict[str, Any]] = None, conv3d_channels_last: bool = True) -> FusionBackend:
     """A backend for ``torch.compile(model, backend=fusednorm.fusion.backend())``: fuses norm
     epilogues into fusednorm ops, then compiles with ``inner`` (a registered backend name such as
     ``"inductor"`` or ``"aot_eager"``, or a backend callable).
@@ -702,8 +717,15 @@ def backend(inner: Any = "inductor", *, mode: Optional[str] = None,
     win). They need ``inner="inductor"`` (ValueError otherwise, and for an unknown mode or option).
     With CUDA graphs the usual rules of ``mode="reduce-overhead"`` hold: a call's outputs are
     overwritten by a later call (clone what you keep; ``torch.compiler.cudagraph_mark_step_begin()``
-    before a call where Inductor cannot tell a new iteration begins)."""
-    return FusionBackend(inner, mode=mode, options=options)
+    before a call where Inductor cannot tell a new iteration begins).
+
+    ``conv3d_channels_last`` (with Inductor, on graphs that need no backward: compiled under
+    ``torch.no_grad()`` / ``torch.inference_mode()`` or with no input requiring grad): the graph's
+    3-D convolutions of half / bfloat16 CUDA tensors run in channels_last_3d, as Inductor runs 2-D
+    ones channels-last, whatever layout the model and its input have; its 5-D concatenations
+    follow. Numerically the same convolutions; the HunyuanVideo decode takes ~1.2x less time
+    (docs/design.md, "3-D convolutions in channels_last_3d"). False leaves the layouts to Inductor."""
+    return FusionBackend(inner, mode=mode, options=options, conv3d_channels_last=conv3d_channels_last)
 
 
 def dynamo_backend(gm: fx.GraphModule, example_inputs: List[Any], *, mode: Optional[str] = None,

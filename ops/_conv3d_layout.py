@@ -1,0 +1,138 @@
+"""The fusion backend's layout pass: 3-D convolutions in channels_last_3d (docs/design.md, "3-D
+convolutions in channels_last_3d").
+
+Inductor's layout optimization turns 2-D convolutions channels-last and leaves 3-D ones in the
+layout of their operands, so a video VAE written in NCDHW runs every convolution through cuDNN's
+NDHWC kernels with a transpose of the activations in and out of each (20 ms of the HunyuanVideo
+decode's 120 on an H200). :func:`channels_last_3d_convolutions` asks Inductor for channels_last_3d
+weights (``prims.inductor_force_stride_order``, Inductor's own stride constraint), which makes cuDNN
+pick channels_last_3d for the convolution and Inductor lay out the kernels around it so; fusednorm's
+ops keep their input's layout. Inductor lays a concatenation out by its inputs, which a pointwise
+producer leaves contiguous, so the pass asks for channels_last_3d inputs of 5-D concatenations too
+(the video VAEs' upsamplers concatenate their first frame with the others before a convolution).
+"""
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+__all__ = ["channels_last_3d_convolutions"]
+
+_CONV3D = {F.conv3d, torch.conv3d}
+_CATS = {torch.cat, torch.concat, getattr(torch, "concatenate", torch.cat)}
+# cuDNN's channels_last_3d convolutions measured against its NCDHW ones: half and bfloat16.
+_DTYPES = (torch.float16, torch.bfloat16)
+# Where cuDNN runs the convolutions (tests add "cpu" to run the pass on small graphs).
+_DEVICE_TYPES = ("cuda",)
+
+
+def _force_stride_order() -> Optional[Callable[..., Any]]:
+    """``prims.inductor_force_stride_order.default``, or None on a torch without it."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401 (registers the prim)
+    except ImportError:
+        return None
+    packet = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return getattr(packet, "default", None)
+
+
+def _value(node: Any) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _candidate(value: Optional[torch.Tensor]) -> bool:
+    """A 5-D tensor of a static shape, of a dtype and on a device the pass is for."""
+    return value is not None and value.dim() == 5 and value.dtype in _DTYPES \
+        and value.device.type in _DEVICE_TYPES and all(type(s) is int for s in value.shape)
+
+
+def _dense(value: torch.Tensor) -> bool:
+    """Whether `value`'s elements fill its storage span once each (no overlap, no gaps)."""
+    expected = 1
+    dims = sorted(((size, stride) for size, stride in zip(value.shape, value.stride()) if size != 1),
+                  key=lambda dim: dim[1])
+    for size, stride in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _channels_last_3d_strides(value: torch.Tensor) -> List[int]:
+    n, c, d, h, w = value.shape
+    del n
+    return [c * d * h * w, 1, c * h * w, c * w, c]
+
+
+def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
+    """Rewrites, in place, a Dynamo-captured inference graph ``gm`` so that Inductor runs its 3-D
+    convolutions (``F.conv3d`` / ``torch.conv3d`` of half or bfloat16 CUDA tensors of static
+    shapes) in channels_last_3d: each weight not already channels_last_3d in the example values,
+    and each 5-D input of a concatenation, goes through ``prims.inductor_force_stride_order``
+    (no copy when the tensor has those strides, as a buffer Inductor has not laid out yet has);
+    the graph's outputs keep the strides eager gives them. Returns how many convolutions now run
+    in channels_last_3d (those whose weights the model had in channels_last_3d included); 0 leaves
+    the graph as it was. The prim has no backward: the caller runs the pass only on graphs that
+    need none. A no-op on a torch without the prim."""
+    force = _force_stride_order()
+    if force is None:
+        return 0
+    graph = gm.graph
+    convs = [node for node in graph.nodes if node.op == "call_function" and node.target in _CONV3D]
+    weights = []
+    for conv in convs:
+        weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+        value = _value(weight)
+        if _candidate(value):
+            weights.append((conv, weight, value))
+    if not weights:
+        return 0
+    for conv, weight, value in weights:
+        if value.is_contiguous(memory_format=torch.channels_last_3d):
+            continue  # (the model's own weights, converted by the user)
+        with graph.inserting_before(conv):
+            forced = graph.call_function(force, (weight, _channels_last_3d_strides(value)))
+        conv.replace_input_with(weight, forced)
+    for cat in [node for node in graph.nodes if node.op == "call_function" and node.target in _CATS]:
+        tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+        if not isinstance(tensors, (list, tuple)) or not _candidate(_value(cat)):
+            continue
+        inputs = []
+        for item in tensors:
+            value = _value(item)
+            if _candidate(value):
+                with graph.inserting_before(cat):
+                    item = graph.call_function(force, (item, _channels_last_3d_strides(value)))
+            inputs.append(item)
+        if cat.args:
+            cat.args = (type(tensors)(inputs),) + tuple(cat.args[1:])
+        else:
+            cat.kwargs = {**cat.kwargs, "tensors": type(tensors)(inputs)}
+    _outputs_in_eager_strides(graph, force)
+    graph.lint()
+    gm.recompile()
+    return len(weights)
+
+
+def _outputs_in_eager_strides(graph: fx.Graph, force: Callable[..., Any]) -> None:
+    """Each dense output of 4 or more dimensions computed in the graph keeps the strides eager
+    gave it (Inductor gives an output the strides of the graph it compiles, where they follow the
+    convolutions' layout): a copy where they differ, nothing where they do not."""
+    output = next(node for node in graph.nodes if node.op == "output")
+    forced: Dict[fx.Node, fx.Node] = {}
+
+    def keep(node: fx.Node) -> fx.Node:
+        value = _value(node)
+        if node.op == "placeholder" or value is None or value.dim() < 4 \
+                or value.device.type not in _DEVICE_TYPES or not all(type(s) is int for s in value.shape) \
+                or not _dense(value):
+            return node
+        if node not in forced:
+            with graph.inserting_before(output):
+                forced[node] = graph.call_function(force, (node, list(value.stride())))
+        return forced[node]
+
+    output.args = fx.node.map_arg(output.args, keep)

@@ -1,0 +1,165 @@
+"""The fusion backend's layout pass (fusednorm/_conv3d_layout.py): the 3-D convolutions of an
+inference graph get channels_last_3d weights, the 5-D concatenations channels_last_3d inputs, and
+the graph computes what it computed. On the CPU the pass is run on float32 graphs by widening the
+devices and dtypes it takes; on a GPU, as the backend runs it, before Inductor."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fusednorm import _conv3d_layout, fusion
+
+if _conv3d_layout._force_stride_order() is None:
+    pytest.skip("this torch has no prims.inductor_force_stride_order (the pass is a no-op)",
+                allow_module_level=True)
+
+
+class Upsampler(nn.Module):
+    """What a causal video VAE's decoder does around its 3-D convolutions (HunyuanVideo's
+    upsampler and resnet): frames split, the first upsampled in 2-D, the others in 3-D, the two
+    concatenated, then a replication pad and a convolution; a norm, SiLU, pad, convolution."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.up_conv = nn.Conv3d(channels, channels, 3)
+        self.norm = nn.GroupNorm(2, channels)
+        self.conv = nn.Conv3d(channels, channels, 3)
+
+    def forward(self, h):
+        first, others = h.split((1, h.size(2) - 1), dim=2)
+        first = F.interpolate(first.squeeze(2), scale_factor=(2, 2), mode="nearest").unsqueeze(2)
+        others = F.interpolate(others.contiguous(), scale_factor=(2, 2, 2), mode="nearest")
+        h = self.up_conv(F.pad(torch.cat((first, others), dim=2), (1, 1, 1, 1, 2, 0), mode="replicate"))
+        return self.conv(F.pad(F.silu(self.norm(h)), (1, 1, 1, 1, 2, 0), mode="replicate"))
+
+
+class WeightStrides(fx.Interpreter):
+    """Runs a graph, recording the strides of each 3-D convolution's weight."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.strides = []
+
+    def call_function(self, target, args, kwargs):
+        if target in (F.conv3d, torch.conv3d):
+            self.strides.append(args[1].stride())
+        return super().call_function(target, args, kwargs)
+
+
+def capture(module, x):
+    """The graph Dynamo captures of module(x) under no_grad, and its inputs (x and, where Dynamo
+    inlines the modules, their parameters)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=keep)(x)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def cpu_float32(monkeypatch):
+    monkeypatch.setattr(_conv3d_layout, "_DEVICE_TYPES", ("cpu", "cuda"))
+    monkeypatch.setattr(_conv3d_layout, "_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+
+
+def test_weights_and_concatenation_inputs(monkeypatch):
+    cpu_float32(monkeypatch)
+    torch.manual_seed(0)
+    module = Upsampler().eval()
+    x = torch.randn(1, 8, 3, 4, 5)
+    gm, inputs = capture(module, x)
+    before = WeightStrides(gm)
+    with torch.no_grad():
+        (want,) = before.run(*inputs)
+    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 2
+    forced = [n for n in gm.graph.nodes if n.target is _conv3d_layout._force_stride_order()]
+    assert len(forced) == 5  # two weights, the two concatenated tensors, the output
+    after = WeightStrides(gm)
+    with torch.no_grad():
+        (got,) = after.run(*inputs)
+    cl3d = [w.contiguous(memory_format=torch.channels_last_3d).stride() for w in (module.up_conv.weight, module.conv.weight)]
+    assert before.strides == [w.stride() for w in (module.up_conv.weight, module.conv.weight)] != cl3d
+    assert after.strides == cl3d
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.stride() == want.stride()
+
+
+def test_weights_already_channels_last_3d(monkeypatch):
+    # A model the user converted: its weights stay as they are, the concatenation is still laid out.
+    cpu_float32(monkeypatch)
+    module = Upsampler().eval().to(memory_format=torch.channels_last_3d)
+    x = torch.randn(1, 8, 3, 4, 5).to(memory_format=torch.channels_last_3d)
+    gm, _ = capture(module, x)
+    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 2
+    assert sum(n.target is _conv3d_layout._force_stride_order() for n in gm.graph.nodes) == 3  # cat inputs, output
+
+
+@pytest.mark.parametrize("case", ["float32", "no 3-D convolution"])
+def test_left_alone(case, monkeypatch):
+    monkeypatch.setattr(_conv3d_layout, "_DEVICE_TYPES", ("cpu", "cuda"))
+    if case == "float32":  # (on the GPU too: cuDNN's NDHWC convolutions were measured in half precision)
+        module, x = Upsampler().eval(), torch.randn(1, 8, 3, 4, 5)
+    else:
+        module, x = nn.Conv2d(8, 8, 3).to(torch.bfloat16), torch.randn(1, 8, 5, 6, dtype=torch.bfloat16)
+    gm, _ = capture(module, x)
+    code = gm.code
+    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 0
+    assert gm.code == code
+
+
+def backend_with_aot_eager(**kwargs):
+    """fusion.backend() as with Inductor (the pass runs), compiling with aot_eager (no Inductor
+    compile on the CPU)."""
+    backend = fusion.backend(**kwargs)
+    backend.inner = "aot_eager"
+    return backend
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "frozen", "training"])
+def test_backend_runs_it_on_inference_graphs(grad, monkeypatch):
+    cpu_float32(monkeypatch)
+    torch.manual_seed(0)
+    module = Upsampler().eval()
+    if grad == "frozen":
+        module.requires_grad_(False)
+    x = torch.randn(1, 8, 3, 4, 5)
+    want = module(x)
+    backend = backend_with_aot_eager()
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad != "no_grad"):
+        got = torch.compile(module, backend=backend)(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The prim the pass inserts has no backward: a graph that may need one is left alone.
+    assert backend.channels_last_3d_convolutions == [0 if grad == "training" else 2]
+    assert backend.fusions == [1]
+    off = backend_with_aot_eager(conv3d_channels_last=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=off)(x)
+    assert off.channels_last_3d_convolutions == [0]
+    assert not fusion.backend("aot_eager").leave_to_inductor  # (the pass is for Inductor alone)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
+def test_inductor_on_the_gpu(dtype, layout):
+    torch.manual_seed(0)
+    module = Upsampler(channels=32).cuda().to(dtype).eval()
+    x = torch.randn(1, 32, 3, 12, 10, device="cuda", dtype=dtype)
+    if layout == "channels_last_3d":
+        module, x = module.to(memory_format=torch.channels_last_3d), x.to(memory_format=torch.channels_last_3d)
+    backend = fusion.backend()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = module(x)
+        got = torch.compile(module, backend=backend)(x)
+    assert backend.channels_last_3d_convolutions == [2] and backend.fusions == [1]
+    assert got.stride() == want.stride()  # (Inductor gives a graph output eager's strides)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
