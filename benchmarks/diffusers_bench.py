@@ -42,7 +42,7 @@ size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
                                          [--workloads NAMES] [--variants LABELS] [--profile [--top N]]
-                                         [--channels-last]
+                                         [--channels-last] [--no-conv3d-channels-last]
 
 --workloads: comma-separated workload names or parts of them, case-insensitive ("VAE" picks the
 three VAE rows, "b8" the batch-8 UNet); --variants: comma-separated variant labels as above,
@@ -52,6 +52,9 @@ in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), th
 
 --channels-last: the models' 4-D and 5-D weights and inputs in channels_last / channels_last_3d
 (as users of convolutional models often run them); written to diffusers_<device>_channels_last.json.
+--no-conv3d-channels-last: the fusion backend with `conv3d_channels_last=False` (3-D convolutions
+in the layout Inductor picks; docs/design.md, "3-D convolutions in channels_last_3d"), for an A/B
+of the video decode; written to diffusers_<device>[_channels_last]_conv3d_inductor_layout.json.
 
 --profile (GPU only): after timing a variant, its GPU kernel time a call by category (fusednorm,
 convolution, attention, GEMM, Inductor's generated kernels, other; torch.profiler over 5 calls,
@@ -211,7 +214,7 @@ def to_channels_last(model, inputs):
     return model, tuple(convert(t) for t in inputs)
 
 
-def make_variant(label, model):
+def make_variant(label, model, conv3d_channels_last=True):
     """(callable, fusion backend or None) of one variant of `model`."""
     if label == "eager":
         return model, None
@@ -221,7 +224,8 @@ def make_variant(label, model):
         return torch.compile(model), None
     if label == "compile (cudagraphs)":
         return torch.compile(model, mode="reduce-overhead"), None
-    backend = fusednorm.fusion.backend(mode="reduce-overhead" if label in CUDA_GRAPHS else None)
+    backend = fusednorm.fusion.backend(mode="reduce-overhead" if label in CUDA_GRAPHS else None,
+                                       conv3d_channels_last=conv3d_channels_last)
     return torch.compile(model, backend=backend), backend
 
 
@@ -315,7 +319,8 @@ def longest(kernels, n):
     return [f"{ms:9.3f} ms {count:5.0f}x  {name[:150]}" for name, (ms, count) in top]
 
 
-def run_workload(name, model, inputs, labels, measure, device, errors, profile=False, top=0):
+def run_workload(name, model, inputs, labels, measure, device, errors, profile=False, top=0,
+                 conv3d_channels_last=True):
     row = {"workload": name, "ms": {}, "max_abs_diff": {}}
     fusions = {}
     want = model(*inputs)
@@ -323,7 +328,7 @@ def run_workload(name, model, inputs, labels, measure, device, errors, profile=F
         m = backend = got = call = timed = None
         failed = False
         try:
-            m, backend = make_variant(label, model)
+            m, backend = make_variant(label, model, conv3d_channels_last)
             cuda_graphs = label in CUDA_GRAPHS
 
             def call(m=m, cuda_graphs=cuda_graphs):
@@ -424,6 +429,8 @@ def main():
     parser.add_argument("--top", type=int, default=0, metavar="N", help="with --profile, the N longest kernels too")
     parser.add_argument("--channels-last", action="store_true",
                         help="4-D / 5-D weights and inputs in channels_last / channels_last_3d")
+    parser.add_argument("--no-conv3d-channels-last", action="store_true",
+                        help="the fusion backend with conv3d_channels_last=False")
     args = parser.parse_args()
     names = pick(args.workloads, WORKLOADS, "workload", substrings=True)
     labels = pick(args.variants, VARIANTS, "variant", substrings=False)
@@ -458,10 +465,11 @@ def main():
         print(f"  no variant to run on the {device}")
         return 0
 
-    layout = "_channels_last" if args.channels_last else ""
+    layout = ("_channels_last" if args.channels_last else "") \
+        + ("_conv3d_inductor_layout" if args.no_conv3d_channels_last else "")
     path = os.path.join(args.out, f"diffusers_{device}{layout}.json")
     meta = {"card": card, "torch": torch.__version__, "diffusers": diffusers.__version__, "dtype": str(dtype),
-            "channels_last": args.channels_last}
+            "channels_last": args.channels_last, "conv3d_channels_last": not args.no_conv3d_channels_last}
     old_rows = []
     if (args.workloads or args.variants) and os.path.exists(path):
         try:
@@ -502,7 +510,8 @@ def main():
                 continue
             free_memory(device)
             these = [v for v in labels if not (name in eager_only and v in COMPILED)]
-            rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile, args.top))
+            rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile, args.top,
+                                     conv3d_channels_last=not args.no_conv3d_channels_last))
             del model, inputs
             free_memory(device)
             save(rows, complete=False)
