@@ -9,9 +9,12 @@ weights (``prims.inductor_force_stride_order``, Inductor's own stride constraint
 pick channels_last_3d for the convolution and Inductor lay out the kernels around it so; fusednorm's
 ops keep their input's layout. Inductor lays a concatenation out by its inputs, which a pointwise
 producer leaves contiguous, so the pass asks for channels_last_3d inputs of 5-D concatenations too
-(the video VAEs' upsamplers concatenate their first frame with the others before a convolution).
+(the video VAEs' upsamplers concatenate their first frame with the others before a convolution),
+and drops the ``.contiguous()`` calls that would turn a tensor back into NCDHW before ops that take
+any layout.
 """
 
+import operator
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -26,6 +29,12 @@ _CATS = {torch.cat, torch.concat, getattr(torch, "concatenate", torch.cat)}
 _DTYPES = (torch.float16, torch.bfloat16)
 # Where cuDNN runs the convolutions (tests add "cpu" to run the pass on small graphs).
 _DEVICE_TYPES = ("cuda",)
+# Ops that compute the same values whatever their input's strides, under Inductor (which
+# decomposes interpolate into indexing): a `.contiguous()` whose users are all among them (or
+# fusednorm's ops) is dropped from a channels_last_3d graph.
+_ANY_LAYOUT = {F.interpolate, F.pad, torch._C._nn.pad, F.conv3d, torch.conv3d, F.group_norm, torch.group_norm, F.silu,
+               operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul,
+               torch.div}
 
 
 def _force_stride_order() -> Optional[Callable[..., Any]]:
@@ -73,7 +82,8 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
     shapes) in channels_last_3d: each weight not already channels_last_3d in the example values,
     and each 5-D input of a concatenation, goes through ``prims.inductor_force_stride_order``
     (no copy when the tensor has those strides, as a buffer Inductor has not laid out yet has);
-    the graph's outputs keep the strides eager gives them. Returns how many convolutions now run
+    a ``.contiguous()`` whose users take any layout is dropped; the graph's outputs keep the
+    strides eager gives them. Returns how many convolutions now run
     in channels_last_3d (those whose weights the model had in channels_last_3d included); 0 leaves
     the graph as it was. The prim has no backward: the caller runs the pass only on graphs that
     need none. A no-op on a torch without the prim."""
@@ -111,10 +121,34 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
             cat.args = (type(tensors)(inputs),) + tuple(cat.args[1:])
         else:
             cat.kwargs = {**cat.kwargs, "tensors": type(tensors)(inputs)}
+    _drop_contiguous(graph)
     _outputs_in_eager_strides(graph, force)
     graph.lint()
     gm.recompile()
     return len(weights)
+
+
+def _takes_any_layout(user: fx.Node) -> bool:
+    if user.op != "call_function":
+        return False
+    if user.target in _ANY_LAYOUT:
+        return True
+    schema = getattr(user.target, "_schema", None)  # an OpOverload: fusednorm's ops take both layouts
+    return schema is not None and schema.name.startswith("fusednorm::")
+
+
+def _drop_contiguous(graph: fx.Graph) -> None:
+    """Drops each ``x.contiguous()`` of a 5-D tensor the pass is for whose users all take any
+    layout: in a graph whose convolutions run in channels_last_3d it would transpose x back into
+    NCDHW (HunyuanVideo's resnets and upsamplers call it on their input)."""
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "contiguous" or len(node.args) != 1 \
+                or node.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format \
+                or set(node.kwargs) - {"memory_format"} or not _candidate(_value(node.args[0])) \
+                or not node.users or not all(_takes_any_layout(user) for user in node.users):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
 
 
 def _outputs_in_eager_strides(graph: fx.Graph, force: Callable[..., Any]) -> None:

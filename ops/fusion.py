@@ -58,8 +58,8 @@ after an opaque op. The op's kernels take contiguous and channels-last inputs an
 (docs/design.md, "Replication pad").
 
 With Inductor, on a graph that needs no backward, the backend also runs the 3-D convolutions of
-half / bfloat16 CUDA tensors in channels_last_3d, with 5-D concatenations laid out so too
-(``backend(conv3d_channels_last=False)`` turns this off; docs/design.md, "3-D convolutions in
+half / bfloat16 CUDA tensors in channels_last_3d, with 5-D concatenations laid out so too and
+the ``.contiguous()`` calls that would undo it dropped where no user needs them (``backend(conv3d_channels_last=False)`` turns this off; docs/design.md, "3-D convolutions in
 channels_last_3d"): Inductor does so for 2-D convolutions alone, and cuDNN transposes an NCDHW
 convolution's operands in and out of NDHWC.
 
@@ -723,7 +723,8 @@ def backend(inner: Any = "inductor", *, mode: Optional[str] = None,
     ``torch.no_grad()`` / ``torch.inference_mode()`` or with no input requiring grad): the graph's
     3-D convolutions of half / bfloat16 CUDA tensors run in channels_last_3d, as Inductor runs 2-D
     ones channels-last, whatever layout the model and its input have; its 5-D concatenations
-    follow. Numerically the same convolutions; the HunyuanVideo decode takes ~1.2x less time
+    follow (and ``.contiguous()`` calls before ops that take any layout are dropped). Numerically
+    the same convolutions; the HunyuanVideo decode takes ~1.2x less time
     (docs/design.md, "3-D convolutions in channels_last_3d"). False leaves the layouts to Inductor."""
     return FusionBackend(inner, mode=mode, options=options, conv3d_channels_last=conv3d_channels_last)
 

@@ -1,7 +1,8 @@
 """The fusion backend's layout pass (fusednorm/_conv3d_layout.py): the 3-D convolutions of an
-inference graph get channels_last_3d weights, the 5-D concatenations channels_last_3d inputs, and
-the graph computes what it computed. On the CPU the pass is run on float32 graphs by widening the
-devices and dtypes it takes; on a GPU, as the backend runs it, before Inductor."""
+inference graph get channels_last_3d weights, the 5-D concatenations channels_last_3d inputs, the
+`.contiguous()` calls before ops that take any layout are dropped, and the graph computes what it
+computed. On the CPU the pass is run on float32 graphs by widening the devices and dtypes it
+takes; on a GPU, as the backend runs it, before Inductor."""
 
 import pytest
 import torch
@@ -31,7 +32,16 @@ class Upsampler(nn.Module):
         first = F.interpolate(first.squeeze(2), scale_factor=(2, 2), mode="nearest").unsqueeze(2)
         others = F.interpolate(others.contiguous(), scale_factor=(2, 2, 2), mode="nearest")
         h = self.up_conv(F.pad(torch.cat((first, others), dim=2), (1, 1, 1, 1, 2, 0), mode="replicate"))
-        return self.conv(F.pad(F.silu(self.norm(h)), (1, 1, 1, 1, 2, 0), mode="replicate"))
+        h = h.contiguous()
+        return self.conv(F.pad(F.silu(self.norm(h)), (1, 1, 1, 1, 2, 0), mode="replicate")) + h
+
+
+class Flattens(Upsampler):
+    """A `.contiguous()` before a view, which needs it: the pass keeps it."""
+
+    def forward(self, h):
+        h = self.up_conv(F.pad(h, (1, 1, 1, 1, 2, 0), mode="replicate")).contiguous()
+        return h.view(h.size(0), h.size(1), -1)
 
 
 class WeightStrides(fx.Interpreter):
@@ -80,6 +90,7 @@ def test_weights_and_concatenation_inputs(monkeypatch):
     assert _conv3d_layout.channels_last_3d_convolutions(gm) == 2
     forced = [n for n in gm.graph.nodes if n.target is _conv3d_layout._force_stride_order()]
     assert len(forced) == 5  # two weights, the two concatenated tensors, the output
+    assert ".contiguous(" not in gm.code  # (its users take any layout)
     after = WeightStrides(gm)
     with torch.no_grad():
         (got,) = after.run(*inputs)
@@ -98,6 +109,17 @@ def test_weights_already_channels_last_3d(monkeypatch):
     gm, _ = capture(module, x)
     assert _conv3d_layout.channels_last_3d_convolutions(gm) == 2
     assert sum(n.target is _conv3d_layout._force_stride_order() for n in gm.graph.nodes) == 3  # cat inputs, output
+
+
+def test_contiguous_before_a_view_kept(monkeypatch):
+    cpu_float32(monkeypatch)
+    module = Flattens().eval()
+    x = torch.randn(1, 8, 3, 4, 5)
+    gm, inputs = capture(module, x)
+    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 1
+    assert gm.code.count(".contiguous(") == 1
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs)[0], module(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["float32", "no 3-D convolution"])
