@@ -9,6 +9,12 @@ is downloaded); on a GPU, in fp16:
     video VAE decode   HunyuanVideo's VAE (AutoencoderKLHunyuanVideo, its default config) decode:
                        latents (1, 16, 3, 60, 80) -> 9 frames of 480x640 px, tiling, slicing and
                        frame-wise decoding off; its decoder's nn.GroupNorms see 5-D inputs
+    CogVideoX VAE decode
+                       CogVideoX's VAE (AutoencoderKLCogVideoX, its default config) decode:
+                       latents (1, 16, 3, 60, 90) -> 9 frames of 480x720 px, tiling and slicing
+                       off; its decoder's norms are spatial norms, silu(group_norm(f) * y + b),
+                       of which the fusion backend fuses group_norm(f) * y (the add comes
+                       before the SiLU, out of the fused epilogue's order)
 
 each as
 
@@ -93,6 +99,7 @@ SD_UNET = dict(
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
 )
 VIDEO_VAE = {}  # AutoencoderKLHunyuanVideo's defaults: HunyuanVideo's VAE (16 latent channels, 8x / 4x)
+COGVIDEOX_VAE = {}  # AutoencoderKLCogVideoX's defaults: CogVideoX's VAE (16 latent channels, 8x / 4x)
 TINY_VAE = dict(SD_VAE, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
 TINY_UNET = dict(SD_UNET, sample_size=16, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
@@ -101,6 +108,9 @@ TINY_UNET = dict(SD_UNET, sample_size=16, block_out_channels=(32, 64), norm_num_
 TINY_VIDEO_VAE = dict(block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                       spatial_compression_ratio=4,  # (2 blocks: both upsample 2x in space, the first in time)
                       down_block_types=("HunyuanVideoDownBlock3D",) * 2, up_block_types=("HunyuanVideoUpBlock3D",) * 2)
+TINY_COGVIDEOX_VAE = dict(block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
+                          temporal_compression_ratio=2,  # (2 blocks: the first upsamples 2x in space and time)
+                          down_block_types=("CogVideoXDownBlock3D",) * 2, up_block_types=("CogVideoXUpBlock3D",) * 2)
 
 VARIANTS = ("eager", "eager + convert", "compile", "compile + fusion", "compile (cudagraphs)",
             "compile + fusion (cudagraphs)")
@@ -175,12 +185,25 @@ def video_vae_decode(device, dtype, full):
     return VAEDecode(vae), (torch.randn(*shape, device=device, dtype=dtype),)
 
 
+def cogvideox_vae_decode(device, dtype, full):
+    from diffusers import AutoencoderKLCogVideoX
+
+    vae = _build(AutoencoderKLCogVideoX, COGVIDEOX_VAE if full else TINY_COGVIDEOX_VAE, device, dtype)
+    # One decoder call: 3 latent frames are one of decode's frame batches; no spatial tiles, no
+    # batch slices.
+    vae.use_tiling = vae.use_slicing = False
+    # 3 latent frames -> 1 + 4 * 2 = 9 frames; 60x90 latents -> 480x720 px (tiny: 8x8 -> 16x16).
+    shape = (1, 16, 3, 60, 90) if full else (1, 16, 3, 8, 8)
+    return VAEDecode(vae), (torch.randn(*shape, device=device, dtype=dtype),)
+
+
 WORKLOADS = {  # name -> build(device, dtype, full) -> (module, inputs)
     "VAE decode 512": sd_vae_decode(512),
     "VAE decode 1024": sd_vae_decode(1024),
     "UNet step b2": sd_unet_step(2),
     "UNet step b8": sd_unet_step(8),
     "video VAE decode": video_vae_decode,
+    "CogVideoX VAE decode": cogvideox_vae_decode,
 }
 
 
