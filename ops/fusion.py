@@ -57,9 +57,16 @@ output so, and Inductor, which folds the pad into its own norm kernel, runs it a
 after an opaque op. The op's kernels take contiguous and channels-last inputs and keep the format
 (docs/design.md, "Replication pad").
 
+With Inductor, the backend first rewrites ``torch.cat([x[:, :, :1]] * k + [x], dim=2)`` (the
+causal time padding of CogVideoX's convolutions; any dimension but the first two) into the
+``F.pad(x, ..., mode="replicate")`` it equals, which Inductor computes inside x's kernel, or which
+the rule above gives fusednorm's pad kernel (docs/design.md, "Concatenations that are replication
+pads").
+
 With Inductor, on a graph that needs no backward, the backend also runs the 3-D convolutions of
 half / bfloat16 CUDA tensors in channels_last_3d, with 5-D concatenations laid out so too and
-the ``.contiguous()`` calls that would undo it dropped where no user needs them (``backend(conv3d_channels_last=False)`` turns this off; docs/design.md, "3-D convolutions in
+the ``.contiguous()`` calls that would undo it dropped where no user needs them
+(``backend(conv3d_channels_last=False)`` turns this off; docs/design.md, "3-D convolutions in
 channels_last_3d"): Inductor does so for 2-D convolutions alone, and cuDNN transposes an NCDHW
 convolution's operands in and out of NDHWC.
 
@@ -82,6 +89,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
 from .convert import module_activation
 
@@ -669,6 +677,8 @@ class FusionBackend:
             self.config_patches = _inductor_config_patches(mode, options)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
+        if self.leave_to_inductor:  # (before the fusions: a pad after a fused op becomes its kernel's)
+            replication_pad_concatenations(gm)
         count = fuse_graph(gm, leave_to_inductor=self.leave_to_inductor)
         convs = 0
         if self.leave_to_inductor and self.conv3d_channels_last and not (
