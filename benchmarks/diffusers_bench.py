@@ -15,6 +15,11 @@ is downloaded); on a GPU, in fp16:
                        off; its decoder's norms are spatial norms, silu(group_norm(f) * y + b),
                        of which the fusion backend fuses group_norm(f) * y (the add comes
                        before the SiLU, out of the fused epilogue's order)
+    Mochi VAE decode   Mochi's VAE (AutoencoderKLMochi, its default config) decode: latents
+                       (1, 12, 2, 60, 106) -> 7 frames of 480x848 px (12 decoded, the first 5
+                       dropped as decode does), tiling, slicing and frame-wise decoding off; its
+                       norms are group norms of 8 frames at a time, concatenated, which the
+                       fusion backend leaves to Inductor
 
 each as
 
@@ -100,6 +105,7 @@ SD_UNET = dict(
 )
 VIDEO_VAE = {}  # AutoencoderKLHunyuanVideo's defaults: HunyuanVideo's VAE (16 latent channels, 8x / 4x)
 COGVIDEOX_VAE = {}  # AutoencoderKLCogVideoX's defaults: CogVideoX's VAE (16 latent channels, 8x / 4x)
+MOCHI_VAE = {}  # AutoencoderKLMochi's defaults: Mochi's VAE (12 latent channels, 8x / 6x)
 TINY_VAE = dict(SD_VAE, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
 TINY_UNET = dict(SD_UNET, sample_size=16, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
@@ -111,6 +117,8 @@ TINY_VIDEO_VAE = dict(block_out_channels=(32, 64), norm_num_groups=8, layers_per
 TINY_COGVIDEOX_VAE = dict(block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1,
                           temporal_compression_ratio=2,  # (2 blocks: the first upsamples 2x in space and time)
                           down_block_types=("CogVideoXDownBlock3D",) * 2, up_block_types=("CogVideoXUpBlock3D",) * 2)
+TINY_MOCHI_VAE = dict(decoder_block_out_channels=(32, 64, 64, 64), encoder_block_out_channels=(32,) * 4,
+                      layers_per_block=(1,) * 5)
 
 VARIANTS = ("eager", "eager + convert", "compile", "compile + fusion", "compile (cudagraphs)",
             "compile + fusion (cudagraphs)")
@@ -197,6 +205,17 @@ def cogvideox_vae_decode(device, dtype, full):
     return VAEDecode(vae), (torch.randn(*shape, device=device, dtype=dtype),)
 
 
+def mochi_vae_decode(device, dtype, full):
+    from diffusers import AutoencoderKLMochi
+
+    vae = _build(AutoencoderKLMochi, MOCHI_VAE if full else TINY_MOCHI_VAE, device, dtype)
+    vae.use_tiling = vae.use_slicing = vae.use_framewise_decoding = False
+    # 2 latent frames -> 12 frames, of which decode drops the first 5; 60x106 latents -> 480x848 px
+    # (tiny: 8x8 -> 64x64).
+    shape = (1, 12, 2, 60, 106) if full else (1, 12, 2, 8, 8)
+    return VAEDecode(vae), (torch.randn(*shape, device=device, dtype=dtype),)
+
+
 WORKLOADS = {  # name -> build(device, dtype, full) -> (module, inputs)
     "VAE decode 512": sd_vae_decode(512),
     "VAE decode 1024": sd_vae_decode(1024),
@@ -204,6 +223,7 @@ WORKLOADS = {  # name -> build(device, dtype, full) -> (module, inputs)
     "UNet step b8": sd_unet_step(8),
     "video VAE decode": video_vae_decode,
     "CogVideoX VAE decode": cogvideox_vae_decode,
+    "Mochi VAE decode": mochi_vae_decode,
 }
 
 
