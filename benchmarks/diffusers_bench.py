@@ -19,7 +19,7 @@ is downloaded); on a GPU, in fp16:
                        (1, 12, 2, 60, 106) -> 7 frames of 480x848 px (12 decoded, the first 5
                        dropped as decode does), tiling, slicing and frame-wise decoding off; its
                        norms are group norms of 8 frames at a time, concatenated, which the
-                       fusion backend leaves to Inductor
+                       fusion backend makes one norm of the frames, fused with its SiLU
 
 each as
 

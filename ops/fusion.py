@@ -28,6 +28,11 @@ the shapes above, read from the fake tensors Dynamo records (``node.meta["exampl
 a node without one is not fused). Steps out of this order end the chain: reordering would change
 the rounding. A norm with no step after it is left as it is.
 
+Per-frame group norms run in chunks (Mochi's VAE: ``torch.cat([F.group_norm(c, ...) for c in
+y.split(k)])``, y a video's frames as a batch) become one norm of y first, and an activation after
+views of it (the frames permuted back) moves before the views, so that the chain above reaches it
+(docs/design.md, "Group norms of frames").
+
 Before Inductor (the default inner backend), a chain is also left as it is when the norm's input
 is an elementwise op (add, sub, mul, div) that nothing else uses, on less than 8 MiB
 (``INDUCTOR_PROLOGUE_MAX_BYTES``): Inductor computes that op inside its own norm kernels, where
@@ -51,7 +56,7 @@ when those come after the chain, and only where the CUDA planner gives the call 
 sweep, the one path that computes the sum on the fly (docs/design.md, "Residual-add prologue").
 
 After a fused op on CUDA tensors, ``F.pad(z, padding, mode="replicate")`` (non-negative padding of
-1-3 dimensions; z the op's output, or an eval-mode dropout of it) becomes
+1-3 dimensions; z the op's output, an eval-mode dropout of it, or a view of it) becomes
 ``torch.ops.fusednorm.replication_pad``: the causal convolutions of the video VAEs pad a norm's
 output so, and Inductor, which folds the pad into its own norm kernel, runs it alone and slowly
 after an opaque op. The op's kernels take contiguous and channels-last inputs and keep the format
@@ -91,6 +96,7 @@ from torch import fx, nn
 
 from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
+from ._frame_norms import VIEWS, one_norm_of_frames
 from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
@@ -495,15 +501,21 @@ def _replication_pad_pays(value: torch.Tensor) -> bool:
     return value.device.type == "cuda"
 
 
+def _view_of(node: fx.Node, source: fx.Node) -> bool:
+    """Whether `node` is a view of `source` that keeps each element once (Mochi's per-frame norm
+    output, unflattened and permuted back to (N, C, T, H, W))."""
+    return node.op == "call_method" and node.target in VIEWS and bool(node.args) and node.args[0] is source
+
+
 def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
     """Replaces ``F.pad(output, padding, mode="replicate")`` (through dropouts that return their
-    input, as in a causal convolution after ``norm -> act -> nn.Dropout``) with
+    input, as in a causal convolution after ``norm -> act -> nn.Dropout``, and views) with
     ``fusednorm.replication_pad``: after a fused op, Inductor can no longer fold the pad into the
     norm's output kernel, and the pad it runs alone is slower than a copy (docs/performance.md,
     "Replication pads"), in either layout: the op's kernels take contiguous and channels-last
     inputs and keep the format (docs/design.md, "Replication pad"). Returns whether it did."""
     cur = output
-    while len(cur.users) == 1 and _identity_dropout(next(iter(cur.users))):
+    while len(cur.users) == 1 and (_identity_dropout(next(iter(cur.users))) or _view_of(next(iter(cur.users)), cur)):
         cur = next(iter(cur.users))
     if len(cur.users) != 1:
         return False
@@ -622,6 +634,7 @@ def fuse_graph(gm: fx.GraphModule, leave_to_inductor: bool = False) -> int:
     ``leave_to_inductor``, a chain whose input is an elementwise op that only the norm uses, on
     less than ``INDUCTOR_PROLOGUE_MAX_BYTES`` (8 MiB), is left as it is: Inductor, compiling the
     graph next, computes that op inside its own norm kernels."""
+    one_norm_of_frames(gm, _ACTIVATIONS)  # (per-frame norms in chunks: one norm, for the rules below)
     count = 0
     for node in list(gm.graph.nodes):
         if _fuse(gm, node, leave_to_inductor):  # (nodes erased by an earlier fusion are never norms)

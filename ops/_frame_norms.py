@@ -1,0 +1,144 @@
+"""The fusion backend's rewrite of per-frame group norms run in chunks (docs/design.md, "Group norms
+of frames").
+
+Mochi's VAE normalizes each frame of a video (N, C, T, H, W) on its own, a few frames at a time
+to save memory (``MochiChunkedGroupNorm3D``)::
+
+    y = x.permute(0, 2, 1, 3, 4).flatten(0, 1)                       # (N * T, C, H, W)
+    z = torch.cat([group_norm(c, G, w, b, eps) for c in y.split(k, dim=0)], dim=0)
+    out = act(z.unflatten(0, (N, -1)).permute(0, 2, 1, 3, 4))       # then a pad, a convolution
+
+A group norm normalizes each sample apart, so the concatenation is ``group_norm(y, G, w, b,
+eps)``; and an activation computes the same values before the views as after them. Rewritten so,
+the norm and its activation are one chain for the fusion rules (and the pad after the views one
+for the pad rule), where the concatenation of separate norms ended every chain at the norm.
+"""
+
+import operator
+from typing import Any, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+__all__ = ["one_norm_of_frames"]
+
+_GROUP_NORMS = {F.group_norm, torch.group_norm}
+_CATS = {torch.cat, torch.concat, getattr(torch, "concatenate", torch.cat)}
+# Views that keep every element once: an activation commutes with them.
+VIEWS = {"permute", "unflatten", "flatten", "view", "reshape", "transpose"}
+
+
+def _value(node: Any) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _split_at_dim_0(node: Any) -> bool:
+    """Whether `node` is ``y.split(k)`` / ``torch.split(y, k)`` along dimension 0."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method" and node.target == "split" or node.op == "call_function" and node.target is torch.split:
+        return _arg(node, 2, "dim", 0) == 0 and type(_arg(node, 1, "split_size_or_sections", None)) is int
+    return False
+
+
+def _chunks_of_one_split(norms: List[fx.Node]) -> Optional[fx.Node]:
+    """The split whose chunks, in order and each once, are the inputs of `norms`, each chunk used
+    by its norm alone and every chunk of the split taken; None otherwise."""
+    split = None
+    for i, norm in enumerate(norms):
+        chunk = norm.args[0] if norm.args else None
+        if not (isinstance(chunk, fx.Node) and chunk.op == "call_function" and chunk.target is operator.getitem
+                and len(chunk.args) == 2 and chunk.args[1] == i and len(chunk.users) == 1):
+            return None
+        if split is None:
+            split = chunk.args[0]
+        if chunk.args[0] is not split:
+            return None
+    if not _split_at_dim_0(split) or len(split.users) != len(norms):
+        return None
+    return split
+
+
+def _same_norm(a: fx.Node, b: fx.Node) -> bool:
+    """Whether norms `a` and `b` take the same arguments but their input."""
+    return a.target is b.target and len(a.args) == len(b.args) and all(x is y or x == y for x, y in zip(
+        a.args[1:], b.args[1:])) and a.kwargs.keys() == b.kwargs.keys() and all(
+        a.kwargs[k] is b.kwargs[k] or a.kwargs[k] == b.kwargs[k] for k in a.kwargs)
+
+
+def _move_activation_before_views(graph: fx.Graph, norm: fx.Node, activations: Any) -> None:
+    """With ``act(view(...view(norm)))`` (each node used by the next alone, act out of place),
+    computes act on the norm's output and the views after it."""
+    cur, views = norm, []
+    while len(cur.users) == 1:
+        user = next(iter(cur.users))
+        if user.op != "call_method" or user.target not in VIEWS or not user.args or user.args[0] is not cur:
+            break
+        views.append(user)
+        cur = user
+    if not views or len(cur.users) != 1:
+        return
+    act = next(iter(cur.users))
+    if act.op != "call_function" or act.target not in activations or act.target.__name__.endswith("_") \
+            or not act.args or act.args[0] is not cur or act.kwargs.get("inplace", False) \
+            or any(isinstance(a, fx.Node) for a in list(act.args[1:]) + list(act.kwargs.values())):
+        return
+    with graph.inserting_after(norm):
+        moved = graph.call_function(act.target, (norm,) + tuple(act.args[1:]), dict(act.kwargs))
+    moved.meta["example_value"] = norm.meta.get("example_value")
+    views[0].replace_input_with(norm, moved)
+    act.replace_all_uses_with(cur)
+    graph.erase_node(act)
+
+
+def one_norm_of_frames(gm: fx.GraphModule, activations: Any = ()) -> int:
+    """Rewrites, in place, each ``torch.cat([group_norm(c, ...) for c in y.split(k)], dim=0)`` of a
+    Dynamo-captured graph ``gm`` (every chunk of the split, in order, normalized with the same
+    arguments and used by nothing else) into ``group_norm(y, ...)``; an activation among
+    `activations` after views of the result then moves before the views. Returns how many
+    concatenations it rewrote."""
+    graph = gm.graph
+    count = 0
+    for cat in list(graph.nodes):
+        if cat.op != "call_function" or cat.target not in _CATS or len(cat.args) + len(cat.kwargs) > 2:
+            continue
+        norms = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+        if _arg(cat, 1, "dim", 0) != 0 or not isinstance(norms, (list, tuple)) or not norms:
+            continue
+        if not all(isinstance(n, fx.Node) and n.op == "call_function" and n.target in _GROUP_NORMS
+                   and len(n.users) == 1 and _same_norm(n, norms[0]) for n in norms) or len(set(norms)) != len(norms):
+            continue
+        split = _chunks_of_one_split(list(norms))
+        value = _value(cat)
+        if split is None or value is None:
+            continue
+        # The norm runs where the concatenation was: only the chunks and their norms in between.
+        between, node = set(norms) | {n.args[0] for n in norms}, split.next
+        while node is not cat and node in between:
+            node = node.next
+        if node is not cat:
+            continue
+        first = norms[0]
+        with graph.inserting_before(cat):
+            norm = graph.call_function(first.target, (split.args[0],) + tuple(first.args[1:]), dict(first.kwargs))
+        norm.meta.update(first.meta)
+        norm.meta["example_value"] = value
+        cat.replace_all_uses_with(norm)
+        graph.erase_node(cat)
+        for n in norms:
+            chunk = n.args[0]
+            graph.erase_node(n)
+            graph.erase_node(chunk)
+        graph.erase_node(split)
+        _move_activation_before_views(graph, norm, activations)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count

@@ -1,0 +1,102 @@
+"""The fusion backend's rewrite of per-frame group norms run in chunks (fusednorm/_frame_norms.py):
+``torch.cat([group_norm(c) for c in y.split(k)])`` becomes ``group_norm(y)``, an activation after
+views of it moves before them, and the norm and activation are then fused; every other
+concatenation of norms is left as it is."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusednorm import fusion
+from fusednorm._frame_norms import one_norm_of_frames
+from test_convert import import_or_skip
+
+
+class FrameNorms(nn.Module):
+    """Mochi's chunked per-frame group norm, SiLU and causal pad (or a variant the rewrite must leave)."""
+
+    def __init__(self, case="mochi", channels=8, chunk=2):
+        super().__init__()
+        self.case, self.chunk = case, chunk
+        self.norm, self.other = nn.GroupNorm(4, channels), nn.GroupNorm(4, channels)
+
+    def forward(self, x):
+        n, case = x.size(0), self.case
+        y = x.permute(0, 2, 1, 3, 4).flatten(0, 1)
+        chunks = y.split(self.chunk, dim=0)
+        norms = [self.norm(c) for c in chunks]
+        if case == "other_weights":  # the last chunk normalized with other parameters
+            norms[-1] = self.other(chunks[-1])
+        if case == "reordered":  # the chunks concatenated out of order
+            norms = norms[::-1]
+        if case == "missing":  # a chunk left out
+            norms = norms[:-1]
+        z = torch.cat(norms, dim=0)
+        if case == "chunk_reused":  # a chunk used again
+            z = z + chunks[0].sum()
+        z = z.unflatten(0, (n, -1)).permute(0, 2, 1, 3, 4)
+        if case == "in_place":  # an in-place activation on the view: stays after it
+            return F.pad(F.silu(z, inplace=True), (1, 1, 1, 1, 2, 0), mode="replicate")
+        return F.pad(F.silu(z), (1, 1, 1, 1, 2, 0), mode="replicate")
+
+
+def rewrite(module, x):
+    """(concatenations rewritten, fused chains, activations in the graph after) of module's graph,
+    compiled through fuse_graph, checked against eager."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(one_norm_of_frames(gm, fusion._ACTIVATIONS))
+        seen.append(fusion.fuse_graph(gm))
+        seen.append(sum(n.target is F.silu for n in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(module, backend=backend, dynamic=False)(x.clone()), module(x.clone()))
+    return tuple(seen)
+
+
+@pytest.mark.parametrize("frames, chunk", [(5, 2), (4, 2), (3, 8), (6, 1)])
+def test_chunked_frame_norms_become_one_fused_norm(frames, chunk):
+    # One norm, fused with its SiLU (fuse_graph's own call of the rewrite then finds nothing to do).
+    x = torch.randn(2, 8, frames, 5, 6)
+    assert rewrite(FrameNorms("mochi", chunk=chunk), x) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("case", ["other_weights", "reordered", "missing", "chunk_reused"])
+def test_other_concatenations_of_norms_are_left(case):
+    x = torch.randn(2, 8, 5, 5, 6)
+    taken, fused, silus = rewrite(FrameNorms(case), x)
+    assert (taken, fused, silus) == (0, 0, 1)
+
+
+def test_in_place_activation_stays_after_the_views():
+    taken, fused, silus = rewrite(FrameNorms("in_place"), torch.randn(1, 8, 4, 5, 6))
+    assert taken == 1 and fused == 0 and silus == 1
+
+
+def test_backward_through_the_rewrite():
+    module = FrameNorms("mochi")
+    x = torch.randn(2, 8, 5, 5, 6, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=fusion.backend("aot_eager"))
+    got = compiled(x)
+    (g_x, g_w), want = torch.autograd.grad(got.square().sum(), (x, module.norm.weight)), module(x)
+    w_x, w_w = torch.autograd.grad(want.square().sum(), (x, module.norm.weight))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_x, w_x, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_w, w_w, atol=1e-4, rtol=1e-4)
+
+
+def test_diffusers_mochi_resnet_block(device):
+    mochi = import_or_skip("diffusers.models.autoencoders.autoencoder_kl_mochi")
+    torch.manual_seed(0)
+    block = mochi.MochiResnetBlock3D(32).to(device).eval()
+    backend = fusion.backend("aot_eager")
+    x = torch.randn(1, 32, 10, 6, 6, device=device)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda h: block(h)[0], backend=backend)(x)
+        torch.testing.assert_close(got, block(x)[0], atol=1e-4, rtol=1e-4)
+    assert backend.fusions == [2]  # norm1 + SiLU, norm2 + SiLU
