@@ -10,21 +10,16 @@ with x's producer again, or fusednorm's pad kernel after a fused op (``fusion._t
 """
 
 import operator
-from typing import Any, Optional
+from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ._fx_nodes import concatenations, example_value
+
 __all__ = ["replication_pad_concatenations"]
 
-_CATS = {torch.cat, torch.concat, getattr(torch, "concatenate", torch.cat)}
 _FULL = slice(None, None, None)
-
-
-def _value(node: Any) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _first_slice_of(node: Any, source: fx.Node, dim: int) -> bool:
@@ -46,15 +41,11 @@ def replication_pad_concatenations(gm: fx.GraphModule) -> int:
     slices go with the concatenation where nothing else uses them. Returns how many it rewrote."""
     graph = gm.graph
     count = 0
-    for cat in list(graph.nodes):
-        if cat.op != "call_function" or cat.target not in _CATS or len(cat.args) + len(cat.kwargs) > 2:
-            continue
-        tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
-        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-        if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or type(dim) is not int:
+    for cat, tensors, dim in concatenations(graph):
+        if len(tensors) < 2 or type(dim) is not int:
             continue
         source, copies = tensors[-1], tensors[:-1]
-        value = _value(source)
+        value = example_value(source)
         if not isinstance(source, fx.Node) or value is None or not 3 <= value.dim() <= 5:
             continue
         rank = value.dim()

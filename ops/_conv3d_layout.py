@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ._fx_nodes import concatenations, example_value
+
 __all__ = ["channels_last_3d_convolutions"]
 
 _CONV3D = {F.conv3d, torch.conv3d}
-_CATS = {torch.cat, torch.concat, getattr(torch, "concatenate", torch.cat)}
 # cuDNN's channels_last_3d convolutions measured against its NCDHW ones: half and bfloat16.
 _DTYPES = (torch.float16, torch.bfloat16)
 # Where cuDNN runs the convolutions (tests add "cpu" to run the pass on small graphs).
@@ -47,9 +48,7 @@ def _force_stride_order() -> Optional[Callable[..., Any]]:
     return getattr(packet, "default", None)
 
 
-def _value(node: Any) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
+_value = example_value
 
 
 def _candidate(value: Optional[torch.Tensor]) -> bool:
@@ -106,9 +105,8 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
         with graph.inserting_before(conv):
             forced = graph.call_function(force, (weight, _channels_last_3d_strides(value)))
         conv.replace_input_with(weight, forced)
-    for cat in [node for node in graph.nodes if node.op == "call_function" and node.target in _CATS]:
-        tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
-        if not isinstance(tensors, (list, tuple)) or not _candidate(_value(cat)):
+    for cat, tensors, _ in concatenations(graph):
+        if not _candidate(_value(cat)):
             continue
         inputs = []
         for item in tensors:

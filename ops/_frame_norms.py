@@ -21,17 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ._fx_nodes import concatenations, example_value
+
 __all__ = ["one_norm_of_frames"]
 
 _GROUP_NORMS = {F.group_norm, torch.group_norm}
-_CATS = {torch.cat, torch.concat, getattr(torch, "concatenate", torch.cat)}
 # Views that keep every element once: an activation commutes with them.
 VIEWS = {"permute", "unflatten", "flatten", "view", "reshape", "transpose"}
-
-
-def _value(node: Any) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
@@ -105,17 +101,14 @@ def one_norm_of_frames(gm: fx.GraphModule, activations: Any = ()) -> int:
     concatenations it rewrote."""
     graph = gm.graph
     count = 0
-    for cat in list(graph.nodes):
-        if cat.op != "call_function" or cat.target not in _CATS or len(cat.args) + len(cat.kwargs) > 2:
-            continue
-        norms = cat.args[0] if cat.args else cat.kwargs.get("tensors")
-        if _arg(cat, 1, "dim", 0) != 0 or not isinstance(norms, (list, tuple)) or not norms:
+    for cat, norms, dim in concatenations(graph):
+        if dim != 0 or not norms:
             continue
         if not all(isinstance(n, fx.Node) and n.op == "call_function" and n.target in _GROUP_NORMS
                    and len(n.users) == 1 and _same_norm(n, norms[0]) for n in norms) or len(set(norms)) != len(norms):
             continue
         split = _chunks_of_one_split(list(norms))
-        value = _value(cat)
+        value = example_value(cat)
         if split is None or value is None:
             continue
         # The norm runs where the concatenation was: only the chunks and their norms in between.

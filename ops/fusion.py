@@ -97,6 +97,7 @@ from torch import fx, nn
 from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
 from ._frame_norms import VIEWS, one_norm_of_frames
+from ._fx_nodes import example_value
 from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
@@ -145,9 +146,7 @@ def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
-def _value(node: Any) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
+_value = example_value
 
 
 def _eq(a, b) -> bool:
