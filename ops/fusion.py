@@ -668,7 +668,9 @@ def _inductor_config_patches(mode: Optional[str], options: Optional[Dict[str, An
 
 class FusionBackend:
     """A Dynamo backend: :func:`fuse_graph`, then the inner backend (with ``leave_to_inductor``
-    when that is Inductor, named ``"inductor"``). ``fusions`` lists the number
+    when that is Inductor, named ``"inductor"``; then also the replication pads written as
+    concatenations rewritten first, and the layout pass after, on graphs that need no backward).
+    ``fusions`` lists the number
     of chains rewritten in each graph compiled so far (graphs whose compilation raised, as Dynamo's
     own restarts do, are not listed), ``channels_last_3d_convolutions`` the number of 3-D
     convolutions each runs in channels_last_3d (``conv3d_channels_last``: see :func:`backend`).
