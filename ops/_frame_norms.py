@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 
 from ._fx_nodes import concatenations, example_value
 
@@ -61,9 +61,22 @@ def _chunks_of_one_split(norms: List[fx.Node]) -> Optional[fx.Node]:
     return split
 
 
+def _is_group_norm(gm: fx.GraphModule, node: Any) -> bool:
+    """Whether `node` calls F.group_norm / torch.group_norm, or an ``nn.GroupNorm`` with torch's
+    forward (a module call, as Dynamo keeps it on torch < 2.2)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in _GROUP_NORMS
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return isinstance(module, nn.GroupNorm) and type(module).forward is nn.GroupNorm.forward
+    return False
+
+
 def _same_norm(a: fx.Node, b: fx.Node) -> bool:
     """Whether norms `a` and `b` take the same arguments but their input."""
-    return a.target is b.target and len(a.args) == len(b.args) and all(x is y or x == y for x, y in zip(
+    return a.op == b.op and a.target == b.target and len(a.args) == len(b.args) and all(x is y or x == y for x, y in zip(
         a.args[1:], b.args[1:])) and a.kwargs.keys() == b.kwargs.keys() and all(
         a.kwargs[k] is b.kwargs[k] or a.kwargs[k] == b.kwargs[k] for k in a.kwargs)
 
@@ -104,8 +117,8 @@ def one_norm_of_frames(gm: fx.GraphModule, activations: Any = ()) -> int:
     for cat, norms, dim in concatenations(graph):
         if dim != 0 or not norms:
             continue
-        if not all(isinstance(n, fx.Node) and n.op == "call_function" and n.target in _GROUP_NORMS
-                   and len(n.users) == 1 and _same_norm(n, norms[0]) for n in norms) or len(set(norms)) != len(norms):
+        if not all(_is_group_norm(gm, n) and len(n.users) == 1 and _same_norm(n, norms[0]) for n in norms) \
+                or len(set(norms)) != len(norms):
             continue
         split = _chunks_of_one_split(list(norms))
         value = example_value(cat)
@@ -119,7 +132,8 @@ def one_norm_of_frames(gm: fx.GraphModule, activations: Any = ()) -> int:
             continue
         first = norms[0]
         with graph.inserting_before(cat):
-            norm = graph.call_function(first.target, (split.args[0],) + tuple(first.args[1:]), dict(first.kwargs))
+            norm = graph.create_node(first.op, first.target, (split.args[0],) + tuple(first.args[1:]),
+                                     dict(first.kwargs))
         norm.meta.update(first.meta)
         norm.meta["example_value"] = value
         cat.replace_all_uses_with(norm)
