@@ -46,7 +46,7 @@ def replication_pad_concatenations(gm: fx.GraphModule) -> int:
             continue
         source, copies = tensors[-1], tensors[:-1]
         value = example_value(source)
-        if not isinstance(source, fx.Node) or value is None or not 3 <= value.dim() <= 5:
+        if value is None or not 3 <= value.dim() <= 5:  # (None too where source is not a node)
             continue
         rank = value.dim()
         dim = dim + rank if dim < 0 else dim

@@ -21,17 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._fx_nodes import concatenations, example_value
+from ._fx_nodes import argument, concatenations, example_value, is_view_of
 
 __all__ = ["one_norm_of_frames"]
 
 _GROUP_NORMS = {F.group_norm, torch.group_norm}
-# Views that keep every element once: an activation commutes with them.
-VIEWS = {"permute", "unflatten", "flatten", "view", "reshape", "transpose"}
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _split_at_dim_0(node: Any) -> bool:
@@ -39,7 +33,7 @@ def _split_at_dim_0(node: Any) -> bool:
     if not isinstance(node, fx.Node):
         return False
     if node.op == "call_method" and node.target == "split" or node.op == "call_function" and node.target is torch.split:
-        return _arg(node, 2, "dim", 0) == 0 and type(_arg(node, 1, "split_size_or_sections", None)) is int
+        return argument(node, 2, "dim", 0) == 0 and type(argument(node, 1, "split_size_or_sections", None)) is int
     return False
 
 
@@ -76,9 +70,10 @@ def _is_group_norm(gm: fx.GraphModule, node: Any) -> bool:
 
 def _same_norm(a: fx.Node, b: fx.Node) -> bool:
     """Whether norms `a` and `b` take the same arguments but their input."""
-    return a.op == b.op and a.target == b.target and len(a.args) == len(b.args) and all(x is y or x == y for x, y in zip(
-        a.args[1:], b.args[1:])) and a.kwargs.keys() == b.kwargs.keys() and all(
-        a.kwargs[k] is b.kwargs[k] or a.kwargs[k] == b.kwargs[k] for k in a.kwargs)
+    return a.op == b.op and a.target == b.target and len(a.args) == len(b.args) \
+        and all(x is y or x == y for x, y in zip(a.args[1:], b.args[1:])) \
+        and a.kwargs.keys() == b.kwargs.keys() \
+        and all(a.kwargs[k] is b.kwargs[k] or a.kwargs[k] == b.kwargs[k] for k in a.kwargs)
 
 
 def _move_activation_before_views(graph: fx.Graph, norm: fx.Node, activations: Any) -> None:
@@ -87,7 +82,7 @@ def _move_activation_before_views(graph: fx.Graph, norm: fx.Node, activations: A
     cur, views = norm, []
     while len(cur.users) == 1:
         user = next(iter(cur.users))
-        if user.op != "call_method" or user.target not in VIEWS or not user.args or user.args[0] is not cur:
+        if not is_view_of(user, cur):
             break
         views.append(user)
         cur = user

@@ -96,8 +96,8 @@ from torch import fx, nn
 
 from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
-from ._frame_norms import VIEWS, one_norm_of_frames
-from ._fx_nodes import example_value
+from ._frame_norms import one_norm_of_frames
+from ._fx_nodes import argument, example_value, is_view_of
 from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
@@ -142,11 +142,7 @@ _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d
 INDUCTOR_PROLOGUE_MAX_BYTES = 8 * 2**20
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
-_value = example_value
+_arg, _value = argument, example_value
 
 
 def _eq(a, b) -> bool:
@@ -500,12 +496,6 @@ def _replication_pad_pays(value: torch.Tensor) -> bool:
     return value.device.type == "cuda"
 
 
-def _view_of(node: fx.Node, source: fx.Node) -> bool:
-    """Whether `node` is a view of `source` that keeps each element once (Mochi's per-frame norm
-    output, unflattened and permuted back to (N, C, T, H, W))."""
-    return node.op == "call_method" and node.target in VIEWS and bool(node.args) and node.args[0] is source
-
-
 def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
     """Replaces ``F.pad(output, padding, mode="replicate")`` (through dropouts that return their
     input, as in a causal convolution after ``norm -> act -> nn.Dropout``, and views) with
@@ -514,7 +504,8 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
     "Replication pads"), in either layout: the op's kernels take contiguous and channels-last
     inputs and keep the format (docs/design.md, "Replication pad"). Returns whether it did."""
     cur = output
-    while len(cur.users) == 1 and (_identity_dropout(next(iter(cur.users))) or _view_of(next(iter(cur.users)), cur)):
+    # (Views: Mochi's per-frame norm output, unflattened and permuted back to (N, C, T, H, W).)
+    while len(cur.users) == 1 and (_identity_dropout(next(iter(cur.users))) or is_view_of(next(iter(cur.users)), cur)):
         cur = next(iter(cur.users))
     if len(cur.users) != 1:
         return False
