@@ -55,11 +55,13 @@ size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 
                                          [--workloads NAMES] [--variants LABELS] [--profile [--top N]]
                                          [--channels-last] [--no-conv3d-channels-last]
 
---workloads: comma-separated workload names or parts of them, case-insensitive ("VAE" picks the
-three VAE rows, "b8" the batch-8 UNet); --variants: comma-separated variant labels as above,
-case-insensitive. Default: all. Each compiled variant compiles its model anew, so all of it most
-likely takes more than 10 minutes on a GPU machine (an estimate); for calls of 10 minutes run it
-in parts, e.g. a workload a call (--workloads 512, then 1024, b2, b8, video), the same --out.
+--workloads: comma-separated workload names or parts of them, case-insensitive, an exact name
+picking that workload alone ("VAE" picks the five VAE rows, "b8" the batch-8 UNet, "video" the
+HunyuanVideo and CogVideoX decodes, "video VAE decode" HunyuanVideo's alone); --variants:
+comma-separated variant labels as above, case-insensitive. Default: all. Each compiled variant
+compiles its model anew, so all of it most likely takes more than 10 minutes on a GPU machine (an
+estimate); for calls of 10 minutes run it in parts, e.g. a workload a call (--workloads 512, then
+1024, b2, b8, "video VAE decode", CogVideoX, Mochi), the same --out.
 
 --channels-last: the models' 4-D and 5-D weights and inputs in channels_last / channels_last_3d
 (as users of convolutional models often run them); written to diffusers_<device>_channels_last.json.
