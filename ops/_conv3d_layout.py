@@ -10,12 +10,12 @@ pick channels_last_3d for the convolution and Inductor lay out the kernels aroun
 ops keep their input's layout. Inductor lays a concatenation out by its inputs, which a pointwise
 producer leaves contiguous, so the pass asks for channels_last_3d inputs of 5-D concatenations too
 (the video VAEs' upsamplers concatenate their first frame with the others before a convolution),
-and drops the ``.contiguous()`` calls that would turn a tensor back into NCDHW before ops that take
-any layout.
+and for the video whose frames a fusednorm op normalizes (Mochi's per-frame norms), and drops the
+``.contiguous()`` calls that would turn a tensor back into NCDHW before ops that take any layout.
 """
 
 import operator
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,12 +79,12 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
     """Rewrites, in place, a Dynamo-captured inference graph ``gm`` so that Inductor runs its 3-D
     convolutions (``F.conv3d`` / ``torch.conv3d`` of half or bfloat16 CUDA tensors of static
     shapes) in channels_last_3d: each weight not already channels_last_3d in the example values,
-    and each 5-D input of a concatenation, goes through ``prims.inductor_force_stride_order``
-    (no copy when the tensor has those strides, as a buffer Inductor has not laid out yet has);
-    a ``.contiguous()`` whose users take any layout is dropped; the graph's outputs keep the
-    strides eager gives them. Returns how many convolutions now run
-    in channels_last_3d (those whose weights the model had in channels_last_3d included); 0 leaves
-    the graph as it was. The prim has no backward: the caller runs the pass only on graphs that
+    each 5-D input of a concatenation, and each video whose frames a fusednorm op takes, goes
+    through ``prims.inductor_force_stride_order`` (no copy when the tensor has those strides, as
+    a buffer Inductor has not laid out yet has); a ``.contiguous()`` whose users take any layout
+    is dropped; the graph's outputs keep the strides eager gives them. Returns how many
+    convolutions now run in channels_last_3d (those whose weights the model had in
+    channels_last_3d included); 0 leaves the graph as it was. The prim has no backward: the caller runs the pass only on graphs that
     need none. A no-op on a torch without the prim."""
     force = _force_stride_order()
     if force is None:
@@ -119,6 +119,10 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
             cat.args = (type(tensors)(inputs),) + tuple(cat.args[1:])
         else:
             cat.kwargs = {**cat.kwargs, "tensors": type(tensors)(inputs)}
+    for permute, video in _normalized_frames(graph):
+        with graph.inserting_before(permute):
+            forced = graph.call_function(force, (video, _channels_last_3d_strides(_value(video))))
+        permute.replace_input_with(video, forced)
     _drop_contiguous(graph)
     _outputs_in_eager_strides(graph, force)
     graph.lint()
@@ -126,13 +130,43 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
     return len(weights)
 
 
+def _is_fusednorm_op(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.name.startswith("fusednorm::")
+
+
+def _normalized_frames(graph: fx.Graph) -> List[Tuple[fx.Node, fx.Node]]:
+    """(permute, video) of each fusednorm op whose input is the frames of a 5-D tensor the pass
+    is for, ``video.permute(0, 2, 1, 3, 4).flatten(0, 1)`` (the per-frame norms of Mochi's VAE,
+    one norm since ``one_norm_of_frames``). The pass asks for `video` in channels_last_3d: its
+    frames are then channels-last, and so are the op's output and the video it is viewed back
+    into, which the pad and the convolution after it take as they are, where frames of an NCDHW
+    video would give a video dense in no layout (docs/design.md, "3-D convolutions in
+    channels_last_3d")."""
+    found = []
+    for node in graph.nodes:
+        if not _is_fusednorm_op(node) or not node.args:
+            continue
+        frames = node.args[0]
+        if not (isinstance(frames, fx.Node) and frames.op == "call_method" and frames.target == "flatten"
+                and frames.args[1:] in ((0, 1), (0,)) and not frames.kwargs):
+            continue
+        permute = frames.args[0]
+        if not (isinstance(permute, fx.Node) and permute.op == "call_method" and permute.target == "permute"
+                and tuple(permute.args[1:]) in ((0, 2, 1, 3, 4), ((0, 2, 1, 3, 4),)) and not permute.kwargs):
+            continue
+        video = permute.args[0]
+        value = _value(video)
+        if isinstance(video, fx.Node) and _candidate(value) \
+                and not value.is_contiguous(memory_format=torch.channels_last_3d):
+            found.append((permute, video))
+    return found
+
+
 def _takes_any_layout(user: fx.Node) -> bool:
     if user.op != "call_function":
         return False
-    if user.target in _ANY_LAYOUT:
-        return True
-    schema = getattr(user.target, "_schema", None)  # an OpOverload: fusednorm's ops take both layouts
-    return schema is not None and schema.name.startswith("fusednorm::")
+    return user.target in _ANY_LAYOUT or _is_fusednorm_op(user)  # (fusednorm's ops take both layouts)
 
 
 def _drop_contiguous(graph: fx.Graph) -> None:

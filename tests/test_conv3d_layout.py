@@ -44,6 +44,25 @@ class Flattens(Upsampler):
         return h.view(h.size(0), h.size(1), -1)
 
 
+class FramesOfAVideo(nn.Module):
+    """Mochi's resnet after its upsampler: an NCDHW video from a depth-to-space (in time here),
+    its frames normalized a few at a time, SiLU, pad, convolution, and the residual."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, channels)
+        self.conv = nn.Conv3d(channels, channels, 3)
+
+    def forward(self, h):
+        n, c, t, height, width = h.shape
+        h = h.view(n, c // 2, 2, t, height, width).permute(0, 1, 3, 2, 4, 5).contiguous()
+        h = h.view(n, c // 2, t * 2, height, width)
+        frames = h.permute(0, 2, 1, 3, 4).flatten(0, 1)
+        y = torch.cat([self.norm(f) for f in frames.split(2)], dim=0)
+        y = F.silu(y.unflatten(0, (n, -1)).permute(0, 2, 1, 3, 4))
+        return self.conv(F.pad(y, (1, 1, 1, 1, 2, 0), mode="replicate")) + h
+
+
 class WeightStrides(fx.Interpreter):
     """Runs a graph, recording the strides of each 3-D convolution's weight."""
 
@@ -122,6 +141,26 @@ def test_contiguous_before_a_view_kept(monkeypatch):
         torch.testing.assert_close(gm(*inputs)[0], module(x), atol=1e-5, rtol=1e-5)
 
 
+def test_normalized_frames_of_a_video(monkeypatch):
+    # The video whose frames a fused norm takes is asked for in channels_last_3d, so that the
+    # norm's output, viewed back into a video, is channels_last_3d for the pad and convolution.
+    cpu_float32(monkeypatch)
+    torch.manual_seed(0)
+    module = FramesOfAVideo().eval()
+    x = torch.randn(1, 16, 3, 4, 5)
+    gm, inputs = capture(module, x)
+    with torch.no_grad():
+        (want,) = gm(*inputs)
+    assert fusion.fuse_graph(gm) == 1
+    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 1
+    force = _conv3d_layout._force_stride_order()
+    permutes = [n for n in gm.graph.nodes if n.target == "permute" and n.args[0].target is force]
+    assert len(permutes) == 1 and permutes[0].args[1:] == (0, 2, 1, 3, 4)
+    with torch.no_grad():
+        (got,) = gm(*inputs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["float32", "no 3-D convolution"])
 def test_left_alone(case, monkeypatch):
     monkeypatch.setattr(_conv3d_layout, "_DEVICE_TYPES", ("cpu", "cuda"))
@@ -171,10 +210,12 @@ def test_backend_runs_it_on_inference_graphs(grad, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
-def test_inductor_on_the_gpu(dtype, layout):
+@pytest.mark.parametrize("module", ["upsampler", "frames of a video"])
+def test_inductor_on_the_gpu(dtype, layout, module):
     torch.manual_seed(0)
-    module = Upsampler(channels=32).cuda().to(dtype).eval()
-    x = torch.randn(1, 32, 3, 12, 10, device="cuda", dtype=dtype)
+    frames = module == "frames of a video"
+    module = (FramesOfAVideo(channels=32) if frames else Upsampler(channels=32)).cuda().to(dtype).eval()
+    x = torch.randn(1, 64 if frames else 32, 3, 12, 10, device="cuda", dtype=dtype)
     if layout == "channels_last_3d":
         module, x = module.to(memory_format=torch.channels_last_3d), x.to(memory_format=torch.channels_last_3d)
     backend = fusion.backend()
@@ -182,6 +223,6 @@ def test_inductor_on_the_gpu(dtype, layout):
     with torch.no_grad():
         want = module(x)
         got = torch.compile(module, backend=backend)(x)
-    assert backend.channels_last_3d_convolutions == [2] and backend.fusions == [1]
+    assert backend.channels_last_3d_convolutions == [1 if frames else 2] and backend.fusions == [1]
     assert got.stride() == want.stride()  # (Inductor gives a graph output eager's strides)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

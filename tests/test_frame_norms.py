@@ -10,7 +10,7 @@ from torch import nn
 
 from fusednorm import fusion
 from fusednorm._frame_norms import one_norm_of_frames
-from test_convert import import_or_skip
+from test_convert import float32_convolutions, import_or_skip  # noqa: F401 (a fixture)
 
 
 class FrameNorms(nn.Module):
@@ -89,7 +89,7 @@ def test_backward_through_the_rewrite():
     torch.testing.assert_close(g_w, w_w, atol=1e-4, rtol=1e-4)
 
 
-def test_diffusers_mochi_resnet_block(device):
+def test_diffusers_mochi_resnet_block(device, float32_convolutions):
     mochi = import_or_skip("diffusers.models.autoencoders.autoencoder_kl_mochi")
     torch.manual_seed(0)
     block = mochi.MochiResnetBlock3D(32).to(device).eval()

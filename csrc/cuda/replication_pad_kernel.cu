@@ -224,7 +224,18 @@ int channels_last_unit(const at::Tensor& input) {
 at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
   const auto format = input.suggest_memory_format();
   const auto out_sizes = kernel_output_sizes(input, padding, format);
-  if (!out_sizes) return at::pad(input, padding, "replicate").contiguous(format);
+  if (!out_sizes) {
+    // An input dense in no layout (a view of permuted frames, as Mochi's upsamplers pad) is copied
+    // dense in its suggested format first (docs/design.md, "Replication pad"); the output's layout
+    // is the same either way.
+    if (input.numel() > 0 && !input.is_contiguous(format)) {
+      const at::Tensor dense = input.contiguous(format);
+      if (dense.suggest_memory_format() == format && kernel_output_sizes(dense, padding, format)) {
+        return replication_pad_cuda(dense, padding);
+      }
+    }
+    return at::pad(input, padding, "replicate").contiguous(format);
+  }
   const c10::cuda::CUDAGuard guard(input.device());
   at::Tensor out = at::empty(*out_sizes, input.options().memory_format(format));
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
