@@ -297,7 +297,8 @@ KERNEL_CATEGORIES = (
     ("inductor", ("triton",)),
     ("attention", ("flash", "fmha", "attention")),
     ("convolution", ("conv", "implicit_gemm", "implicit_convolve", "cudnn", "nchw", "nhwc", "xmma_fprop")),
-    ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "sm80_xmma")),
+    # (nvjet: cuBLAS's Hopper GEMMs, e.g. the 1x1x1 convolutions Inductor runs as matmuls)
+    ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "sm80_xmma", "nvjet")),
 )
 
 
