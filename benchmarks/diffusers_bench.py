@@ -25,6 +25,8 @@ each as
 
     eager                          the model as diffusers builds it
     eager + convert                fusednorm.convert(model): torch.nn norms swapped for fusednorm's
+    eager + convert + pads         the same, called under fusednorm.replication_pads() (the causal
+                                   convolutions' replicate pads on fusednorm's kernels)
     compile                        torch.compile(model)
     compile + fusion               torch.compile(model, backend=fusednorm.fusion.backend()): norms and
                                    their epilogues fused into fusednorm's op, the rest compiled by Inductor
@@ -47,7 +49,7 @@ dtype (its other workloads and variants kept), so that the table can be measured
 On a CPU it runs tiny configs of every model (2 blocks of 32-64 channels, latents of 8-16 px, in
 fp32) and says so: a smoke test of the variants that can run there (not the CUDA-graph ones), since
 the real models take minutes a call there; those times say nothing about the real models. There,
-VAE decode 1024 and UNet step b8 run eager and eager + convert only unless --workloads is given
+VAE decode 1024 and UNet step b8 run the eager variants only unless --workloads is given
 (their compiled variants would compile VAE decode 512's and UNet step b2's graphs again at another
 size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 0.
 
@@ -122,12 +124,12 @@ TINY_COGVIDEOX_VAE = dict(block_out_channels=(32, 64), norm_num_groups=8, layers
 TINY_MOCHI_VAE = dict(decoder_block_out_channels=(32, 64, 64, 64), encoder_block_out_channels=(32,) * 4,
                       layers_per_block=(1,) * 5)
 
-VARIANTS = ("eager", "eager + convert", "compile", "compile + fusion", "compile (cudagraphs)",
-            "compile + fusion (cudagraphs)")
-COMPILED = VARIANTS[2:]
+VARIANTS = ("eager", "eager + convert", "eager + convert + pads", "compile", "compile + fusion",
+            "compile (cudagraphs)", "compile + fusion (cudagraphs)")
+COMPILED = tuple(v for v in VARIANTS if v.startswith("compile"))
 CUDA_GRAPHS = ("compile (cudagraphs)", "compile + fusion (cudagraphs)")
 FUSION = ("compile + fusion", "compile + fusion (cudagraphs)")
-# On the CPU, unless --workloads names them, these run eager and eager + convert only: their
+# On the CPU, unless --workloads names them, these run the eager variants only: their
 # compiled variants are the graphs of VAE decode 512 / UNet step b2 at another size, and each
 # Inductor compile costs a minute there on 2 cores (cold cache).
 CPU_EAGER_ONLY = ("VAE decode 1024", "UNet step b8")
@@ -265,6 +267,14 @@ def make_variant(label, model, conv3d_channels_last=True):
         return model, None
     if label == "eager + convert":
         return fusednorm.convert(copy.deepcopy(model)), None
+    if label == "eager + convert + pads":
+        converted = fusednorm.convert(copy.deepcopy(model))
+
+        def with_pads(*args):
+            with fusednorm.replication_pads():
+                return converted(*args)
+
+        return with_pads, None
     if label == "compile":
         return torch.compile(model), None
     if label == "compile (cudagraphs)":
@@ -468,7 +478,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="only eager and eager + convert")
+    parser.add_argument("--no-compile", action="store_true", help="only the eager variants (eager, eager + convert [+ pads])")
     parser.add_argument("--workloads", help="comma-separated names or parts of names (default: all)")
     parser.add_argument("--variants", help="comma-separated variant labels (default: all)")
     parser.add_argument("--profile", action="store_true", help="GPU kernel time by category (GPU only)")
