@@ -14,6 +14,9 @@ from fusednorm import _conv3d_layout, fusion
 if _conv3d_layout._force_stride_order() is None:
     pytest.skip("this torch has no prims.inductor_force_stride_order (the pass is a no-op)",
                 allow_module_level=True)
+if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 2):
+    pytest.skip("Dynamo keeps nn.Conv3d a module call before torch 2.2: the pass finds no convolution "
+                "(docs/design.md, \"3-D convolutions in channels_last_3d\", its limits)", allow_module_level=True)
 
 
 class Upsampler(nn.Module):
