@@ -84,8 +84,8 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
     a buffer Inductor has not laid out yet has); a ``.contiguous()`` whose users take any layout
     is dropped; the graph's outputs keep the strides eager gives them. Returns how many
     convolutions now run in channels_last_3d (those whose weights the model had in
-    channels_last_3d included); 0 leaves the graph as it was. The prim has no backward: the caller runs the pass only on graphs that
-    need none. A no-op on a torch without the prim."""
+    channels_last_3d included); 0 leaves the graph as it was. The prim has no backward: the
+    caller runs the pass only on graphs that need none. A no-op on a torch without the prim."""
     force = _force_stride_order()
     if force is None:
         return 0
@@ -149,7 +149,7 @@ def _normalized_frames(graph: fx.Graph) -> List[Tuple[fx.Node, fx.Node]]:
             continue
         frames = node.args[0]
         if not (isinstance(frames, fx.Node) and frames.op == "call_method" and frames.target == "flatten"
-                and frames.args[1:] in ((0, 1), (0,)) and not frames.kwargs):
+                and tuple(frames.args[1:]) == (0, 1) and not frames.kwargs):
             continue
         permute = frames.args[0]
         if not (isinstance(permute, fx.Node) and permute.op == "call_method" and permute.target == "permute"
