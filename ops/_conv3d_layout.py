@@ -48,9 +48,6 @@ def _force_stride_order() -> Optional[Callable[..., Any]]:
     return getattr(packet, "default", None)
 
 
-_value = example_value
-
-
 def _candidate(value: Optional[torch.Tensor]) -> bool:
     """A 5-D tensor of a static shape, of a dtype and on a device the pass is for."""
     return value is not None and value.dim() == 5 and value.dtype in _DTYPES \
@@ -94,7 +91,7 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
     weights = []
     for conv in convs:
         weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
-        value = _value(weight)
+        value = example_value(weight)
         if _candidate(value):
             weights.append((conv, weight, value))
     if not weights:
@@ -106,11 +103,11 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
             forced = graph.call_function(force, (weight, _channels_last_3d_strides(value)))
         conv.replace_input_with(weight, forced)
     for cat, tensors, _ in concatenations(graph):
-        if not _candidate(_value(cat)):
+        if not _candidate(example_value(cat)):
             continue
         inputs = []
         for item in tensors:
-            value = _value(item)
+            value = example_value(item)
             if _candidate(value):
                 with graph.inserting_before(cat):
                     item = graph.call_function(force, (item, _channels_last_3d_strides(value)))
@@ -121,7 +118,7 @@ def channels_last_3d_convolutions(gm: fx.GraphModule) -> int:
             cat.kwargs = {**cat.kwargs, "tensors": type(tensors)(inputs)}
     for permute, video in _normalized_frames(graph):
         with graph.inserting_before(permute):
-            forced = graph.call_function(force, (video, _channels_last_3d_strides(_value(video))))
+            forced = graph.call_function(force, (video, _channels_last_3d_strides(example_value(video))))
         permute.replace_input_with(video, forced)
     _drop_contiguous(graph)
     _outputs_in_eager_strides(graph, force)
@@ -156,7 +153,7 @@ def _normalized_frames(graph: fx.Graph) -> List[Tuple[fx.Node, fx.Node]]:
                 and tuple(permute.args[1:]) in ((0, 2, 1, 3, 4), ((0, 2, 1, 3, 4),)) and not permute.kwargs):
             continue
         video = permute.args[0]
-        value = _value(video)
+        value = example_value(video)
         if isinstance(video, fx.Node) and _candidate(value) \
                 and not value.is_contiguous(memory_format=torch.channels_last_3d):
             found.append((permute, video))
@@ -176,7 +173,7 @@ def _drop_contiguous(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_method" or node.target != "contiguous" or len(node.args) != 1 \
                 or node.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format \
-                or set(node.kwargs) - {"memory_format"} or not _candidate(_value(node.args[0])) \
+                or set(node.kwargs) - {"memory_format"} or not _candidate(example_value(node.args[0])) \
                 or not node.users or not all(_takes_any_layout(user) for user in node.users):
             continue
         node.replace_all_uses_with(node.args[0])
@@ -191,7 +188,7 @@ def _outputs_in_eager_strides(graph: fx.Graph, force: Callable[..., Any]) -> Non
     forced: Dict[fx.Node, fx.Node] = {}
 
     def keep(node: fx.Node) -> fx.Node:
-        value = _value(node)
+        value = example_value(node)
         if node.op == "placeholder" or value is None or value.dim() < 4 \
                 or value.device.type not in _DEVICE_TYPES or not all(type(s) is int for s in value.shape) \
                 or not _dense(value):

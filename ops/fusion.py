@@ -142,9 +142,6 @@ _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d
 INDUCTOR_PROLOGUE_MAX_BYTES = 8 * 2**20
 
 
-_arg, _value = argument, example_value
-
-
 def _eq(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
@@ -175,7 +172,7 @@ def _norm(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[str, Dict[str, An
     """(fused op name, its arguments) when `node` computes a plain group/instance norm."""
     if node.op == "call_function" and node.target in _NORMS:
         op, names = _NORMS[node.target]
-        args = {name: _arg(node, i, name, _DEFAULTS.get(name)) for i, name in enumerate(names)}
+        args = {name: argument(node, i, name, _DEFAULTS.get(name)) for i, name in enumerate(names)}
         args.pop("cudnn_enabled", None)
         return op, args
     if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
@@ -193,10 +190,10 @@ def _activation(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[fx.Node, Di
     if node.op == "call_function" and node.target in _ACTIVATIONS:
         name = _ACTIVATIONS[node.target]
         if name == "gelu":
-            approximate = _arg(node, 1, "approximate", "none")
+            approximate = argument(node, 1, "approximate", "none")
             name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
         elif name == "leaky_relu":
-            slope = _arg(node, 1, "negative_slope", 0.01)
+            slope = argument(node, 1, "negative_slope", 0.01)
             name = name if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
     elif node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1:
         name = "relu"
@@ -204,7 +201,7 @@ def _activation(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[fx.Node, Di
         name, slope = module_activation(gm.get_submodule(node.target)) or (None, 0.01)
     if name is None:
         return None
-    return _arg(node, 0, "input", None), {"activation": name, "negative_slope": float(slope)}
+    return argument(node, 0, "input", None), {"activation": name, "negative_slope": float(slope)}
 
 
 def _binary(node: fx.Node) -> Optional[Tuple[str, bool, Any, Any]]:
@@ -222,13 +219,13 @@ def _binary(node: fx.Node) -> Optional[Tuple[str, bool, Any, Any]]:
 
 def _one_plus(node: Any, ref: torch.Tensor) -> Optional[fx.Node]:
     """s when `node` computes 1 + s (or s + 1) out of place, s a per-channel operand."""
-    if not isinstance(node, fx.Node) or not _is_per_channel(_value(node), ref):
+    if not isinstance(node, fx.Node) or not _is_per_channel(example_value(node), ref):
         return None
     binary = _binary(node)
     if binary is None or binary[:2] != ("add", False):
         return None
     for one, s in (binary[2:], binary[3:1:-1]):
-        if type(one) in (int, float) and one == 1 and _is_per_channel(_value(s), ref):
+        if type(one) in (int, float) and one == 1 and _is_per_channel(example_value(s), ref):
             return s
     return None
 
@@ -236,7 +233,7 @@ def _one_plus(node: Any, ref: torch.Tensor) -> Optional[fx.Node]:
 def _step(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, ref: torch.Tensor):
     """(stage, epilogue arguments, the `1 + scale` node or nothing) when `node` continues the chain
     from `cur`."""
-    out = _value(node)
+    out = example_value(node)
     if not _is_full(out, ref):
         return None
     activation = _activation(gm, node)
@@ -249,14 +246,14 @@ def _step(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, ref: torch.Tensor):
     if (a is cur) == (b is cur) or (in_place and a is not cur):
         return None
     other = b if a is cur else a
-    if kind == "add" and _is_per_channel(_value(other), ref):
+    if kind == "add" and _is_per_channel(example_value(other), ref):
         return _SHIFT, {"shift": other}, []
-    if kind == "add" and _is_full(_value(other), ref):
+    if kind == "add" and _is_full(example_value(other), ref):
         return _RESIDUAL, {"residual": other}, []
     scale = _one_plus(other, ref) if kind == "mul" else None
     if scale is not None:
         return _SCALE, {"scale": scale}, [other]
-    if kind == "mul" and _is_full(_value(other), ref):
+    if kind == "mul" and _is_full(example_value(other), ref):
         return _MULTIPLIER, {"multiplier": other}, []
     return None
 
@@ -279,7 +276,7 @@ def _may_mutate(gm: fx.GraphModule, node: fx.Node) -> bool:
         parameters = list(inspect.signature(node.target).parameters) if callable(node.target) else []
     except (TypeError, ValueError):  # builtins without a signature
         parameters = []
-    return "inplace" in parameters and bool(_arg(node, parameters.index("inplace"), "inplace", False))
+    return "inplace" in parameters and bool(argument(node, parameters.index("inplace"), "inplace", False))
 
 
 def _mutated(gm: fx.GraphModule, node: Any) -> bool:
@@ -350,10 +347,10 @@ def _conv_bias(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Tup
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CONVS
             and len(node.users) == 1):
         return None
-    bias = _arg(node, 2, "bias", None)
+    bias = argument(node, 2, "bias", None)
     if bias is None:
         return node, None
-    value = _value(bias)
+    value = example_value(bias)
     if value is None or value.dtype != ref.dtype or value.device != ref.device or value.dim() != 1 \
             or not _eq(value.shape[0], ref.shape[1]) or _mutated(gm, bias):
         return None
@@ -370,7 +367,7 @@ def _prologue(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Dict
     if binary is not None and binary[:2] == ("add", False) and len(node.users) == 1:
         a, b = binary[2:]
         for c, e in ((a, b), (b, a)):
-            if isinstance(e, fx.Node) and _is_per_channel(_value(e), ref) and not _mutated(gm, e):
+            if isinstance(e, fx.Node) and _is_per_channel(example_value(e), ref) and not _mutated(gm, e):
                 found = _conv_bias(gm, c, ref)
                 if found is not None:
                     add, embedding = node, e
@@ -430,7 +427,7 @@ def _residual_add(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[
     if binary is None or binary[:2] != ("add", False):
         return None
     operands = binary[2:]
-    if not all(isinstance(t, fx.Node) and _is_full(_value(t), ref) and not _mutated(gm, t) for t in operands) \
+    if not all(isinstance(t, fx.Node) and _is_full(example_value(t), ref) and not _mutated(gm, t) for t in operands) \
             or operands[0] is operands[1]:
         return None
     convs = [c for c in (_conv_bias(gm, t, ref) for t in operands) if c is not None and c[1] is not None]
@@ -518,7 +515,7 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
         return False
     bound.apply_defaults()
     args = bound.arguments
-    padding, value = args["pad"], _value(cur)
+    padding, value = args["pad"], example_value(cur)
     if args["mode"] != "replicate" or args["value"] is not None or value is None or args["input"] is not cur \
             or not isinstance(padding, (tuple, list)) or len(padding) not in (2, 4, 6) \
             or not all(type(p) is int and p >= 0 for p in padding) or value.dim() != len(padding) // 2 + 2 \
@@ -534,11 +531,11 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
 
 def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) -> bool:
     norm = _norm(gm, node)
-    ref = _value(node)
+    ref = example_value(node)
     if norm is None or ref is None or not ref.is_floating_point():
         return False
     op, args = norm
-    source = _value(args["input"])
+    source = example_value(args["input"])
     if source is None or source.dtype != ref.dtype:
         return False
     if leave_to_inductor and _inductor_prologue(args["input"], source):
