@@ -179,11 +179,6 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_channels_last_ker
   }
 }
 
-// The dtypes the kernels copy (as 16, 32 and 64-bit words).
-bool kernel_dtype(at::ScalarType dtype) {
-  return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble;
-}
-
 // The padded output's sizes when the kernels take the call: what ATen's pad would accept (a
 // batched or unbatched input of the padding's dimensions), non-negative padding, a floating-point
 // input with no empty dimension, dense in its suggested memory format `format` (contiguous, or
@@ -194,7 +189,8 @@ std::optional<std::vector<int64_t>> kernel_output_sizes(
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   if (padding.size() % 2 != 0 || dims < 1 || dims > 3) return std::nullopt;
   if (input.dim() != dims + 1 && input.dim() != dims + 2) return std::nullopt;
-  if (!kernel_dtype(input.scalar_type())) return std::nullopt;
+  const auto dtype = input.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) return std::nullopt;
   if (!input.is_contiguous(format) || input.numel() == 0) return std::nullopt;
   const bool channels_last = format != at::MemoryFormat::Contiguous;
   if (channels_last && input.dim() != dims + 2) return std::nullopt;
@@ -232,7 +228,7 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
     // An input dense in no layout (a view of permuted frames, as Mochi's upsamplers pad) is copied
     // dense in its suggested format first (docs/design.md, "Replication pad"); the output's layout
     // is the same either way.
-    if (input.numel() > 0 && kernel_dtype(input.scalar_type()) && !input.is_contiguous(format)) {
+    if (input.numel() > 0 && !input.is_contiguous(format)) {
       const at::Tensor dense = input.contiguous(format);
       if (dense.suggest_memory_format() == format && kernel_output_sizes(dense, padding, format)) {
         return replication_pad_cuda(dense, padding);
