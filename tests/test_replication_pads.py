@@ -1,5 +1,6 @@
 """fusednorm.replication_pads(): inside the block, F.pad(x, padding, mode="replicate") runs
-fusednorm's replication pad (the same tensor, bit for bit, strides included); every other call,
+fusednorm's replication pad (the same values bit for bit, and the strides of ATen's pad but where
+ATen's CUDA pad drops an input's channels_last_3d); every other call,
 and every call outside the block, under deterministic algorithms or under torch.compile, runs as
 it was made. On the CPU the routing is checked by widening the devices it takes (the op is then
 ATen's pad); on a GPU, as users run it."""
@@ -50,10 +51,11 @@ def test_replicate_pads_are_routed(shape, call, routed, device):
 
 
 def test_channels_last_3d_input_keeps_its_format(routed, device):
+    # ATen's CUDA pad returns it contiguous (its CPU pad keeps the format): values compared alone.
     x = torch.randn(1, 8, 3, 4, 5, device=device).to(memory_format=torch.channels_last_3d)
     with fusednorm.replication_pads():
         got = F.pad(x, (1, 1, 1, 1, 2, 0), mode="replicate")
-    assert same(got, F.pad(x, (1, 1, 1, 1, 2, 0), mode="replicate")) and len(routed) == 1
+    assert torch.equal(got, F.pad(x, (1, 1, 1, 1, 2, 0), mode="replicate")) and len(routed) == 1
     assert got.is_contiguous(memory_format=torch.channels_last_3d)
 
 
