@@ -6,7 +6,11 @@ What is converted
     ``fusednorm.nn.InstanceNorm1d/2d/3d``. timm's ``GroupNormAct`` / ``GroupNorm1Act`` (which
     override ``forward`` as group_norm -> ``self.drop`` -> ``self.act``) are converted too when
     ``drop`` is an ``nn.Identity`` and ``act`` is a supported activation (or ``nn.Identity``), the
-    activation becoming the module's fused ``activation``. Anything else that overrides
+    activation becoming the module's fused ``activation``. diffusers' ``MochiChunkedGroupNorm3D``
+    (a video's frames group-normalized 8 at a time, then concatenated) becomes
+    ``fusednorm.nn.FrameGroupNorm`` (all frames in one call), keeping its ``norm_layer``, when
+    that is a ``torch.nn.GroupNorm`` with torch's ``forward`` and no forward or backward hooks
+    (they would see one call instead of one a chunk). Anything else that overrides
     ``forward`` is left alone, and so are fusednorm's own modules and parametrized modules
     (``torch.nn.utils.parametrize``).
 
@@ -20,9 +24,10 @@ What is skipped
     ``filter_fn(name, module) -> bool``, when given, is asked about every module that would be
     converted (``name`` is its qualified name in ``model``, ``""`` for ``model`` itself, as
     ``named_modules`` gives it); a module it rejects is left as it is and nothing is folded into
-    it. A module registered under several names is converted only when ``filter_fn`` accepts
-    every one of them (it stays one shared module either way). fusednorm modules already in the
-    model are asked too, before an activation is folded into them.
+    it (a ``MochiChunkedGroupNorm3D`` is converted when it and its ``norm_layer`` are both
+    accepted). A module registered under several names is converted only when ``filter_fn``
+    accepts every one of them (it stays one shared module either way). fusednorm modules already
+    in the model are asked too, before an activation is folded into them.
 
 What is logged
     One INFO record on the ``fusednorm`` logger: how many modules of each class were replaced,
@@ -81,7 +86,7 @@ _INSTANCE_NORMS = (
     (nn.InstanceNorm2d, fnn.InstanceNorm2d),
     (nn.InstanceNorm1d, fnn.InstanceNorm1d),
 )
-_FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d)
+_FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d, fnn.FrameGroupNorm)
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -130,10 +135,26 @@ def _is_timm_group_norm_act(module: nn.Module) -> bool:
     )
 
 
+def _mochi_frame_norm(module: nn.Module) -> bool:
+    """Whether `module` is diffusers' MochiChunkedGroupNorm3D (or a subclass keeping its forward)
+    whose norm_layer FrameGroupNorm can take over: a torch.nn.GroupNorm computing torch's group
+    norm, without the hooks that one call instead of one a chunk would change."""
+    base = next((b for b in type(module).__mro__ if b.__name__ == "MochiChunkedGroupNorm3D"
+                 and b.__module__.startswith("diffusers.")), None)
+    if base is None or not _keeps(type(module), base, ("forward",)):
+        return False
+    norm = module._modules.get("norm_layer")
+    if not isinstance(norm, nn.GroupNorm) or parametrize.is_parametrized(norm) or _has_hooks(norm):
+        return False
+    return _keeps(type(norm), nn.GroupNorm, ("forward",)) or type(norm) is fnn.GroupNorm and norm.activation is None
+
+
 def _target_class(module: nn.Module) -> Optional[type]:
     """The fusednorm class `module` converts to, or None if it is not converted."""
     if isinstance(module, _FUSED) or parametrize.is_parametrized(module):
         return None  # a parametrized module's class is made for it (its weight is a property)
+    if _mochi_frame_norm(module):
+        return fnn.FrameGroupNorm
     cls = type(module)
     if isinstance(module, nn.GroupNorm):
         if _keeps(cls, nn.GroupNorm, ("forward",)):
@@ -298,6 +319,13 @@ def convert(model: nn.Module, *, inplace: bool = True,
         if id(module) not in memo:
             originals[id(module)] = module
             cls = None if id(module) in rejected else _target_class(module)
+            if cls is fnn.FrameGroupNorm:
+                # Its norm_layer holds the parameters alone (FrameGroupNorm calls fusednorm's
+                # function): kept as it is, unless filter_fn rejected it, and then so is this.
+                norm = module._modules["norm_layer"]
+                cls = None if id(norm) in rejected else cls
+                memo.setdefault(id(norm), None)
+                originals.setdefault(id(norm), norm)
             memo[id(module)] = None if cls is None else _converted(module, cls)
         return memo[id(module)]
 

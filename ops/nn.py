@@ -7,6 +7,9 @@ computation goes through fusednorm's ops. Two additions: a keyword-only ``activa
 operands ``scale``, ``shift``, ``residual`` and ``multiplier`` of :func:`fusednorm.group_norm`
 as (keyword) arguments of ``forward``. Neither adds parameters or buffers: a module with an
 activation loads a plain torch.nn checkpoint.
+
+``FrameGroupNorm`` has no torch.nn counterpart: the group norm of each frame of a video, as
+diffusers' Mochi VAE computes it (``fusednorm.convert`` puts it in place of that module).
 """
 
 import inspect
@@ -18,7 +21,7 @@ from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+__all__ = ["FrameGroupNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
 
 def _check_activation(activation: Optional[str]) -> Optional[str]:
@@ -130,6 +133,54 @@ class GroupNorm(torch.nn.GroupNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + _activation_repr(self.activation, self.negative_slope)
+
+
+class FrameGroupNorm(torch.nn.Module):
+    """Group Normalization of each frame of a video on its own, computed by fusednorm's fused
+    kernels: the input (N, C, T, *) is normalized as the batch of its N * T frames (N * T, C, *),
+    each frame's groups by their own mean and (biased) variance, then scaled and shifted per
+    channel, then the activation, if any.
+
+    It computes what diffusers' ``MochiChunkedGroupNorm3D`` computes (which normalizes the frames
+    8 at a time and concatenates the chunks), in one call; :func:`fusednorm.convert` puts it in
+    that module's place, where a following activation can then be folded into it.
+
+    Args:
+        num_groups, num_channels, eps, affine, device, dtype: as :class:`torch.nn.GroupNorm`'s,
+            whose module this one holds as ``norm_layer`` (so its parameters are
+            ``norm_layer.weight`` and ``norm_layer.bias``, the ``state_dict`` keys of Mochi's
+            module).
+        activation, negative_slope: as :class:`fusednorm.nn.GroupNorm`'s (keyword-only).
+
+    Shape:
+        - Input: (N, C, T, *).
+        - Output: the input's shape and dtype; the frames' result (N * T, C, *) viewed back, as
+          Mochi's module returns it.
+
+    Example::
+
+        >>> norm = fusednorm.nn.FrameGroupNorm(32, 128, activation="silu")
+        >>> video = torch.randn(1, 128, 7, 60, 106)
+        >>> y = norm(video)   # silu of each frame's group norm
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 device=None, dtype=None, *, activation: Optional[str] = None, negative_slope: float = 0.01) -> None:
+        super().__init__()
+        self.norm_layer = torch.nn.GroupNorm(num_groups, num_channels, eps, affine, device=device, dtype=dtype)
+        self.activation = _check_activation(activation)
+        self.negative_slope = negative_slope
+
+    def forward(self, input: Tensor) -> Tensor:
+        # The frames (N * T, C, *) as Mochi's module takes them (a copy where no view can be one).
+        frames = input.transpose(1, 2).flatten(0, 1)
+        norm = self.norm_layer
+        out = F.group_norm(frames, norm.num_groups, norm.weight, norm.bias, norm.eps,
+                           activation=self.activation, negative_slope=self.negative_slope)
+        return out.unflatten(0, (input.shape[0], input.shape[2])).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return _activation_repr(self.activation, self.negative_slope).lstrip(", ")
 
 
 class _InstanceNormMixin:

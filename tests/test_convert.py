@@ -87,8 +87,10 @@ def convert_and_check(model, make_inputs, device, atol=1e-5, rtol=1e-5):
     assert all(p is params[name] for name, p in converted.named_parameters())
     assert list(dict(converted.named_parameters())) == list(params)
     assert all(b is buffers[name] for name, b in converted.named_buffers())
+    # (A FrameGroupNorm keeps its torch.nn.GroupNorm as the holder of its parameters.)
+    holders = {id(m.norm_layer) for m in converted.modules() if type(m) is fnn.FrameGroupNorm}
     assert not any(type(m) in (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-                   for m in converted.modules())
+                   and id(m) not in holders for m in converted.modules())
     assert_equivalent(reference, converted, make_inputs, device, atol, rtol)
     return converted
 
@@ -259,6 +261,63 @@ def test_diffusers_autoencoder(device, float32_convolutions):
     # Decode a deterministic latent: the posterior sample would draw random numbers.
     vae = convert_and_check(vae, lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4, rtol=1e-4)
     assert len(fused_modules(vae)) == n_norms > 0
+
+
+class MochiBlock(nn.Module):
+    """diffusers' Mochi resnet block, its output tensor alone (it also returns a cache dict)."""
+
+    def __init__(self, channels=32, chunk_size=2):
+        super().__init__()
+        mochi = import_or_skip("diffusers.models.autoencoders.autoencoder_kl_mochi")
+        self.block = mochi.MochiResnetBlock3D(channels)
+        for norm in (self.block.norm1, self.block.norm2):
+            norm.chunk_size = chunk_size  # several chunks of frames, concatenated
+
+    def forward(self, x):
+        return self.block(x)[0]
+
+
+def mochi_inputs(device):
+    return (torch.randn(2, 32, 5, 4, 3, device=device),)  # 10 frames: chunks of 2, 2 samples
+
+
+def test_diffusers_mochi_chunked_group_norm(device, float32_convolutions, caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model = MochiBlock()
+    norm_layers = [model.block.norm1.norm_layer, model.block.norm2.norm_layer]
+    with caplog.at_level(logging.INFO, logger="fusednorm"):
+        model = convert_and_check(model, mochi_inputs, device, atol=1e-4, rtol=1e-4)
+    assert "replaced 2 module(s): 2 MochiChunkedGroupNorm3D -> fusednorm.nn.FrameGroupNorm;" in caplog.text
+    block = model.block
+    # Each per-frame norm is one FrameGroupNorm over the same norm_layer, the SiLU after both folded.
+    assert type(block.norm1) is type(block.norm2) is fnn.FrameGroupNorm
+    assert [block.norm1.norm_layer, block.norm2.norm_layer] == norm_layers
+    assert block.norm1.activation == block.norm2.activation == "silu" and type(block.nonlinearity) is nn.Identity
+
+
+def test_diffusers_mochi_chunked_group_norm_left_alone(device):
+    torch.manual_seed(0)
+    model = MochiBlock().to(device)
+    reference = copy.deepcopy(model)
+    chunked = type(model.block.norm1)
+    # Its norm_layer rejected by filter_fn: norm1 stays as it is, and so the SiLU it shares with norm2.
+    fusednorm.convert(model, filter_fn=lambda name, m: name != "block.norm1.norm_layer")
+    assert type(model.block.norm1) is chunked and type(model.block.norm1.norm_layer) is nn.GroupNorm
+    assert type(model.block.norm2) is fnn.FrameGroupNorm and model.block.norm2.activation is None
+    assert type(model.block.nonlinearity) is nn.SiLU
+    assert_equivalent(reference, model, mochi_inputs, device, atol=1e-4, rtol=1e-4)
+    # A hook on its norm_layer would see one call instead of one a chunk: not converted either.
+    model = MochiBlock()
+    model.block.norm2.norm_layer.register_forward_hook(lambda *args: None)
+    fusednorm.convert(model)
+    assert type(model.block.norm1) is fnn.FrameGroupNorm and type(model.block.norm2) is chunked
+    # A subclass overriding forward is not Mochi's computation.
+    model = MochiBlock()
+    model.block.norm1.__class__ = type("Other", (chunked,), {"forward": lambda self, x: x})
+    fusednorm.convert(model)
+    assert type(model.block.norm1).__name__ == "Other" and type(model.block.norm2) is fnn.FrameGroupNorm
 
 
 # -- timm ----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import fusednorm
 import fusednorm.nn as fnn
+from reference import _f64, activation_reference, assert_close, group_norm_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
 
@@ -667,3 +668,63 @@ def test_scripted_instance_norm_function(C, N, spatial, use_input_stats, momentu
     torch.testing.assert_close(rm1, rm2, atol=0, rtol=0)
     torch.testing.assert_close(rv1, rv2, atol=0, rtol=0)
     torch.testing.assert_close(inn(x), F.instance_norm(x), **TOL)
+
+
+# -- FrameGroupNorm ------------------------------------------------------------------------------
+
+
+def frame_group_norm_reference(x, num_groups, weight, bias, eps, activation, negative_slope=0.01):
+    """Each frame x[n, :, t] group-normalized on its own, in float64 (from the definitions)."""
+    N, C, T = x.shape[:3]
+    frames = x.double().transpose(1, 2).reshape((N * T, C) + x.shape[3:])
+    y = group_norm_reference(frames, num_groups, weight.double(), bias.double(), eps)
+    y = activation_reference(y, activation, negative_slope)
+    return y.reshape((N, T, C) + x.shape[3:]).transpose(1, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_groups=st.integers(1, 3), per_group=st.integers(1, 3), N=st.integers(1, 3), T=st.integers(1, 4),
+       spatial=st.lists(st.integers(1, 5), min_size=1, max_size=2), activation=st.sampled_from([None, "silu", "gelu"]),
+       channels_last=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_frame_group_norm_matches_per_frame_reference(num_groups, per_group, N, T, spatial, activation,
+                                                      channels_last, seed, device):
+    C = num_groups * per_group
+    assume(per_group * math.prod(spatial) > 1)
+    torch.manual_seed(seed)
+    norm = fnn.FrameGroupNorm(num_groups, C, eps=1e-3, activation=activation).to(device)
+    torch.nn.init.normal_(norm.norm_layer.weight)
+    torch.nn.init.normal_(norm.norm_layer.bias)
+    x = random_input((N, C, T) + tuple(spatial), seed, device, requires_grad=False)
+    if channels_last and x.dim() == 5:
+        x = x.to(memory_format=torch.channels_last_3d)
+    x.requires_grad_()
+    y = norm(x)
+    w, b = norm.norm_layer.weight, norm.norm_layer.bias
+    ref = frame_group_norm_reference(x.detach().cpu(), num_groups, w.detach().cpu(), b.detach().cpu(), 1e-3, activation)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, ref, torch.float32)
+    # Gradients of the input and of norm_layer's parameters against the reference's.
+    x64, w64, b64 = _f64(x), _f64(w), _f64(b)
+    grad = torch.randn(y.shape, dtype=torch.float64)
+    want = torch.autograd.grad(frame_group_norm_reference(x64, num_groups, w64, b64, 1e-3, activation), [x64, w64, b64],
+                               grad)
+    got = torch.autograd.grad(y, [x, w, b], grad.to(device, torch.float32))
+    for g, r in zip(got, want):
+        assert_close(g, r, torch.float32, scale=10 * (1 + r.abs().max().item()))
+
+
+def test_frame_group_norm_module(device):
+    norm = fnn.FrameGroupNorm(2, 4, activation="silu", device=device)
+    assert list(norm.state_dict()) == ["norm_layer.weight", "norm_layer.bias"]
+    assert type(norm.norm_layer) is torch.nn.GroupNorm and norm.norm_layer.weight.device.type == device
+    assert repr(norm) == f"FrameGroupNorm(\n  activation='silu'\n  (norm_layer): {torch.nn.GroupNorm(2, 4)!r}\n)"
+    assert "activation" not in repr(fnn.FrameGroupNorm(2, 4))
+    x = torch.randn(2, 4, 3, 5, device=device)
+    scripted = torch.jit.script(norm)
+    torch.testing.assert_close(scripted(x), norm(x), atol=0, rtol=0)
+    # Empty batches and videos keep their shape; a bad input raises what F.group_norm of its frames raises.
+    assert norm(x[:0]).shape == (0, 4, 3, 5) and norm(x[:, :, :0]).shape == (2, 4, 0, 5)
+    with pytest.raises(RuntimeError, match="Expected weight to be a vector of size equal to the number of channels"):
+        norm(torch.randn(2, 6, 3, 5, device=device))
+    with pytest.raises(ValueError, match="Unknown activation"):
+        fnn.FrameGroupNorm(2, 4, activation="tanh")
