@@ -74,6 +74,51 @@ def test_non_contiguous_input(make, device):
 
 
 @st.composite
+def strided_rows_cases(draw):
+    """An input whose rows are contiguous but whose other dimensions have any strides: a permutation
+    of the dimensions before the last (a video's frames viewed back is one), then slices of them."""
+    sizes, padding = draw(pad_cases())
+    order = draw(st.permutations(range(len(sizes) - 1))) + [len(sizes) - 1]
+    steps = [draw(st.integers(1, 2)) for _ in range(len(sizes) - 1)] + [1]
+    return sizes, padding, order, steps
+
+
+@given(case=strided_rows_cases(), dtype=st.sampled_from([torch.float16, torch.float32, torch.float64]),
+       seed=st.integers(0, 2**16))
+@example(case=([1, 4, 3, 5, 130], [1, 1, 1, 1, 2, 0], [0, 2, 1, 3, 4], [1, 1, 1, 1, 1]), dtype=torch.float16, seed=0)
+def test_strided_rows_match_f_pad(case, dtype, seed, device):
+    sizes, padding, order, steps = case
+    # Allocated in the permuted order and sliced, then viewed in the given one.
+    big = [sizes[d] * steps[d] for d in order]
+    base = torch.randn(big, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    x = base[tuple(slice(None, None, steps[d]) for d in order)].permute(*[order.index(d) for d in range(len(sizes))])
+    assert x.shape == tuple(sizes) and (x.stride(-1) == 1 or x.shape[-1] == 1)
+    out = pad_op(x, padding)
+    ref = reference(x, padding)
+    assert torch.equal(out, ref)
+    want = torch.empty(ref.shape, memory_format=suggest_memory_format(x)).stride()
+    assert all(a == b for a, b, n in zip(out.stride(), want, out.shape) if n > 1), (out.stride(), want)
+
+
+def test_strided_rows_are_not_copied_first(device):
+    """A video's frames viewed back (rows contiguous, dense in no layout) is padded from where it
+    is: the call allocates its output alone, no dense copy of the input (which the kernels' rows
+    path made before it read strides)."""
+    if device != "cuda":
+        pytest.skip("the CPU op is ATen's pad")
+    frames = torch.randn(1, 9, 64, 20, 130, device=device, dtype=torch.float16)  # (N, T, C, H, W)
+    x = frames.permute(0, 2, 1, 3, 4)  # (N, C, T, H, W), dense in no layout
+    padding = [1, 1, 1, 1, 2, 0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = pad_op(x, padding)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < out.numel() * out.element_size() + x.numel() * x.element_size() // 2, peak
+    assert torch.equal(out, reference(x, padding)) and out.is_contiguous()
+
+
+@st.composite
 def channels_last_cases(draw):
     spatial = draw(st.integers(2, 3))
     # Channel counts whose vectors take every unit width (2-16 bytes) on every dtype.

@@ -1,9 +1,9 @@
 // The CUDA kernels of replication_pad (ops.cpp): F.pad(input, padding, mode="replicate") on a
-// contiguous or channels-last floating-point input, a copy in which each output row reads its
-// clamped source row, the output in the input's suggested memory format (docs/design.md,
-// "Replication pad"). Every other call (another layout or dtype, negative padding, an empty
-// dimension, 2^30 items or more) is ATen's own pad, which also raises PyTorch's errors for bad
-// arguments, its output then put in that format.
+// floating-point input whose rows are contiguous (any strides before them) or dense in
+// channels-last, a copy in which each output row reads its clamped source row, the output in the
+// input's suggested memory format (docs/design.md, "Replication pad"). Every other call (another
+// layout or dtype, negative padding, an empty dimension, 2^30 items or more) is ATen's own pad,
+// which also raises PyTorch's errors for bad arguments, its output then put in that format.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
@@ -45,9 +45,13 @@ constexpr int kUnits = 4;
 // The padded problem as (planes, D, H, W), the padded dimensions right-aligned (a 1-d or 2-d
 // padding has D = 1, or D = H = 1, and no padding there); the lines kernel's items are (output
 // row, chunk), the rows kernel's output rows (one chunk a row), the channels-last kernel's the
-// units of the output, each row's out_w channel vectors of vector_units units.
+// units of the output, each row's out_w channel vectors of vector_units units. The row kernels
+// read an input row through the input's strides: a plane is (outer, inner), the dimensions before
+// D (inner 1 where there is one).
 struct PadGeometry {
   at::cuda::detail::IntDivider<unsigned> chunks, out_h, out_d;  // an item's (row, chunk); a row's (plane, d, h)
+  at::cuda::detail::IntDivider<unsigned> inner;  // a plane's (outer, inner)
+  int64_t outer_stride, inner_stride, d_stride, h_stride;  // the input's, in elements
   at::cuda::detail::IntDivider<unsigned> vector_units, out_w_vectors;  // channels-last: a unit's (vector, unit); a vector's (row, w)
   unsigned items;
   int D, H, W, out_w, chunk;  // chunk: elements an item (kChunkBytes of them)
@@ -58,12 +62,22 @@ __device__ __forceinline__ int clamp_index(int i, int size) {
   return min(max(i, 0), size - 1);
 }
 
-// The row of the input that output row `row` copies.
+// The row of a dense input that output row `row` copies (its index among the input's rows).
 __device__ __forceinline__ int64_t source_row(const PadGeometry& g, unsigned row) {
   const auto h = g.out_h.divmod(row);
   const auto d = g.out_d.divmod(h.div);
   return (static_cast<int64_t>(d.div) * g.D + clamp_index(static_cast<int>(d.mod) - g.front, g.D)) * g.H +
          clamp_index(static_cast<int>(h.mod) - g.top, g.H);
+}
+
+// The first element of the input row that output row `row` copies, through the input's strides.
+__device__ __forceinline__ int64_t source_row_offset(const PadGeometry& g, unsigned row) {
+  const auto h = g.out_h.divmod(row);
+  const auto d = g.out_d.divmod(h.div);
+  const auto plane = g.inner.divmod(d.div);
+  return plane.div * g.outer_stride + plane.mod * g.inner_stride +
+         clamp_index(static_cast<int>(d.mod) - g.front, g.D) * g.d_stride +
+         clamp_index(static_cast<int>(h.mod) - g.top, g.H) * g.h_stride;
 }
 
 // Element type T in both: the dtype's bits (uint16_t, uint32_t, uint64_t), copied unchanged.
@@ -78,7 +92,7 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_lines_kernel(cons
   const unsigned stride = gridDim.x * kPadWarps;
   for (unsigned item = blockIdx.x * kPadWarps + warp; item < g.items; item += stride) {
     const auto rc = g.chunks.divmod(item);
-    const T* src = in + source_row(g, rc.div) * g.W;
+    const T* src = in + source_row_offset(g, rc.div);
     T* dst = out + static_cast<int64_t>(rc.div) * g.out_w;
     const int c0 = static_cast<int>(rc.mod) * g.chunk;  // the item's output elements [c0, c1)
     const int c1 = min(c0 + g.chunk, g.out_w);
@@ -127,7 +141,7 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_rows_kernel(const
   for (int j = 0; j < kRows; ++j) {
     const unsigned row = first + j * blockDim.y;
     live[j] = row < g.items;
-    src[j] = in + source_row(g, live[j] ? row : 0u) * g.W;
+    src[j] = in + source_row_offset(g, live[j] ? row : 0u);
     dst[j] = out + static_cast<int64_t>(row) * g.out_w;
   }
   for (int w0 = threadIdx.x; w0 < g.out_w; w0 += kCols * blockDim.x) {
@@ -179,20 +193,27 @@ __global__ void __launch_bounds__(kPadThreads) replication_pad_channels_last_ker
   }
 }
 
+// The dtypes the kernels copy (as 16, 32 and 64-bit words).
+bool kernel_dtype(at::ScalarType dtype) {
+  return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble;
+}
+
 // The padded output's sizes when the kernels take the call: what ATen's pad would accept (a
 // batched or unbatched input of the padding's dimensions), non-negative padding, a floating-point
-// input with no empty dimension, dense in its suggested memory format `format` (contiguous, or
-// channels-last on a batched input padded in every spatial dimension), and sizes well inside the
-// kernels' 32-bit item and column indices. Nothing when they do not: ATen's pad takes the call.
+// input with no empty dimension, whose suggested memory format `format` is contiguous and whose
+// rows are contiguous (any strides before them: the frames of a video viewed back, as Mochi's
+// decoder pads them), or dense in channels-last (a batched input padded in every spatial
+// dimension), and sizes well inside the kernels' 32-bit item and column indices. Nothing when
+// they do not: ATen's pad takes the call.
 std::optional<std::vector<int64_t>> kernel_output_sizes(
     const at::Tensor& input, at::IntArrayRef padding, at::MemoryFormat format) {
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   if (padding.size() % 2 != 0 || dims < 1 || dims > 3) return std::nullopt;
   if (input.dim() != dims + 1 && input.dim() != dims + 2) return std::nullopt;
-  const auto dtype = input.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat && dtype != at::kDouble) return std::nullopt;
-  if (!input.is_contiguous(format) || input.numel() == 0) return std::nullopt;
+  if (!kernel_dtype(input.scalar_type()) || input.numel() == 0) return std::nullopt;
   const bool channels_last = format != at::MemoryFormat::Contiguous;
+  const bool rows_contiguous = input.stride(-1) == 1 || input.size(-1) == 1;
+  if (channels_last ? !input.is_contiguous(format) : !rows_contiguous) return std::nullopt;
   if (channels_last && input.dim() != dims + 2) return std::nullopt;
   if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p < 0; })) return std::nullopt;
   std::vector<int64_t> sizes = input.sizes().vec();
@@ -225,10 +246,10 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   const auto format = input.suggest_memory_format();
   const auto out_sizes = kernel_output_sizes(input, padding, format);
   if (!out_sizes) {
-    // An input dense in no layout (a view of permuted frames, as Mochi's upsamplers pad) is copied
-    // dense in its suggested format first (docs/design.md, "Replication pad"); the output's layout
-    // is the same either way.
-    if (input.numel() > 0 && !input.is_contiguous(format)) {
+    // Any other input of the kernels' dtypes dense in no layout (a channels-last slice, rows with
+    // a stride) is copied dense in its suggested format first (docs/design.md, "Replication
+    // pad"); the output's layout is the same either way.
+    if (input.numel() > 0 && kernel_dtype(input.scalar_type()) && !input.is_contiguous(format)) {
       const at::Tensor dense = input.contiguous(format);
       if (dense.suggest_memory_format() == format && kernel_output_sizes(dense, padding, format)) {
         return replication_pad_cuda(dense, padding);
@@ -255,6 +276,14 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   g.top = leading_pad(1);
   g.front = leading_pad(2);
   g.out_w = size_of(*out_sizes, 0);
+  // The row kernels' strides (a dimension of size 1 has index 0: its stride unused). The planes
+  // are the one or two dimensions before the padded ones: (outer, inner), or (0, inner).
+  const int64_t lead = input.dim() - dims;
+  g.inner = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(input.size(lead - 1)));
+  g.inner_stride = input.stride(lead - 1);
+  g.outer_stride = lead == 2 ? input.stride(0) : 0;
+  g.d_stride = dims >= 3 ? input.stride(-3) : 0;
+  g.h_stride = dims >= 2 ? input.stride(-2) : 0;
   g.out_h = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 1)));
   g.out_d = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 2)));
   const auto stream = at::cuda::getCurrentCUDAStream();
