@@ -2,7 +2,12 @@
 it costs inside `add_group_norm`, against ATen's copy of the permuted view and a clone (the
 roofline), on the HunyuanVideo decoder's shapes and a few smaller ones, in one run.
 
-    python benchmarks/layout_copy_bench.py
+    python benchmarks/layout_copy_bench.py [--strided-rows]
+
+With --strided-rows: operands whose rows are contiguous but whose other strides are any (a video's
+frames as Mochi's per-frame norms take them, slices), which to_layout copies channels-first with
+the replication pad's row kernels and no padding: that copy against ATen's `.contiguous()` and a
+clone (the roofline), and `group_norm` of the operand against `group_norm` of its dense copy.
 
 Medians in ms of `bench.timer` (CUDA events after an L2 flush). "CL+CF" is add_group_norm with a
 channels-last input and a contiguous `other`, "CL+CL" the same with both channels-last; their
@@ -15,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fusednorm  # noqa: E402,F401  (registers the ops)
+import fusednorm  # noqa: E402
 from bench import timer  # noqa: E402
 
 SHAPES = [((1, 128, 9, 480, 640), torch.float16), ((1, 256, 9, 240, 320), torch.float16),
@@ -23,11 +28,45 @@ SHAPES = [((1, 128, 9, 480, 640), torch.float16), ((1, 256, 9, 240, 320), torch.
           ((8, 64, 128, 128), torch.float32)]
 
 
+def frames(n, c, t, h, w, dtype):
+    """The frames (N * T, C, H, W) of a video (N, C, T, H, W) stored NCDHW: a view where N is 1."""
+    return torch.randn(n, c, t, h, w, device="cuda", dtype=dtype).transpose(1, 2).flatten(0, 1)
+
+
+STRIDED = [  # (name, make operand)
+    ("Mochi frames (7,128,480,848)", lambda: frames(1, 128, 7, 480, 848, torch.float16)),
+    ("Mochi frames (7,512,120,212)", lambda: frames(1, 512, 7, 120, 212, torch.float16)),
+    ("frames (16,64,32,32) fp32", lambda: frames(1, 64, 16, 32, 32, torch.float32)),
+    ("frames (16,64,8,8)", lambda: frames(1, 64, 16, 8, 8, torch.float16)),
+    ("channels [:, ::2] (8,320,64,64)", lambda: torch.randn(8, 640, 64, 64, device="cuda", dtype=torch.float16)[:, ::2]),
+    ("batch [::2] (4,128,96,96)", lambda: torch.randn(8, 128, 96, 96, device="cuda", dtype=torch.float16)[::2]),
+]
+
+
+def strided_rows(t):
+    pad = torch.ops.fusednorm.replication_pad
+    for name, make in STRIDED:
+        x = make()
+        zeros = [0] * (2 * (x.dim() - 2))
+        dense = x.contiguous()
+        assert x.stride(-1) == 1 and not x.is_contiguous() and torch.equal(pad(x, zeros), dense)
+        G = 32
+        aten = t(lambda: x.contiguous())
+        ours = t(lambda: pad(x, zeros))
+        clone = t(lambda: dense.clone())
+        gn = t(lambda: fusednorm.group_norm(x, G))
+        gn_dense = t(lambda: fusednorm.group_norm(dense, G))
+        print(f"{name:32s} clone {clone:.4f}  ATen copy {aten:.4f}  row kernels {ours:.4f} | "
+              f"group_norm {gn:.4f} (of the dense copy {gn_dense:.4f})", flush=True)
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("layout_copy_bench.py needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, ms")
     t = timer("cuda")
+    if "--strided-rows" in sys.argv[1:]:
+        return strided_rows(t)
     add = torch.ops.fusednorm.add_group_norm
     for shape, dtype in SHAPES:
         x = torch.randn(shape, device="cuda", dtype=dtype)

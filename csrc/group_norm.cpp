@@ -109,9 +109,11 @@ c10::SmallVector<int64_t, 8> dims_innermost_first(int64_t dims, Layout layout) {
   return order;
 }
 
-// Whether t's strides are those of a dense tensor in `layout` (size-1 dimensions ignored), read
-// from the sizes and strides themselves: is_contiguous() calls every empty tensor contiguous, and a
-// movedim view for the check would cost host time on every call (docs/design.md, "Host time").
+}  // namespace
+
+// Read from the sizes and strides themselves: is_contiguous() calls every empty tensor
+// contiguous, and a movedim view for the check would cost host time on every call
+// (docs/design.md, "Host time").
 bool has_strides_of(const at::Tensor& t, Layout layout) {
   const auto sizes = t.sizes();
   const auto strides = t.strides();
@@ -122,8 +124,6 @@ bool has_strides_of(const at::Tensor& t, Layout layout) {
   }
   return true;
 }
-
-}  // namespace
 
 Layout layout_for(const at::Tensor& t) {
   // The output keeps the input's layout, as eager's norms keep its suggested memory format
@@ -159,8 +159,7 @@ void register_cuda_layout_copy(LayoutCopy copy) {
 
 at::Tensor to_layout(const at::Tensor& t, Layout layout) {
   if (layout == Layout::ChannelsFirst ? t.is_contiguous() : has_strides_of(t, Layout::ChannelsLast)) return t;
-  const Layout other = layout == Layout::ChannelsFirst ? Layout::ChannelsLast : Layout::ChannelsFirst;
-  if (t.is_cuda() && cuda_layout_copy() != nullptr && t.dim() >= 3 && t.numel() > 0 && has_strides_of(t, other)) {
+  if (t.is_cuda() && cuda_layout_copy() != nullptr && t.dim() >= 3 && t.numel() > 0) {
     at::Tensor copy = cuda_layout_copy()(t, layout);
     if (copy.defined()) return copy;
   }

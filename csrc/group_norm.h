@@ -60,14 +60,18 @@ GroupNormShape check_group_norm_backward_args(
 // dense with the channel dimension innermost, otherwise ChannelsFirst after a copy.
 Layout layout_for(const at::Tensor& t);
 
+// Whether t's strides are those of a dense tensor in `layout` (size-1 dimensions ignored).
+bool has_strides_of(const at::Tensor& t, Layout layout);
+
 // `t` in `layout`, copied only when its strides are not already those of `layout`. A CUDA tensor
-// dense in the other layout is copied by the registered layout copy (below) where there is one.
+// is copied by the registered layout copy (below) where there is one and it takes the tensor.
 at::Tensor to_layout(const at::Tensor& t, Layout layout);
 
-// The copy of a CUDA tensor of rank >= 3 with elements, dense in the layout other than the one
-// given, into that layout; an undefined result leaves the copy to ATen. The CUDA build registers
-// its kernel at load (csrc/cuda/layout_copy_kernel.cu; docs/design.md, "Layout copies"); host code
-// built without CUDA has none.
+// The copy of a CUDA tensor of rank >= 3 with elements, not in the layout given, into that
+// layout; an undefined result leaves the copy to ATen. The CUDA build registers its kernels at
+// load (csrc/cuda/layout_copy_kernel.cu: a tensor dense in the other layout, or one whose rows
+// are contiguous into channels-first; docs/design.md, "Layout copies"); host code built without
+// CUDA has none.
 using LayoutCopy = at::Tensor (*)(const at::Tensor& t, Layout layout);
 void register_cuda_layout_copy(LayoutCopy copy);
 

@@ -75,3 +75,50 @@ def test_residual_multiplier_and_grad_out_in_the_other_layout(shape, G, dtype, l
     other = run(lambda t: in_other_layout(t, operand_layout))
     for a, b in zip(same, other):
         assert torch.equal(b, a)
+
+
+def with_strided_rows(t):
+    """t's values in a view whose rows are contiguous but whose first two dimensions are swapped in
+    memory (a video's frames as Mochi's per-frame norms take them): dense in no layout, which the
+    CUDA ops copy channels-first with the replication pad's row kernels (no padding)."""
+    u = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(u, t) and u.stride(-1) == 1 and not u.is_contiguous()
+    return u
+
+
+@pytest.mark.parametrize("shape, G", [case for case in CASES if case[0][0] > 1 and case[0][-1] > 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_operands_with_strided_rows(shape, G, dtype, device):
+    x = make(shape, dtype, device, "contiguous", 1)
+    other = make(shape, dtype, device, "contiguous", 2)
+    w = torch.randn(shape[1], dtype=dtype, device=device)
+    b = torch.randn(shape[1], dtype=dtype, device=device)
+    # The input, an add operand, a residual: every result equal to the dense call's, strides too.
+    want = fusednorm.group_norm(x, G, w, b, activation="silu", residual=other)
+    got = fusednorm.group_norm(with_strided_rows(x), G, w, b, activation="silu", residual=with_strided_rows(other))
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    y, s = ADD(x, other, G, w, b, 1e-5)
+    y2, s2 = ADD(with_strided_rows(x), with_strided_rows(other), G, w, b, 1e-5)
+    assert torch.equal(y2, y) and torch.equal(s2, s) and y2.stride() == y.stride()
+    # The backward's input and grad_out.
+    grads = []
+    for strided in (False, True):
+        xs = (with_strided_rows(x) if strided else x.clone()).requires_grad_()
+        out = fusednorm.group_norm(xs, G, w, b)
+        dy = make(shape, dtype, device, "contiguous", 3)
+        grads.append(torch.autograd.grad(out, xs, with_strided_rows(dy) if strided else dy)[0])
+    assert torch.equal(grads[1], grads[0])
+
+
+def test_strided_rows_take_the_pad_kernels(device):
+    if device != "cuda":
+        pytest.skip("ATen's copy on the CPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    frames = with_strided_rows(torch.randn(4, 64, 48, 300, device=device, dtype=torch.float16))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fusednorm.group_norm(frames, 32)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("replication_pad_lines_kernel" in n for n in names), names
+    assert not any("copy" in n.lower() for n in names), names

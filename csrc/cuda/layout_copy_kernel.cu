@@ -1,7 +1,10 @@
-// The CUDA copy of an operand dense in one layout into the other (channels-first <-> channels-last),
-// which to_layout (group_norm.cpp) takes for CUDA tensors: a batched transpose through shared-memory
-// tiles whose loads and stores fill whole 32-byte sectors, where ATen's copy of the permuted view
-// reads an element a sector (docs/design.md, "Layout copies").
+// The CUDA copies to_layout (group_norm.cpp) takes for CUDA tensors (docs/design.md, "Layout
+// copies"). An operand dense in one layout into the other (channels-first <-> channels-last): a
+// batched transpose through shared-memory tiles whose loads and stores fill whole 32-byte sectors,
+// where ATen's copy of the permuted view reads an element a sector. An operand whose rows are
+// contiguous but whose other strides are any (the frames of an NCDHW video) into channels-first:
+// the replication pad's row kernels with no padding, where ATen's copy runs a generic strided loop.
+#include "cuda/replication_pad.h"
 #include "group_norm.h"
 
 #include <ATen/core/Tensor.h>
@@ -11,6 +14,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace fusednorm {
 namespace {
@@ -74,8 +78,8 @@ void launch_transpose(const at::Tensor& in, at::Tensor& out, int64_t batches, in
 
 // `t` (a CUDA tensor of rank >= 3 with elements, dense in the layout other than `layout`) copied
 // into `layout`; undefined where the kernel does not take it (elements of another size, a grid of
-// more tiles than a launch holds), and to_layout then copies with ATen.
-at::Tensor layout_copy_cuda(const at::Tensor& t, Layout layout) {
+// more tiles than a launch holds).
+at::Tensor transpose_copy(const at::Tensor& t, Layout layout) {
   const int64_t batches = t.size(0);
   const int64_t channels = t.size(1);
   const int64_t spatial = t.numel() / (batches * channels);
@@ -97,6 +101,23 @@ at::Tensor layout_copy_cuda(const at::Tensor& t, Layout layout) {
     default: launch_transpose<uint64_t>(t, out, batches, rows, cols, row_tiles, col_tiles); break;
   }
   return out;
+}
+
+// `t` (a CUDA tensor of rank >= 3 with elements, copied into `layout`): the transpose where it is
+// dense in the other layout; the pad's lines kernel, no padding, where the copy is channels-first
+// and its rows are contiguous and at least kPadLinesMinBytes long (ranks 3 to 5, the pad's; on
+// shorter rows ATen's copy was as fast or faster, performance.md, "Mochi's frames in eager
+// mode"); otherwise undefined, and to_layout then copies with ATen.
+at::Tensor layout_copy_cuda(const at::Tensor& t, Layout layout) {
+  const Layout other = layout == Layout::ChannelsFirst ? Layout::ChannelsLast : Layout::ChannelsFirst;
+  if (has_strides_of(t, other)) return transpose_copy(t, layout);
+  if (layout != Layout::ChannelsFirst || t.dim() > 5 || t.stride(-1) != 1 ||
+      t.size(-1) * static_cast<int64_t>(t.element_size()) < kPadLinesMinBytes ||
+      t.suggest_memory_format() != at::MemoryFormat::Contiguous) {
+    return at::Tensor();
+  }
+  const at::Tensor out = replication_pad_cuda(t, std::vector<int64_t>(2 * (t.dim() - 2), 0));
+  return out.is_contiguous() ? out : at::Tensor();
 }
 
 const bool registered = (register_cuda_layout_copy(&layout_copy_cuda), true);

@@ -4,6 +4,8 @@
 // input's suggested memory format (docs/design.md, "Replication pad"). Every other call (another
 // layout or dtype, negative padding, an empty dimension, 2^30 items or more) is ATen's own pad,
 // which also raises PyTorch's errors for bad arguments, its output then put in that format.
+#include "cuda/replication_pad.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
@@ -22,7 +24,7 @@
 namespace fusednorm {
 namespace {
 
-// Two kernels (docs/design.md, "Replication pad"). Rows of kLinesMinBytes and more: a warp copies
+// Two kernels (docs/design.md, "Replication pad"). Rows of kPadLinesMinBytes and more: a warp copies
 // an item, at most kChunkBytes of an output row; it stages the input elements the item reads in
 // its shared-memory buffer with 16-byte loads, then writes the item with 16-byte stores, each lane
 // gathering its line's elements from the buffer (an odd left padding puts an output row at 2-byte
@@ -37,7 +39,6 @@ constexpr int kChunkBytes = 2048;
 constexpr int kLine = 16;
 // A buffer holds an item's input and the part of a line before its first element.
 constexpr int kBufferLines = (kChunkBytes + 2 * kLine) / kLine;
-constexpr int kLinesMinBytes = 256;
 constexpr int kRows = 4;
 constexpr int kCols = 4;
 constexpr int kUnits = 4;
@@ -242,6 +243,8 @@ int channels_last_unit(const at::Tensor& input) {
   return unit;
 }
 
+}  // namespace
+
 at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
   const auto format = input.suggest_memory_format();
   const auto out_sizes = kernel_output_sizes(input, padding, format);
@@ -314,7 +317,7 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
     using T = decltype(bits);
     const auto* src = static_cast<const T*>(input.data_ptr());
     auto* dst = static_cast<T*>(out.data_ptr());
-    if (g.out_w * static_cast<int64_t>(sizeof(T)) >= kLinesMinBytes) {
+    if (g.out_w * static_cast<int64_t>(sizeof(T)) >= kPadLinesMinBytes) {
       g.chunk = kChunkBytes / static_cast<int>(sizeof(T));
       const unsigned chunks = static_cast<unsigned>((g.out_w + g.chunk - 1) / g.chunk);
       g.chunks = at::cuda::detail::IntDivider<unsigned>(chunks);
@@ -340,8 +343,6 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(fusednorm, CUDA, m) {
   m.impl("replication_pad", &replication_pad_cuda);
