@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+import fusednorm.nn as fnn
 from fusednorm import _conv3d_layout, fusion
 
 if _conv3d_layout._force_stride_order() is None:
@@ -64,6 +65,20 @@ class FramesOfAVideo(nn.Module):
         y = torch.cat([self.norm(f) for f in frames.split(2)], dim=0)
         y = F.silu(y.unflatten(0, (n, -1)).permute(0, 2, 1, 3, 4))
         return self.conv(F.pad(y, (1, 1, 1, 1, 2, 0), mode="replicate")) + h
+
+
+class FrameNormOfAVideo(FramesOfAVideo):
+    """The same after fusednorm.convert: a FrameGroupNorm, the SiLU folded into it."""
+
+    def __init__(self, channels=8):
+        super().__init__(channels)
+        self.frame_norm = fnn.FrameGroupNorm(2, channels, activation="silu")
+
+    def forward(self, h):
+        n, c, t, height, width = h.shape
+        h = h.view(n, c // 2, 2, t, height, width).permute(0, 1, 3, 2, 4, 5).contiguous()
+        h = h.view(n, c // 2, t * 2, height, width)
+        return self.conv(F.pad(self.frame_norm(h), (1, 1, 1, 1, 2, 0), mode="replicate")) + h
 
 
 class WeightStrides(fx.Interpreter):
@@ -162,6 +177,25 @@ def test_normalized_frames_of_a_video(monkeypatch):
     with torch.no_grad():
         (got,) = gm(*inputs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_frame_group_norm_of_a_video(monkeypatch):
+    # The same rule for a converted model's FrameGroupNorm, whose frames are a transpose's.
+    cpu_float32(monkeypatch)
+    torch.manual_seed(0)
+    module = FrameNormOfAVideo().eval()
+    x = torch.randn(1, 16, 3, 4, 5)
+    gm, inputs = capture(module, x)
+    with torch.no_grad():
+        (want,) = gm(*inputs)
+    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 1
+    force = _conv3d_layout._force_stride_order()
+    transposes = [n for n in gm.graph.nodes if n.target == "transpose" and n.args[0].target is force]
+    assert len(transposes) == 1 and transposes[0].args[1:] == (1, 2)
+    with torch.no_grad():
+        (got,) = gm(*inputs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, module(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["float32", "no 3-D convolution"])
