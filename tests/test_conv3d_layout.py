@@ -159,39 +159,25 @@ def test_contiguous_before_a_view_kept(monkeypatch):
         torch.testing.assert_close(gm(*inputs)[0], module(x), atol=1e-5, rtol=1e-5)
 
 
-def test_normalized_frames_of_a_video(monkeypatch):
+@pytest.mark.parametrize("module, view, view_args, chains", [
+    (FramesOfAVideo, "permute", (0, 2, 1, 3, 4), 1),  # Mochi's norms, fused by the backend first
+    (FrameNormOfAVideo, "transpose", (1, 2), 0),      # a converted model's FrameGroupNorm
+])
+def test_normalized_frames_of_a_video(module, view, view_args, chains, monkeypatch):
     # The video whose frames a fused norm takes is asked for in channels_last_3d, so that the
     # norm's output, viewed back into a video, is channels_last_3d for the pad and convolution.
     cpu_float32(monkeypatch)
     torch.manual_seed(0)
-    module = FramesOfAVideo().eval()
+    module = module().eval()
     x = torch.randn(1, 16, 3, 4, 5)
     gm, inputs = capture(module, x)
     with torch.no_grad():
         (want,) = gm(*inputs)
-    assert fusion.fuse_graph(gm) == 1
+    assert fusion.fuse_graph(gm) == chains
     assert _conv3d_layout.channels_last_3d_convolutions(gm) == 1
     force = _conv3d_layout._force_stride_order()
-    permutes = [n for n in gm.graph.nodes if n.target == "permute" and n.args[0].target is force]
-    assert len(permutes) == 1 and permutes[0].args[1:] == (0, 2, 1, 3, 4)
-    with torch.no_grad():
-        (got,) = gm(*inputs)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_frame_group_norm_of_a_video(monkeypatch):
-    # The same rule for a converted model's FrameGroupNorm, whose frames are a transpose's.
-    cpu_float32(monkeypatch)
-    torch.manual_seed(0)
-    module = FrameNormOfAVideo().eval()
-    x = torch.randn(1, 16, 3, 4, 5)
-    gm, inputs = capture(module, x)
-    with torch.no_grad():
-        (want,) = gm(*inputs)
-    assert _conv3d_layout.channels_last_3d_convolutions(gm) == 1
-    force = _conv3d_layout._force_stride_order()
-    transposes = [n for n in gm.graph.nodes if n.target == "transpose" and n.args[0].target is force]
-    assert len(transposes) == 1 and transposes[0].args[1:] == (1, 2)
+    views = [n for n in gm.graph.nodes if n.target == view and n.args[0].target is force]
+    assert len(views) == 1 and views[0].args[1:] == view_args
     with torch.no_grad():
         (got,) = gm(*inputs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
