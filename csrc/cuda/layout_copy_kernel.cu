@@ -2,8 +2,9 @@
 // copies"). An operand dense in one layout into the other (channels-first <-> channels-last): a
 // batched transpose through shared-memory tiles whose loads and stores fill whole 32-byte sectors,
 // where ATen's copy of the permuted view reads an element a sector. An operand whose rows are
-// contiguous but whose other strides are any (the frames of an NCDHW video) into channels-first:
-// the replication pad's row kernels with no padding, where ATen's copy runs a generic strided loop.
+// contiguous, at least 256 bytes, but whose other strides are any (the frames of an NCDHW video)
+// into channels-first: the replication pad's lines kernel with no padding, where ATen's copy runs
+// a generic strided loop.
 #include "cuda/replication_pad.h"
 #include "group_norm.h"
 
