@@ -136,11 +136,11 @@ def _normalized_frames(graph: fx.Graph) -> List[Tuple[fx.Node, fx.Node]]:
     """(permute, video) of each fusednorm op whose input is the frames of a 5-D tensor the pass
     is for, ``video.permute(0, 2, 1, 3, 4).flatten(0, 1)`` (the per-frame norms of Mochi's VAE,
     one norm since ``one_norm_of_frames``) or ``video.transpose(1, 2).flatten(0, 1)``
-    (``fusednorm.nn.FrameGroupNorm``'s, in a model ``convert`` converted). The pass asks for `video` in channels_last_3d: its
-    frames are then channels-last, and so are the op's output and the video it is viewed back
-    into, which the pad and the convolution after it take as they are, where frames of an NCDHW
-    video would give a video dense in no layout (docs/design.md, "3-D convolutions in
-    channels_last_3d")."""
+    (``fusednorm.nn.FrameGroupNorm``'s, in a model ``convert`` converted). The pass asks for
+    `video` in channels_last_3d: its frames are then channels-last, and so are the op's output
+    and the video it is viewed back into, which the pad and the convolution after it take as they
+    are, where frames of an NCDHW video would give a video dense in no layout (docs/design.md,
+    "3-D convolutions in channels_last_3d")."""
     found = []
     for node in graph.nodes:
         if not _is_fusednorm_op(node) or not node.args:

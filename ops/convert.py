@@ -325,7 +325,6 @@ def convert(model: nn.Module, *, inplace: bool = True,
                 norm = module._modules["norm_layer"]
                 cls = None if id(norm) in rejected else cls
                 memo.setdefault(id(norm), None)
-                originals.setdefault(id(norm), norm)
             memo[id(module)] = None if cls is None else _converted(module, cls)
         return memo[id(module)]
 
