@@ -18,4 +18,8 @@ constexpr int64_t kPadLinesMinBytes = 256;
 // take the call, which also raises PyTorch's errors).
 at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding);
 
+// The same padded copy where the kernels take `input` as it lies; undefined where they do not (no
+// dense copy first, no ATen fallback): for callers that have a better fallback of their own.
+at::Tensor replication_pad_by_kernels(const at::Tensor& input, at::IntArrayRef padding);
+
 }  // namespace fusednorm

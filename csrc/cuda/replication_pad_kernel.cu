@@ -243,25 +243,12 @@ int channels_last_unit(const at::Tensor& input) {
   return unit;
 }
 
-}  // namespace
-
-at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
-  const auto format = input.suggest_memory_format();
-  const auto out_sizes = kernel_output_sizes(input, padding, format);
-  if (!out_sizes) {
-    // Any other input of the kernels' dtypes dense in no layout (a channels-last slice, rows with
-    // a stride) is copied dense in its suggested format first (docs/design.md, "Replication
-    // pad"); the output's layout is the same either way.
-    if (input.numel() > 0 && kernel_dtype(input.scalar_type()) && !input.is_contiguous(format)) {
-      const at::Tensor dense = input.contiguous(format);
-      if (dense.suggest_memory_format() == format && kernel_output_sizes(dense, padding, format)) {
-        return replication_pad_cuda(dense, padding);
-      }
-    }
-    return at::pad(input, padding, "replicate").contiguous(format);
-  }
+// The padded copy of `input` by the kernels, `out_sizes` its sizes (kernel_output_sizes of the
+// input in its suggested memory format `format`).
+at::Tensor launch_replication_pad(const at::Tensor& input, at::IntArrayRef padding, at::MemoryFormat format,
+    const std::vector<int64_t>& out_sizes) {
   const c10::cuda::CUDAGuard guard(input.device());
-  at::Tensor out = at::empty(*out_sizes, input.options().memory_format(format));
+  at::Tensor out = at::empty(out_sizes, input.options().memory_format(format));
   const int64_t dims = static_cast<int64_t>(padding.size()) / 2;
   // Sizes and leading pads by dimension from the end (0: W, 1: H, 2: D); 1 and 0 past the padded ones.
   const auto size_of = [&](const std::vector<int64_t>& sizes, int64_t from_end) {
@@ -278,7 +265,7 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   g.left = leading_pad(0);
   g.top = leading_pad(1);
   g.front = leading_pad(2);
-  g.out_w = size_of(*out_sizes, 0);
+  g.out_w = size_of(out_sizes, 0);
   // The row kernels' strides (a dimension of size 1 has index 0: its stride unused). The planes
   // are the one or two dimensions before the padded ones: (outer, inner), or (0, inner).
   const int64_t lead = input.dim() - dims;
@@ -287,8 +274,8 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   g.outer_stride = lead == 2 ? input.stride(0) : 0;
   g.d_stride = dims >= 3 ? input.stride(-3) : 0;
   g.h_stride = dims >= 2 ? input.stride(-2) : 0;
-  g.out_h = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 1)));
-  g.out_d = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(*out_sizes, 2)));
+  g.out_h = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(out_sizes, 1)));
+  g.out_d = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(size_of(out_sizes, 2)));
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (format != at::MemoryFormat::Contiguous) {
@@ -342,6 +329,33 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+}  // namespace
+
+at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
+  const auto format = input.suggest_memory_format();
+  if (const auto out_sizes = kernel_output_sizes(input, padding, format)) {
+    return launch_replication_pad(input, padding, format, *out_sizes);
+  }
+  // Any other input of the kernels' dtypes dense in no layout (a channels-last slice, rows with a
+  // stride) is copied dense in its suggested format first (docs/design.md, "Replication pad"); the
+  // output's layout is the same either way.
+  if (input.numel() > 0 && kernel_dtype(input.scalar_type()) && !input.is_contiguous(format)) {
+    const at::Tensor dense = input.contiguous(format);
+    if (dense.suggest_memory_format() == format) {
+      if (const auto out_sizes = kernel_output_sizes(dense, padding, format)) {
+        return launch_replication_pad(dense, padding, format, *out_sizes);
+      }
+    }
+  }
+  return at::pad(input, padding, "replicate").contiguous(format);
+}
+
+at::Tensor replication_pad_by_kernels(const at::Tensor& input, at::IntArrayRef padding) {
+  const auto format = input.suggest_memory_format();
+  const auto out_sizes = kernel_output_sizes(input, padding, format);
+  return out_sizes ? launch_replication_pad(input, padding, format, *out_sizes) : at::Tensor();
 }
 
 TORCH_LIBRARY_IMPL(fusednorm, CUDA, m) {
