@@ -2,8 +2,8 @@
 mode").
 
 The video VAEs' causal convolutions pad their input with ``F.pad(x, padding, mode="replicate")``
-inside the convolution modules' own ``forward``, where ``fusednorm.convert`` (which swaps modules)
-cannot reach; ATen's CUDA pad runs at a fraction of the copy rate. Within
+inside the convolution modules' own ``forward``; ATen's CUDA pad runs at a fraction of the copy
+rate. Within
 ``with fusednorm.replication_pads():`` such calls on CUDA tensors run
 ``torch.ops.fusednorm.replication_pad``, which returns the same tensor (a copy: bit for bit, in
 the input's suggested memory format) through fusednorm's pad kernels, and ATen's pad, with its
@@ -14,6 +14,9 @@ through one Python call, a few microseconds, so it is for models whose time is o
 video decode), not for host-bound ones. It is for eager mode: code Inductor compiled calls ATen's
 kernels, not torch functions, so the block changes nothing there (the fusion backend takes the
 pads that follow its fused norms itself).
+
+``fusednorm.convert`` gives the causal convolutions of diffusers' video VAEs a class of
+``padded_forward_class``: their own ``forward`` inside the block, the rest of the model outside it.
 """
 
 from typing import Any, Dict, Optional, Sequence
@@ -65,3 +68,50 @@ class replication_pads(TorchFunctionMode):  # noqa: N801 (used as a function: `w
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _compiling() -> bool:
+    """Whether Dynamo is tracing the caller (torch.compile, torch.export)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return torch._dynamo.is_compiling()  # torch < 2.3
+
+
+class ReplicationPadsInForward:
+    """Mixin of the classes :func:`padded_forward_class` makes: the module's own ``forward``
+    (the class after this one in the MRO) runs inside :class:`replication_pads`, except while
+    Dynamo traces it (Inductor then sees ``F.pad`` as written). A module of such a class pickles
+    and deep-copies as one, its class made again from the module's original class."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return super().forward(*args, **kwargs)
+        with replication_pads():
+            return super().forward(*args, **kwargs)
+
+    _padded_base: type  # the original class, set by padded_forward_class
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return _remade, (self._padded_base,), dict(self.__dict__)
+
+
+_PADDED_CLASSES: Dict[type, type] = {}
+
+
+def padded_forward_class(cls: type) -> type:
+    """The subclass of the nn.Module class ``cls`` whose ``forward`` runs ``cls.forward`` inside
+    :class:`replication_pads` (ReplicationPadsInForward), one a class: ``isinstance`` checks
+    against ``cls`` still hold, and its attributes are the module's own (``fusednorm.convert``
+    makes diffusers' causal convolutions so, docs/design.md, "Replication pads in eager mode")."""
+    if cls not in _PADDED_CLASSES:
+        name = f"{cls.__name__}WithReplicationPads"
+        _PADDED_CLASSES[cls] = type(name, (ReplicationPadsInForward, cls),
+                                    {"__module__": __name__, "__qualname__": name, "_padded_base": cls})
+    return _PADDED_CLASSES[cls]
+
+
+def _remade(cls: type) -> Any:
+    """An empty instance of padded_forward_class(cls), for pickle (which then sets its state)."""
+    padded = padded_forward_class(cls)
+    return padded.__new__(padded)

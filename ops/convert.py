@@ -14,6 +14,17 @@ What is converted
     ``forward`` is left alone, and so are fusednorm's own modules and parametrized modules
     (``torch.nn.utils.parametrize``).
 
+    Not a norm, but where the video VAEs spend their time around them: diffusers' causal 3-D
+    convolutions, which pad their input with ``F.pad(..., mode="replicate")`` in their own
+    ``forward`` (``HunyuanVideoCausalConv3d``, ``HunyuanVideo15CausalConv3d``,
+    ``HunyuanImageRefinerCausalConv3d``, and ``CogVideoXCausalConv3d``, which Mochi's VAE runs in
+    ``pad_mode "replicate"``), and their subclasses, get a subclass of their own class
+    (``<class>WithReplicationPads``) whose ``forward`` runs theirs inside
+    :func:`fusednorm.replication_pads` (eager mode only; under ``torch.compile`` it is their
+    ``forward`` as it is): the same values, bit for bit, with the pads on fusednorm's kernels.
+    ``isinstance`` checks against their class still hold (Mochi's framewise decoding switches
+    their ``pad_mode`` so), and such a module pickles and deep-copies as converted.
+
     The new module takes over the old one's attributes: the same Parameter and buffer objects
     (optimizers and tied weights keep working), device, dtype, train/eval mode, hook dicts (forward,
     pre-forward, backward, state_dict and load_state_dict hooks; handles taken before the
@@ -76,6 +87,7 @@ from torch.nn.utils import parametrize
 
 from . import nn as fnn
 from ._forward_folds import FoldAssumptions, forward_folds
+from ._replication_pads import ReplicationPadsInForward, padded_forward_class
 
 __all__ = ["convert", "module_activation"]
 
@@ -87,6 +99,12 @@ _INSTANCE_NORMS = (
     (nn.InstanceNorm1d, fnn.InstanceNorm1d),
 )
 _FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d, fnn.FrameGroupNorm)
+# diffusers' causal 3-D convolutions, which pad their input by replication in their own forward
+# (HunyuanVideo's and its successors', and CogVideoX's in Mochi's pad_mode "replicate"): convert
+# gives them a class whose forward runs inside replication_pads() (docs/design.md, "Replication
+# pads in eager mode").
+_DIFFUSERS_PAD_CONVS = ("HunyuanVideoCausalConv3d", "HunyuanVideo15CausalConv3d", "HunyuanImageRefinerCausalConv3d",
+                        "CogVideoXCausalConv3d")
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -135,12 +153,17 @@ def _is_timm_group_norm_act(module: nn.Module) -> bool:
     )
 
 
+def _diffusers_base(module: nn.Module, names) -> Optional[type]:
+    """The class of `module`'s MRO defined in diffusers under one of `names`, if any."""
+    return next((b for b in type(module).__mro__ if b.__name__ in names and b.__module__.startswith("diffusers.")),
+                None)
+
+
 def _mochi_frame_norm(module: nn.Module) -> bool:
     """Whether `module` is diffusers' MochiChunkedGroupNorm3D (or a subclass keeping its forward)
     whose norm_layer FrameGroupNorm can take over: a torch.nn.GroupNorm computing torch's group
     norm, without the hooks that one call instead of one a chunk would change."""
-    base = next((b for b in type(module).__mro__ if b.__name__ == "MochiChunkedGroupNorm3D"
-                 and b.__module__.startswith("diffusers.")), None)
+    base = _diffusers_base(module, ("MochiChunkedGroupNorm3D",))
     if base is None or not _keeps(type(module), base, ("forward",)):
         return False
     norm = module._modules.get("norm_layer")
@@ -149,12 +172,24 @@ def _mochi_frame_norm(module: nn.Module) -> bool:
     return _keeps(type(norm), nn.GroupNorm, ("forward",)) or type(norm) is fnn.GroupNorm and norm.activation is None
 
 
+def _pad_conv_class(module: nn.Module) -> Optional[type]:
+    """The class `module` takes when it is one of diffusers' causal convolutions of
+    _DIFFUSERS_PAD_CONVS (or of a subclass): its own class made to run its forward inside
+    replication_pads(). None otherwise (and for a module that already runs so)."""
+    if isinstance(module, ReplicationPadsInForward) or _diffusers_base(module, _DIFFUSERS_PAD_CONVS) is None:
+        return None
+    return padded_forward_class(type(module))
+
+
 def _target_class(module: nn.Module) -> Optional[type]:
     """The fusednorm class `module` converts to, or None if it is not converted."""
     if isinstance(module, _FUSED) or parametrize.is_parametrized(module):
         return None  # a parametrized module's class is made for it (its weight is a property)
     if _mochi_frame_norm(module):
         return fnn.FrameGroupNorm
+    pad_conv = _pad_conv_class(module)
+    if pad_conv is not None:
+        return pad_conv
     cls = type(module)
     if isinstance(module, nn.GroupNorm):
         if _keeps(cls, nn.GroupNorm, ("forward",)):
@@ -180,6 +215,9 @@ def _converted(module: nn.Module, cls: type) -> nn.Module:
     _parameters / _buffers / hook dicts (so existing hook handles still work)."""
     new = cls.__new__(cls)
     state = dict(module.__dict__)
+    if issubclass(cls, ReplicationPadsInForward):
+        new.__dict__.update(state)
+        return new
     activation, slope = None, 0.01
     if _is_timm_group_norm_act(module):
         modules = dict(state["_modules"])
@@ -258,10 +296,16 @@ def _fold_forwards(model: nn.Module, rejected: Set[int]) -> List[Tuple[str, str,
     return folds
 
 
+def _class_label(module: nn.Module) -> str:
+    """fusednorm.nn.<class> for fusednorm's modules, the class's name for the others (a causal
+    convolution's class with replication pads)."""
+    cls = type(module)
+    return f"fusednorm.nn.{cls.__name__}" if cls.__module__ == fnn.__name__ else cls.__name__
+
+
 def _log_summary(replaced: Dict[str, Tuple[nn.Module, nn.Module]], folds: List[Tuple[str, str, str]],
                  rejected_count: int) -> None:
-    by_class = Counter(f"{type(old).__name__} -> fusednorm.nn.{type(new).__name__}"
-                       for old, new in replaced.values())
+    by_class = Counter(f"{type(old).__name__} -> {_class_label(new)}" for old, new in replaced.values())
     parts = [f"replaced {len(replaced)} module(s)"
              + (": " + ", ".join(f"{n} {what}" for what, n in sorted(by_class.items())) if by_class else "")]
     # timm's GroupNormAct brings its own activation along.
@@ -274,21 +318,23 @@ def _log_summary(replaced: Dict[str, Tuple[nn.Module, nn.Module]], folds: List[T
         parts.append(f"left {rejected_count} module(s) alone as filter_fn asked")
     _logger.info("fusednorm.convert: %s", "; ".join(parts))
     for name, (old, new) in replaced.items():
-        _logger.debug("fusednorm.convert: '%s': %s -> fusednorm.nn.%s%s", name, type(old).__name__,
-                      type(new).__name__, f" (activation={new.activation!r})" if new.activation else "")
+        _logger.debug("fusednorm.convert: '%s': %s -> %s%s", name, type(old).__name__, _class_label(new),
+                      f" (activation={new.activation!r})" if getattr(new, "activation", None) else "")
 
 
 def convert(model: nn.Module, *, inplace: bool = True,
             filter_fn: Optional[Callable[[str, nn.Module], bool]] = None) -> nn.Module:
     """Replace the torch.nn GroupNorm / InstanceNorm layers of ``model`` with fusednorm's, folding
-    activations that provably only follow them; see the module docstring for the exact rules.
+    activations that provably only follow them (and run the replication pads of diffusers' causal
+    convolutions on fusednorm's kernels); see the module docstring for the exact rules.
 
     Args:
         model: any ``nn.Module`` (it may itself be a norm layer).
         inplace: convert ``model`` itself (default), or a deep copy of it, leaving ``model`` as is.
-        filter_fn: ``filter_fn(name, module) -> bool`` chooses which norm layers are converted (and
-            may receive a folded activation): ``name`` is the module's qualified name in
-            ``model`` (``""`` for ``model`` itself). Default: all of them.
+        filter_fn: ``filter_fn(name, module) -> bool`` chooses which norm layers (and causal
+            convolutions) are converted (and may receive a folded activation): ``name`` is the
+            module's qualified name in ``model`` (``""`` for ``model`` itself). Default: all of
+            them.
 
     Returns:
         The converted model (``model`` itself when ``inplace``, unless ``model`` is itself a norm

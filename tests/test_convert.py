@@ -289,7 +289,8 @@ def test_diffusers_mochi_chunked_group_norm(device, float32_convolutions, caplog
     norm_layers = [model.block.norm1.norm_layer, model.block.norm2.norm_layer]
     with caplog.at_level(logging.INFO, logger="fusednorm"):
         model = convert_and_check(model, mochi_inputs, device, atol=1e-4, rtol=1e-4)
-    assert "replaced 2 module(s): 2 MochiChunkedGroupNorm3D -> fusednorm.nn.FrameGroupNorm;" in caplog.text
+    assert ("replaced 4 module(s): 2 CogVideoXCausalConv3d -> CogVideoXCausalConv3dWithReplicationPads, "
+            "2 MochiChunkedGroupNorm3D -> fusednorm.nn.FrameGroupNorm;") in caplog.text
     block = model.block
     # Each per-frame norm is one FrameGroupNorm over the same norm_layer, the SiLU after both folded.
     assert type(block.norm1) is type(block.norm2) is fnn.FrameGroupNorm
@@ -318,6 +319,102 @@ def test_diffusers_mochi_chunked_group_norm_left_alone(device):
     model.block.norm1.__class__ = type("Other", (chunked,), {"forward": lambda self, x: x})
     fusednorm.convert(model)
     assert type(model.block.norm1).__name__ == "Other" and type(model.block.norm2) is fnn.FrameGroupNorm
+
+
+@pytest.fixture
+def routed_pads(monkeypatch):
+    """The replication pads fusednorm's op takes, recorded (their output shapes), with the CPU
+    among the devices routed (where the op is ATen's pad) so that CI sees the routing."""
+    from fusednorm import _replication_pads
+
+    monkeypatch.setattr(_replication_pads, "_DEVICE_TYPES", ("cpu", "cuda"))
+    calls = []
+    route = _replication_pads._routed_pad
+
+    def spy(args, kwargs):
+        out = route(args, kwargs)
+        if out is not None:
+            calls.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(_replication_pads, "_routed_pad", spy)
+    return calls
+
+
+def hunyuan_inputs(device):
+    return (torch.randn(1, 8, 3, 6, 5, device=device),)
+
+
+def test_diffusers_causal_convolutions_pad_on_fusednorm(device, float32_convolutions, routed_pads, caplog):
+    import logging
+    import pickle
+
+    import_or_skip("diffusers")
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+        HunyuanVideoCausalConv3d, HunyuanVideoResnetBlockCausal3D)
+
+    torch.manual_seed(0)
+    block = HunyuanVideoResnetBlockCausal3D(8, 16, groups=4)
+    with caplog.at_level(logging.INFO, logger="fusednorm"):
+        without_pads = fusednorm.convert(copy.deepcopy(block), filter_fn=lambda name, m: not name.startswith("conv"))
+        block = convert_and_check(block, hunyuan_inputs, device, atol=1e-4, rtol=1e-4)
+    assert "left 3 module(s) alone as filter_fn asked" in caplog.records[0].getMessage()
+    assert "3 HunyuanVideoCausalConv3d -> HunyuanVideoCausalConv3dWithReplicationPads" in caplog.records[1].getMessage()
+    convs = (block.conv1, block.conv2, block.conv_shortcut)
+    assert all(isinstance(c, HunyuanVideoCausalConv3d) and type(c).__name__ == "HunyuanVideoCausalConv3dWithReplicationPads"
+               for c in convs)
+    assert type(without_pads.conv1) is HunyuanVideoCausalConv3d
+    # Every pad of the converted block's convolutions is fusednorm's, the values bit for bit the same.
+    (x,) = hunyuan_inputs(device)
+    block.eval(), without_pads.to(device).eval()
+    routed_pads.clear()
+    with torch.no_grad():
+        want = without_pads(x)
+        assert routed_pads == []
+        # conv1, conv2, and the 1x1x1 shortcut's pad by nothing.
+        assert torch.equal(block(x), want) and routed_pads == [(1, 8, 5, 8, 7), (1, 16, 5, 8, 7), (1, 8, 3, 6, 5)]
+        # Outside their forward nothing is routed; pickled or copied, the module stays converted.
+        torch.nn.functional.pad(x, (1, 1, 1, 1, 1, 1), mode="replicate")
+        assert len(routed_pads) == 3
+        for again in (pickle.loads(pickle.dumps(block)), copy.deepcopy(block)):
+            assert type(again.conv1) is type(block.conv1) and torch.equal(again(x), want)
+        assert len(routed_pads) == 9
+        # Converted again: nothing more to do.
+        assert fusednorm.convert(block) is block and type(block.conv1) is type(convs[0])
+        # Under torch.compile the convolutions' own forward is traced, with F.pad as written.
+        compiled = torch.compile(block, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x), want) and len(routed_pads) == 9
+
+
+def test_diffusers_mochi_causal_convolutions(device, routed_pads):
+    import_or_skip("diffusers")
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
+
+    torch.manual_seed(0)
+    # Mochi's causal convolutions: CogVideoX's in pad_mode "replicate", whose call returns
+    # (output, conv_cache); in CogVideoX's own pad_mode "constant" they pad nothing by replication.
+    model = nn.ModuleDict({"mochi": CogVideoXCausalConv3d(4, 6, 3, pad_mode="replicate"),
+                           "cogvideox": CogVideoXCausalConv3d(4, 6, 3)}).to(device)
+    reference = copy.deepcopy(model)
+    fusednorm.convert(model)
+    assert all(isinstance(c, CogVideoXCausalConv3d) and type(c) is not CogVideoXCausalConv3d for c in model.values())
+    x = torch.randn(2, 4, 3, 5, 6, device=device)
+
+    def outputs(m):
+        return [t for c in m.values() for t in c(x)]
+
+    with torch.no_grad():
+        got, want = outputs(model), outputs(reference)
+        assert got[1] is None and got[3] is not None
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(got, want)) and len(routed_pads) == 1
+        # diffusers' framewise decoding finds Mochi's causal convolutions by isinstance and
+        # switches them to pad_mode "constant": a converted one follows, and routes nothing then.
+        for m in (model, reference):
+            for c in m.modules():
+                if isinstance(c, CogVideoXCausalConv3d):
+                    c.pad_mode = "constant"
+        got, want = outputs(model), outputs(reference)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(routed_pads) == 1
 
 
 # -- timm ----------------------------------------------------------------------------------------
