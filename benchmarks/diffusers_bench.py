@@ -25,8 +25,9 @@ each as
 
     eager                          the model as diffusers builds it
     eager + convert                fusednorm.convert(model): torch.nn norms swapped for fusednorm's
-    eager + convert + pads         the same, called under fusednorm.replication_pads() (the causal
-                                   convolutions' replicate pads on fusednorm's kernels)
+                                   (and diffusers' causal convolutions' replicate pads on its kernels)
+    eager + convert + pads         the same, called under fusednorm.replication_pads() (every other
+                                   replicate pad of the model on fusednorm's kernels too)
     compile                        torch.compile(model)
     compile + fusion               torch.compile(model, backend=fusednorm.fusion.backend()): norms and
                                    their epilogues fused into fusednorm's op, the rest compiled by Inductor

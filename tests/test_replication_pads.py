@@ -143,3 +143,41 @@ def test_a_module_under_convert(routed, device):
             got = conv(F.pad(model(x), (1, 1, 1, 1, 2, 0), mode="replicate"))
     torch.testing.assert_close(got, want)
     assert len(routed) == 1
+
+
+class CausalConv(torch.nn.Module):
+    """A causal convolution that pads in its own forward, as diffusers' video VAEs' do."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(F.pad(x, (1, 1, 1, 1, 2, 0), mode="replicate"))
+
+
+def test_padded_forward_class(routed, device):
+    # What convert gives diffusers' causal convolutions: their forward inside the block, the rest
+    # of the model outside it; one class a class, pickled and copied as itself.
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    module = CausalConv().to(device)
+    x = torch.randn(2, 3, 4, 5, 6, device=device)
+    with torch.no_grad():
+        want = module(x)
+        assert routed == []
+        padded = _replication_pads.padded_forward_class(CausalConv)
+        assert padded is _replication_pads.padded_forward_class(CausalConv) and issubclass(padded, CausalConv)
+        assert padded.__name__ == "CausalConvWithReplicationPads"
+        module.__class__ = padded
+        assert torch.equal(module(x), want) and routed == [(2, 3, 6, 7, 8)]
+        F.pad(x, (1, 1, 1, 1, 1, 1), mode="replicate")  # outside the module's forward
+        assert len(routed) == 1
+        for again in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):
+            assert type(again) is padded and torch.equal(again(x), want)
+        assert len(routed) == 3
+        torch._dynamo.reset()
+        compiled = torch.compile(module, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x), want) and len(routed) == 3  # Dynamo traces F.pad as written
