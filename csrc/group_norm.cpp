@@ -125,6 +125,16 @@ bool has_strides_of(const at::Tensor& t, Layout layout) {
   return true;
 }
 
+bool strided_rows_of(const at::Tensor& t) {
+  if (t.dim() < 3) return false;
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 2; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
 Layout layout_for(const at::Tensor& t) {
   // The output keeps the input's layout, as eager's norms keep its suggested memory format
   // (docs/deviations.md, 'Memory format'); the kernels keep dense channels-last at any rank >= 3.

@@ -63,6 +63,11 @@ Layout layout_for(const at::Tensor& t);
 // Whether t's strides are those of a dense tensor in `layout` (size-1 dimensions ignored).
 bool has_strides_of(const at::Tensor& t, Layout layout);
 
+// Whether each row (n, c) of `t` (rank >= 3) is contiguous: its dimensions after the channels
+// dense among themselves (size-1 dimensions ignored), the batch's and channels' strides any (the
+// frames of an NCDHW video, a slice of channels).
+bool strided_rows_of(const at::Tensor& t);
+
 // `t` in `layout`, copied only when its strides are not already those of `layout`. A CUDA tensor
 // is copied by the registered layout copy (below) where there is one and it takes the tensor.
 at::Tensor to_layout(const at::Tensor& t, Layout layout);

@@ -107,6 +107,9 @@ constexpr int64_t kTeamSmemReserveBytes = 2048;
 // before. float32 8 MB groups lost 1-8% (the GroupNorm problem 5.30 against 5.25 ms,
 // InstanceNorm3d 0.399 against 0.369; 2026-11-29): its kernels are the 16-bit types' alone.
 constexpr int64_t kSweepTileBytes = 256 * 1024;
+// Strided rows (Problem::strided_rows) take the sweep from rows of this many packs: a segment of
+// the moments sweep is one row, and shorter ones would leave most of a CTA's 512 threads idle.
+constexpr int64_t kSweepStridedMinRowPacks = 512;
 constexpr int64_t kSweepMinBytes = 9 << 20;
 constexpr int64_t kSweepOperandsMinBytes = 4 << 20;
 // Channels-last sweep (docs/design.md, "Channels-last sweep"): by default for inputs of
@@ -322,7 +325,10 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   // paths it selects for the tests.
   const int64_t bytes = c.len * p.elem_bytes;
   const int64_t min_bytes = c.forward_streams() > 1 ? kSweepOperandsMinBytes : kSweepMinBytes;
-  if (mode != 1 && (c.forced || bytes < min_bytes)) return false;
+  // Strided rows at any size: the alternative is a copy of x and another path (docs/design.md,
+  // "Sweep path"), if the rows are whole packs long enough.
+  if (p.strided_rows && (p.S % c.V != 0 || p.S / c.V < kSweepStridedMinRowPacks)) return false;
+  if (mode != 1 && !p.strided_rows && (c.forced || bytes < min_bytes)) return false;
   const int64_t lenv = c.len / c.V;
   Tiling t;
   t.split = ceil_div(lenv, kSweepTileBytes / (c.V * p.elem_bytes));
@@ -755,6 +761,7 @@ const char* path_name(Path p) {
     case Path::Team: return "team";
     case Path::OneCta: return "one_cta";
     case Path::Sweep: return "sweep";
+    case Path::None: return "none";
     case Path::ColsSweep: return "cols_sweep";
   }
   return "?";
@@ -803,6 +810,10 @@ std::string Plan::to_string() const {
 Plan plan_forward(const Problem& p, const DeviceInfo& dev, const Residency& res, const Overrides& o) {
   const Ctx c(p, dev, res, o);
   Plan pl;
+  if (p.strided_rows) {
+    if (!sweep_forward(c, pl)) pl.path = Path::None;
+    return pl;
+  }
   const bool cols_sweep_first = o.cols_sweep == 1;
   // The sweep before the team where a residual or multiplier rides along (or forced); after it,
   // for the groups no team holds, where x alone is read (kSweepMinBytes).

@@ -128,6 +128,11 @@ struct Problem {
   // The team grid was refused at launch (another context holds part of the device): plan anew
   // without it.
   bool team_refused = false;
+  // Forward, ChannelsFirst: x's rows (n, c) are contiguous, but not back to back (the frames of
+  // an NCDHW video viewed per frame; docs/design.md, "Sweep path"). Only the sweep reads them
+  // where they lie; plan_forward then plans it or nothing (Path::None), and the caller copies x
+  // dense and plans again.
+  bool strided_rows = false;
 
   int64_t D() const { return C / G; }
 };
@@ -145,6 +150,7 @@ enum class Path {
   OneCta,         // backward, one CTA a group in shared memory ("One-CTA backward")
   Sweep,          // forward, two streaming launches over tiles of a group ("Sweep path")
   ColsSweep,      // forward, channels-last: streaming launches over tiles of rows ("Channels-last sweep")
+  None,           // forward of strided rows the sweep does not take (Problem::strided_rows)
 };
 
 const char* path_name(Path p);

@@ -16,7 +16,7 @@ namespace {
 
 // sizes: the input's (N, C, *spatial); operands: the epilogue's and affine parameters present,
 // comma-separated ("weight", "bias", "scale", "shift", "residual", "multiplier", "multiplier=residual" for one
-// tensor as both); device: (SMs, major, minor, opt-in shared memory a CTA, shared memory an SM,
+// tensor as both), and "strided_rows" for an input whose rows are not back to back (Problem::strided_rows); device: (SMs, major, minor, opt-in shared memory a CTA, shared memory an SM,
 // L2 bytes, cooperative launch, clusters of 16), empty for an H200.
 std::string plan_op(c10::IntArrayRef sizes, int64_t num_groups, at::ScalarType dtype, bool channels_last,
     c10::string_view activation, c10::string_view operands, bool backward, c10::IntArrayRef device) {
@@ -52,6 +52,7 @@ std::string plan_op(c10::IntArrayRef sizes, int64_t num_groups, at::ScalarType d
     else if (name == "residual") p.residual = true;
     else if (name == "multiplier") p.multiplier = true;
     else if (name == "multiplier=residual") p.residual = p.multiplier = p.multiplier_is_residual = true;
+    else if (name == "strided_rows") p.strided_rows = !backward && !p.channels_last;
     else TORCH_CHECK_VALUE(false, "fusednorm::_plan: unknown operand '", name, "'");
   }
   p.backward = backward;

@@ -236,9 +236,38 @@ def test_sweep_takes_16_bit_groups_no_team_holds_whose_packs_keep_to_a_channel(m
     plan = kernel_paths.plan((2, 64, 8, 8), 32, torch.float16)
     assert plan == "path=sweep split=1 tiles=64", plan
     assert forward((2, 64, 8, 8), torch.float32) == "registers"  # its kernels are 16-bit only
-    _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "", "FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
+    monkeypatch.delenv("FUSEDNORM_SWEEP_FORWARD")
+    _set(monkeypatch, {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
     # A forced one-pass limit keeps the paths the tests select with it.
     assert forward((1, 128, 20, 256, 256), torch.bfloat16) == "team"
+
+
+def test_sweep_takes_strided_rows(monkeypatch):
+    """docs/design.md, "Sweep path": an input whose rows are contiguous but not back to back (the
+    frames of an NCDHW video) takes the sweep, at any size, where its rows are whole packs of 512
+    and more; otherwise nothing (the dispatcher copies it dense and plans again)."""
+    def forward(shape, dtype, operands=(), **kw):
+        return kernel_paths.plan(shape, 32, dtype, activation="silu", operands=("strided_rows",) + operands, **kw)
+    # Mochi's decoder frames at every resolution: 305 KB to 3.3 MB groups, which dense would be the
+    # team's or the clusters'.
+    assert forward((7, 128, 480, 848), torch.half) == "path=sweep split=13 tiles=2912"
+    assert _path(forward((7, 768, 60, 106), torch.half)) == "sweep"
+    assert _path(forward((7, 128, 480, 848), torch.bfloat16, operands=("residual",))) == "sweep"
+    assert _path(kernel_paths.plan((7, 128, 480, 848), 32, torch.half, operands=("strided_rows",), affine=False)) == "sweep"
+    # Not 16-bit, rows under 512 packs or not of whole packs: nothing.
+    assert _path(forward((7, 128, 480, 848), torch.float32)) == "none"
+    assert _path(forward((7, 128, 64, 63), torch.half)) == "none"
+    assert _path(forward((7, 128, 60, 106, 1), torch.half)) == "sweep"
+    assert _path(forward((7, 128, 4095), torch.half)) == "none"
+    # The backward reads a dense copy: planned as ever; channels-last inputs have no such rows.
+    assert kernel_paths.plan((7, 128, 480, 848), 32, torch.half, operands=("strided_rows",), backward=True) == \
+        kernel_paths.plan((7, 128, 480, 848), 32, torch.half, backward=True)
+    assert _path(forward((7, 128, 480, 848), torch.half, channels_last=True)) == "cols_sweep"
+    _set(monkeypatch, {"FUSEDNORM_SWEEP_FORWARD": "0"})
+    assert _path(forward((7, 128, 480, 848), torch.half)) == "none"
+    monkeypatch.delenv("FUSEDNORM_SWEEP_FORWARD")
+    _set(monkeypatch, {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})  # (which keeps dense groups off the sweep)
+    assert _path(forward((7, 128, 480, 848), torch.half)) == "sweep"
 
 
 def test_cols_sweep_takes_the_channels_last_groups_the_one_pass_kernels_do_not(monkeypatch):
@@ -268,7 +297,8 @@ def test_cols_sweep_takes_the_channels_last_groups_the_one_pass_kernels_do_not(m
     assert _path(forward((8, 1280, 8, 8), torch.half)) == "cols_sweep"  # forced: any group it can take
     assert _path(forward((1, 512, 128, 128), torch.half)) == "cols_sweep"
     assert _path(forward((1, 4096, 128, 128), torch.half)) == "split"
-    _set(monkeypatch, {"FUSEDNORM_COLS_SWEEP": "", "FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
+    monkeypatch.delenv("FUSEDNORM_COLS_SWEEP")  # (an empty value reads as 0: the sweep off)
+    _set(monkeypatch, {"FUSEDNORM_ONE_PASS_MAX_BYTES": "0"})
     # A forced one-pass limit keeps the paths the tests select with it.
     assert _path(forward((1, 128, 512, 512), torch.half)) == "split"
 

@@ -162,11 +162,26 @@ plan::Residency residency_of(Activation act, bool backward, Keep keep, int forwa
   return r;
 }
 
+// Whether `input`, channels-first by its layout but not contiguous, is left as it lies for the
+// sweep, which may read its rows through their strides (docs/design.md, "Sweep path"; the
+// planner decides, Problem::strided_rows): 16-bit elements, contiguous rows of whole 16-byte
+// packs, 16-byte aligned, at batch and channel strides of whole packs.
+bool sweep_may_read_rows_of(const at::Tensor& input, Layout layout) {
+  constexpr int64_t V = 8;  // elements a 16-byte pack
+  if (layout != Layout::ChannelsFirst || input.element_size() != 2 || input.numel() == 0 || input.is_contiguous() ||
+      !strided_rows_of(input) || !aligned16(input.data_ptr())) {
+    return false;
+  }
+  return (input.numel() / (input.size(0) * input.size(1))) % V == 0 &&
+         (input.size(0) == 1 || input.stride(0) % V == 0) && (input.size(1) == 1 || input.stride(1) % V == 0);
+}
+
 template <typename scalar_t>
 void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
     const GroupNormShape& sh, Layout layout, const Epilogue& ep, at::Tensor& y, at::Tensor& mean,
     at::Tensor& rstd) {
   plan::Problem prob = problem_of<scalar_t>(sh, layout, ep, weight, bias);
+  prob.strided_rows = layout == Layout::ChannelsFirst && !x.is_contiguous();
   const void* residual = ep.residual.defined() ? ep.residual.data_ptr() : nullptr;
   const void* multiplier = ep.multiplier.defined() ? ep.multiplier.data_ptr() : nullptr;
   prob.aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(residual) && aligned16(multiplier);
@@ -178,6 +193,10 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       /*input_bias=*/ep.input_bias.defined() && streams == 1,
       team_input_bias);
   plan::Plan pl = plan::plan_forward(prob, dev, res, plan::overrides());
+  if (pl.path == plan::Path::None) {
+    // Strided rows the sweep does not take (forward_cuda kept them for it): copied dense.
+    return forward_impl<scalar_t>(to_layout(x, layout), weight, bias, eps, sh, layout, ep, y, mean, rstd);
+  }
   if (ep.addend.defined() && (pl.path != plan::Path::ColsSweep || !aligned16(ep.addend.data_ptr()) ||
                                  !aligned16(ep.sum.data_ptr()))) {
     // Only the channels-last sweep computes the residual-add prologue's sum on the fly
@@ -304,7 +323,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& in
   const GroupNormShape sh = check_group_norm_args(input, num_groups, weight, bias);
   const at::cuda::OptionalCUDAGuard device_guard(device_of(input));
   const Layout layout = layout_for(input);
-  const at::Tensor x = to_layout(input, layout);
+  const at::Tensor x = sweep_may_read_rows_of(input, layout) ? input : to_layout(input, layout);
   const Epilogue ep = make_ep(x, sh, layout);
   at::Tensor y = empty_in_layout(x, layout, x.scalar_type());
   const auto stat_opts = x.options().dtype(stats_dtype(x.scalar_type()));

@@ -1,6 +1,7 @@
 // The sweep forward, for 16-bit ChannelsFirst groups of 9 MB and more (4 MB with a residual or
-// multiplier; docs/design.md, "Sweep path"): the split passes' design (x read twice) in two
-// launches of streaming kernels, with no barrier:
+// multiplier), and inputs whose rows are contiguous but not back to back, read where they lie
+// (docs/design.md, "Sweep path"): the split passes' design (x read twice) in two launches of
+// streaming kernels, with no barrier:
 //   1. the moments sweep: each CTA takes one tile (a chunk of a group) and writes its count, mean
 //      and M2 of x - K (K the group's first element; each thread's sums shifted by its own first
 //      element, block_moments_of_shifted_sums, so no pass depends on the data);
@@ -49,6 +50,17 @@ struct SweepArgs {
   int64_t lenv;              // packs a group
   int64_t chunk;             // packs a tile
   int split;                 // tiles a group
+  // Where x's packs lie (y's are back to back): group (n, gl) from n * x_sample + gl * x_group
+  // packs on, its channels' rows x_seg_stride packs apart; read in segments of x_seg packs, each
+  // within one row or, where x is dense, the whole group (x_seg = lenv: one segment). Strided rows
+  // (docs/design.md, "Sweep path": the frames of an NCDHW video): x_seg = S / V.
+  int64_t x_seg, x_seg_stride, x_sample, x_group;
+
+  // The first pack of x of segment `j` of group `g`.
+  __device__ __forceinline__ int64_t x_segment(int64_t g, int64_t j) const {
+    const int64_t n = div_nn(g, op.G);
+    return n * x_sample + (g - n * op.G) * x_group + j * x_seg_stride;
+  }
 };
 
 // The output sweep is a programmatic dependent of the moments sweep (common/dependent_launch.cuh;
@@ -65,36 +77,45 @@ __global__ void __launch_bounds__(kSweepThreads, 3) group_norm_sweep_moments_ker
   const int64_t t = blockIdx.x;
   const int64_t g = div_nn(t, a.split);
   const int64_t k = t - g * a.split;
-  const int64_t v0 = g * a.lenv + k * a.chunk;
-  const int64_t v1 = g * a.lenv + imin(a.lenv, (k + 1) * a.chunk);
-  const P* xg = reinterpret_cast<const P*>(o.x);
-  const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
+  // The tile's packs [v0, v1) of its group, in the group's segments (one where x is dense).
+  const int64_t v0 = k * a.chunk;
+  const int64_t v1 = imin(a.lenv, (k + 1) * a.chunk);
+  const P* xp0 = reinterpret_cast<const P*>(o.x);
+  const acc_t K = static_cast<acc_t>(o.x[a.x_segment(g, 0) * V]);
   launch_dependents();
   // Sums of x - T, T the thread's first element (block_moments_of_shifted_sums).
   acc_t T = acc_t(0), s1 = acc_t(0), s2 = acc_t(0);
   bool first = true;
-  for (int64_t v = v0 + threadIdx.x; v < v1; v += kSweepUnroll * kSweepThreads) {
-    uint4 xw[kSweepUnroll];
+  int mine = 0;  // packs this thread summed
+  for (int64_t e0 = v0; e0 < v1;) {
+    const int64_t j = div_nn(e0, a.x_seg);
+    const int64_t e1 = imin(v1, (j + 1) * a.x_seg);
+    const P* xg = xp0 + a.x_segment(g, j) + (e0 - j * a.x_seg);
+    const int64_t count = e1 - e0;
+    for (int64_t v = threadIdx.x; v < count; v += kSweepUnroll * kSweepThreads) {
+      uint4 xw[kSweepUnroll];
 #pragma unroll
-    for (int u = 0; u < kSweepUnroll; ++u) {
-      if (v + u * kSweepThreads < v1) xw[u] = __ldg(reinterpret_cast<const uint4*>(xg + v + u * kSweepThreads));
-    }
-    if (first) {
-      P p0;
-      memcpy(&p0, &xw[0], sizeof(P));
-      T = pack_element<acc_t>(p0, 0);
-      first = false;
-    }
+      for (int u = 0; u < kSweepUnroll; ++u) {
+        if (v + u * kSweepThreads < count) xw[u] = __ldg(reinterpret_cast<const uint4*>(xg + v + u * kSweepThreads));
+      }
+      if (first) {
+        P p0;
+        memcpy(&p0, &xw[0], sizeof(P));
+        T = pack_element<acc_t>(p0, 0);
+        first = false;
+      }
 #pragma unroll
-    for (int u = 0; u < kSweepUnroll; ++u) {
-      if (v + u * kSweepThreads < v1) {
-        P xp;
-        memcpy(&xp, &xw[u], sizeof(P));
-        add_shifted_sums(xp, T, s1, s2);
+      for (int u = 0; u < kSweepUnroll; ++u) {
+        if (v + u * kSweepThreads < count) {
+          P xp;
+          memcpy(&xp, &xw[u], sizeof(P));
+          add_shifted_sums(xp, T, s1, s2);
+          ++mine;
+        }
       }
     }
+    e0 = e1;
   }
-  const int64_t mine = v1 - v0 > threadIdx.x ? (v1 - v0 - threadIdx.x + kSweepThreads - 1) / kSweepThreads : 0;
   const acc_t n = static_cast<acc_t>((v1 - v0) * V);
   const BlockMoments<acc_t> bm = block_moments_of_shifted_sums<kSweepThreads>(
       static_cast<acc_t>(mine * V), T - K, s1, s2, n, red);
@@ -126,7 +147,7 @@ __global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_
   const acc_t* slots = a.part + g * a.split * 3;  // the group's tiles, written by the moments sweep
   // The shift, read before the wait (the moments sweep does not write x): after it, this load
   // would follow the fold's barriers.
-  const acc_t K = static_cast<acc_t>(o.x[g * o.len]);
+  const acc_t K = static_cast<acc_t>(o.x[a.x_segment(g, 0) * V]);
   wait_for_primary();
   const BlockMoments<acc_t> m = parts_moments<kSweepThreads>(a.split, static_cast<acc_t>(o.len),
       [&](int r) { return ChunkMoments<acc_t>{slots[3 * r], slots[3 * r + 1], slots[3 * r + 2]}; }, fold);
@@ -139,16 +160,18 @@ __global__ void __launch_bounds__(kSweepThreads, kSweepOutputBlocksPerSM) group_
   }
   const int64_t ng = div_nn(g, o.G);
   const OnePassOutput<scalar_t, V, A> out(o, ng, g - ng * o.G, K, m.mean, rstd);
-  // The tile in channel segments of `seg` packs, each with one set of coefficients: a channel
-  // (S is a multiple of V, the planner's condition) or, without per-channel parameters, the
-  // whole group. Offsets within a segment are 32-bit (the planner keeps groups under 2^31 packs).
-  const int64_t seg = o.uniform_channels() ? a.lenv : o.S / V;
+  // The tile in channel segments of `seg` packs, each with one set of coefficients and within one
+  // of x's segments: a channel (S is a multiple of V, the planner's condition) or, without
+  // per-channel parameters where x is dense, the whole group. Offsets within a segment are 32-bit
+  // (the planner keeps groups under 2^31 packs).
+  const int64_t seg = o.uniform_channels() && a.x_seg == a.lenv ? a.lenv : o.S / V;
   for (int64_t s0 = v0 - g_begin; s0 < v1 - g_begin;) {
     const int64_t c = div_nn(s0, seg);
     const int64_t s1 = imin(v1 - g_begin, (c + 1) * seg);
     const Affine<acc_t> cf = out.channel(out.c_first + c);
     const int count = static_cast<int>(s1 - s0);
-    const uint4* xs = reinterpret_cast<const uint4*>(reinterpret_cast<const P*>(o.x) + g_begin + s0);
+    const uint4* xs = reinterpret_cast<const uint4*>(
+        reinterpret_cast<const P*>(o.x) + a.x_segment(g, 0) + c * a.x_seg_stride + (s0 - c * seg));
     const uint4* rs = reinterpret_cast<const uint4*>(offset_or_null(e.residual, g * o.len + s0 * V));
     const uint4* ms = reinterpret_cast<const uint4*>(offset_or_null(e.multiplier, g * o.len + s0 * V));
     uint4* ys = reinterpret_cast<uint4*>(reinterpret_cast<P*>(o.y) + g_begin + s0);
@@ -185,6 +208,20 @@ void sweep_forward(const plan::Plan& pl, const at::Tensor& x, const at::Tensor& 
   o.cluster = 1;
   const int64_t groups = sh.N * sh.G;
   a.lenv = o.len / V;
+  // x dense, or (strided_rows_of, group_norm.h) rows of whole packs at strides of whole packs.
+  if (x.is_contiguous()) {
+    a.x_seg = a.lenv;
+    a.x_seg_stride = sh.S / V;
+    a.x_sample = sh.C * sh.S / V;
+  } else {
+    // (A batch or channel dimension of size 1 has any stride, unused.)
+    a.x_sample = x.size(0) == 1 ? 0 : x.stride(0) / V;
+    a.x_seg_stride = x.size(1) == 1 ? 0 : x.stride(1) / V;
+    TORCH_INTERNAL_ASSERT(strided_rows_of(x) && sh.S % V == 0 && a.x_sample * V == (x.size(0) == 1 ? 0 : x.stride(0)) &&
+        a.x_seg_stride * V == (x.size(1) == 1 ? 0 : x.stride(1)), "sweep forward planned for strided rows it cannot take");
+    a.x_seg = sh.S / V;
+  }
+  a.x_group = sh.D * a.x_seg_stride;
   a.chunk = pl.reduce.chunk;
   a.split = static_cast<int>(pl.reduce.split);
   const int64_t tiles = groups * a.split;
