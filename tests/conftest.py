@@ -54,3 +54,24 @@ def fresh_overrides():
     library reads the kernel-path overrides again (docs/design.md, "Kernel overrides")."""
     yield
     reload_overrides()
+
+
+@pytest.fixture
+def routed_pads(monkeypatch):
+    """The replication pads fusednorm.replication_pads() hands to fusednorm's op (also those of the
+    causal convolutions fusednorm.convert makes run inside it), recorded as their output shapes,
+    with the CPU among the devices routed (where the op is ATen's pad), so that CI sees the routing."""
+    from fusednorm import _replication_pads
+
+    monkeypatch.setattr(_replication_pads, "_DEVICE_TYPES", ("cpu", "cuda"))
+    calls = []
+    route = _replication_pads._routed_pad
+
+    def spy(args, kwargs):
+        out = route(args, kwargs)
+        if out is not None:
+            calls.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(_replication_pads, "_routed_pad", spy)
+    return calls

@@ -321,26 +321,6 @@ def test_diffusers_mochi_chunked_group_norm_left_alone(device):
     assert type(model.block.norm1).__name__ == "Other" and type(model.block.norm2) is fnn.FrameGroupNorm
 
 
-@pytest.fixture
-def routed_pads(monkeypatch):
-    """The replication pads fusednorm's op takes, recorded (their output shapes), with the CPU
-    among the devices routed (where the op is ATen's pad) so that CI sees the routing."""
-    from fusednorm import _replication_pads
-
-    monkeypatch.setattr(_replication_pads, "_DEVICE_TYPES", ("cpu", "cuda"))
-    calls = []
-    route = _replication_pads._routed_pad
-
-    def spy(args, kwargs):
-        out = route(args, kwargs)
-        if out is not None:
-            calls.append(tuple(out.shape))
-        return out
-
-    monkeypatch.setattr(_replication_pads, "_routed_pad", spy)
-    return calls
-
-
 def hunyuan_inputs(device):
     return (torch.randn(1, 8, 3, 6, 5, device=device),)
 
