@@ -19,6 +19,7 @@ pads that follow its fused norms itself).
 ``padded_forward_class``: their own ``forward`` inside the block, the rest of the model outside it.
 """
 
+import functools
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -79,16 +80,9 @@ def _compiling() -> bool:
 
 
 class ReplicationPadsInForward:
-    """Mixin of the classes :func:`padded_forward_class` makes: the module's own ``forward``
-    (the class after this one in the MRO) runs inside :class:`replication_pads`, except while
-    Dynamo traces it (Inductor then sees ``F.pad`` as written). A module of such a class pickles
-    and deep-copies as one, its class made again from the module's original class."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if _compiling():
-            return super().forward(*args, **kwargs)
-        with replication_pads():
-            return super().forward(*args, **kwargs)
+    """Base of the classes :func:`padded_forward_class` makes (their ``forward`` runs the original
+    class's inside :class:`replication_pads`): a module of such a class pickles and deep-copies as
+    one, its class made again from the original class."""
 
     _padded_base: type  # the original class, set by padded_forward_class
 
@@ -105,9 +99,19 @@ def padded_forward_class(cls: type) -> type:
     against ``cls`` still hold, and its attributes are the module's own (``fusednorm.convert``
     makes diffusers' causal convolutions so, docs/design.md, "Replication pads in eager mode")."""
     if cls not in _PADDED_CLASSES:
+        original = cls.forward
+
+        # The original's name, docstring and signature (inspect.signature follows __wrapped__).
+        @functools.wraps(original)
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if _compiling():  # Dynamo traces the original as written: Inductor sees F.pad
+                return original(self, *args, **kwargs)
+            with replication_pads():
+                return original(self, *args, **kwargs)
+
         name = f"{cls.__name__}WithReplicationPads"
-        _PADDED_CLASSES[cls] = type(name, (ReplicationPadsInForward, cls),
-                                    {"__module__": __name__, "__qualname__": name, "_padded_base": cls})
+        _PADDED_CLASSES[cls] = type(name, (ReplicationPadsInForward, cls), {
+            "__module__": __name__, "__qualname__": name, "_padded_base": cls, "forward": forward})
     return _PADDED_CLASSES[cls]
 
 

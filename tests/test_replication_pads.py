@@ -143,6 +143,7 @@ def test_padded_forward_class(routed_pads, device):
     # What convert gives diffusers' causal convolutions: their forward inside the block, the rest
     # of the model outside it; one class a class, pickled and copied as itself.
     import copy
+    import inspect
     import pickle
 
     torch.manual_seed(0)
@@ -154,6 +155,7 @@ def test_padded_forward_class(routed_pads, device):
         padded = _replication_pads.padded_forward_class(CausalConv)
         assert padded is _replication_pads.padded_forward_class(CausalConv) and issubclass(padded, CausalConv)
         assert padded.__name__ == "CausalConvWithReplicationPads"
+        assert inspect.signature(padded.forward) == inspect.signature(CausalConv.forward)
         module.__class__ = padded
         assert torch.equal(module(x), want) and routed_pads == [(2, 3, 6, 7, 8)]
         F.pad(x, (1, 1, 1, 1, 1, 1), mode="replicate")  # outside the module's forward
