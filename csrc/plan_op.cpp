@@ -16,8 +16,9 @@ namespace {
 
 // sizes: the input's (N, C, *spatial); operands: the epilogue's and affine parameters present,
 // comma-separated ("weight", "bias", "scale", "shift", "residual", "multiplier", "multiplier=residual" for one
-// tensor as both), and "strided_rows" for an input whose rows are not back to back (Problem::strided_rows); device: (SMs, major, minor, opt-in shared memory a CTA, shared memory an SM,
-// L2 bytes, cooperative launch, clusters of 16), empty for an H200.
+// tensor as both), and "strided_rows" for an input whose rows are not back to back
+// (Problem::strided_rows); device: (SMs, major, minor, opt-in shared memory a CTA, shared memory
+// an SM, L2 bytes, cooperative launch, clusters of 16), empty for an H200.
 std::string plan_op(c10::IntArrayRef sizes, int64_t num_groups, at::ScalarType dtype, bool channels_last,
     c10::string_view activation, c10::string_view operands, bool backward, c10::IntArrayRef device) {
   TORCH_CHECK(sizes.size() >= 2, "Expected at least 2 dimensions for input tensor but received ", sizes.size());

@@ -164,10 +164,10 @@ def plan(shape, num_groups, dtype, *, channels_last=False, activation=None, oper
     ``operands``: False for the affine parameters alone, True for the whole epilogue (scale, shift,
     residual and multiplier), or a sequence of those names (``"multiplier=residual"``: one tensor
     as both; ``"strided_rows"``: an input whose rows are contiguous but not back to back, the
-    frames of an NCDHW video). ``device``: a CUDA device whose properties to plan for, or a tuple of properties as
-    H200 lists them; None means the current CUDA device if any, else an H200. The residency of the
-    kernels (CTAs an SM, clusters at once) is modeled from the properties, where a CUDA call asks
-    the driver. ``affine=False``: without weight and bias. Needs no GPU.
+    frames of an NCDHW video). ``device``: a CUDA device whose properties to plan for, or a tuple
+    of properties as H200 lists them; None means the current CUDA device if any, else an H200. The
+    residency of the kernels (CTAs an SM, clusters at once) is modeled from the properties, where a
+    CUDA call asks the driver. ``affine=False``: without weight and bias. Needs no GPU.
     """
     if operands is True:
         names = list(_OPERANDS)
