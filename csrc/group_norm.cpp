@@ -109,30 +109,33 @@ c10::SmallVector<int64_t, 8> dims_innermost_first(int64_t dims, Layout layout) {
   return order;
 }
 
-}  // namespace
-
-// Read from the sizes and strides themselves: is_contiguous() calls every empty tensor
-// contiguous, and a movedim view for the check would cost host time on every call
-// (docs/design.md, "Host time").
-bool has_strides_of(const at::Tensor& t, Layout layout) {
+// Whether the dimensions `dims` of t, innermost first, are dense among themselves: each one's
+// stride the product of the sizes before it in `dims` (size-1 dimensions ignored).
+bool dense_over(const at::Tensor& t, c10::ArrayRef<int64_t> dims) {
   const auto sizes = t.sizes();
   const auto strides = t.strides();
   int64_t expected = 1;
-  for (const int64_t d : dims_innermost_first(t.dim(), layout)) {
+  for (const int64_t d : dims) {
     if (sizes[d] != 1 && strides[d] != expected) return false;
     expected *= std::max<int64_t>(sizes[d], 1);
   }
   return true;
 }
 
+}  // namespace
+
+// Read from the sizes and strides themselves: is_contiguous() calls every empty tensor
+// contiguous, and a movedim view for the check would cost host time on every call
+// (docs/design.md, "Host time").
+bool has_strides_of(const at::Tensor& t, Layout layout) {
+  return dense_over(t, dims_innermost_first(t.dim(), layout));
+}
+
 bool strided_rows_of(const at::Tensor& t) {
   if (t.dim() < 3) return false;
-  int64_t expected = 1;
-  for (int64_t d = t.dim() - 1; d >= 2; --d) {
-    if (t.size(d) != 1 && t.stride(d) != expected) return false;
-    expected *= t.size(d);
-  }
-  return true;
+  c10::SmallVector<int64_t, 8> row_dims;
+  for (int64_t d = t.dim() - 1; d >= 2; --d) row_dims.push_back(d);
+  return dense_over(t, row_dims);
 }
 
 Layout layout_for(const at::Tensor& t) {

@@ -333,11 +333,15 @@ at::Tensor launch_replication_pad(const at::Tensor& input, at::IntArrayRef paddi
 
 }  // namespace
 
-at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
+at::Tensor replication_pad_by_kernels(const at::Tensor& input, at::IntArrayRef padding) {
   const auto format = input.suggest_memory_format();
-  if (const auto out_sizes = kernel_output_sizes(input, padding, format)) {
-    return launch_replication_pad(input, padding, format, *out_sizes);
-  }
+  const auto out_sizes = kernel_output_sizes(input, padding, format);
+  return out_sizes ? launch_replication_pad(input, padding, format, *out_sizes) : at::Tensor();
+}
+
+at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding) {
+  if (at::Tensor out = replication_pad_by_kernels(input, padding); out.defined()) return out;
+  const auto format = input.suggest_memory_format();
   // Any other input of the kernels' dtypes dense in no layout (a channels-last slice, rows with a
   // stride) is copied dense in its suggested format first (docs/design.md, "Replication pad"); the
   // output's layout is the same either way.
@@ -350,12 +354,6 @@ at::Tensor replication_pad_cuda(const at::Tensor& input, at::IntArrayRef padding
     }
   }
   return at::pad(input, padding, "replicate").contiguous(format);
-}
-
-at::Tensor replication_pad_by_kernels(const at::Tensor& input, at::IntArrayRef padding) {
-  const auto format = input.suggest_memory_format();
-  const auto out_sizes = kernel_output_sizes(input, padding, format);
-  return out_sizes ? launch_replication_pad(input, padding, format, *out_sizes) : at::Tensor();
 }
 
 TORCH_LIBRARY_IMPL(fusednorm, CUDA, m) {
