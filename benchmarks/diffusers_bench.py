@@ -232,6 +232,74 @@ WORKLOADS = {  # name -> build(device, dtype, full) -> (module, inputs)
 }
 
 
+class Decode(torch.nn.Module):
+    """An autoencoder's decode with keywords (torch.compile compiles forward)."""
+
+    def __init__(self, vae, **keywords):
+        super().__init__()
+        self.vae, self.keywords = vae, keywords
+
+    def forward(self, latents):
+        return self.vae.decode(latents, **self.keywords).sample
+
+
+def decode_of(cls_name, config, tiny_config, shape, tiny_shape, tiles=False, **keywords):
+    """build(device, dtype, full) of the decode of diffusers' `cls_name` (tiling, slicing and
+    frame-wise decoding off, unless `tiles`: tiling on), latents of `shape` (tiny: `tiny_shape`);
+    a keyword given as a function is its value of `full`."""
+    def build(device, dtype, full):
+        import diffusers
+
+        vae = _build(getattr(diffusers, cls_name), config if full else tiny_config, device, dtype)
+        for flag in ("use_tiling", "use_slicing", "use_framewise_decoding"):
+            if hasattr(vae, flag):
+                setattr(vae, flag, tiles and flag == "use_tiling")
+        called = {k: v(full) if callable(v) else v for k, v in keywords.items()}
+        return Decode(vae, **called), (torch.randn(*(shape if full else tiny_shape), device=device, dtype=dtype),)
+
+    return build
+
+
+_TINY_2D = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8)
+# --more: other diffusers autoencoders with group norms, each decode from its default config (SVD's
+# from the published one: the class's default is a one-block toy) at a size its pipelines decode.
+MORE_WORKLOADS = {
+    "Flux2 VAE decode 1024": decode_of(  # FLUX.2's VAE: 32 latent channels -> 1024 px
+        "AutoencoderKLFlux2", {}, dict(_TINY_2D, down_block_types=("DownEncoderBlock2D",) * 2,
+                                       up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=8),
+        (1, 32, 128, 128), (1, 8, 16, 16)),
+    "SVD VAE decode": decode_of(  # Stable Video Diffusion's temporal decoder: 14 frames of 576x1024
+        "AutoencoderKLTemporalDecoder",
+        dict(block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4, layers_per_block=2),
+        dict(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2, layers_per_block=1),
+        (14, 4, 72, 128), (2, 4, 16, 16), num_frames=lambda full: 14 if full else 2),
+    "KVAE decode 1024": decode_of(  # Kandinsky's KVAE: replicate-padded 2-D convolutions
+        "AutoencoderKLKVAE", {}, dict(channels=32, ch_mult=(1, 2), num_enc_blocks=1, num_dec_blocks=1, z_channels=4),
+        (1, 16, 128, 128), (1, 4, 16, 16)),
+    "KVAE video decode": decode_of(  # 3 latent frames -> 9 frames of 480x640
+        "AutoencoderKLKVAEVideo", {},
+        dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, temporal_compress_times=2),
+        (1, 16, 3, 60, 80), (1, 4, 3, 16, 16)),
+    "EasyAnimate VAE decode": decode_of(  # AutoencoderKLMagvit: 3 latent frames -> 9 of 480x640
+        "AutoencoderKLMagvit", {},
+        dict(_TINY_2D, down_block_types=("SpatialDownBlock3D", "SpatialTemporalDownBlock3D"),
+             up_block_types=("SpatialUpBlock3D", "SpatialTemporalUpBlock3D"), latent_channels=4),
+        (1, 16, 3, 60, 80), (1, 4, 3, 16, 16)),
+    "Cosmos VAE decode": decode_of(  # 2 latent frames -> 9 frames of 480x640
+        "AutoencoderKLCosmos", {},
+        dict(encoder_block_out_channels=(32, 64), decode_block_out_channels=(32, 64), attention_resolutions=(),
+             resolution=32, num_layers=1, spatial_compression_ratio=4, temporal_compression_ratio=4,
+             latents_mean=None, latents_std=None),
+        (1, 16, 2, 60, 80), (1, 16, 3, 8, 8)),
+    "Allegro VAE decode": decode_of(  # one tile (its decode needs tiles): 6 latent frames -> 24 of 320x320
+        "AutoencoderKLAllegro", {},
+        dict(_TINY_2D, down_block_types=("AllegroDownBlock3D",) * 2, up_block_types=("AllegroUpBlock3D",) * 2,
+             temporal_downsample_blocks=(True, False), temporal_upsample_blocks=(False, True), sample_size=32,
+             temporal_compression_ratio=2),
+        (1, 4, 6, 40, 40), (1, 4, 12, 16, 16), tiles=True),
+}
+
+
 def pick(spec, known, what, substrings):
     """The entries of `known` that comma-separated `spec` names (each an exact name, or with
     `substrings` a case-insensitive part of names), in `known`'s order; all when spec is None."""
@@ -488,8 +556,11 @@ def main():
                         help="4-D / 5-D weights and inputs in channels_last / channels_last_3d")
     parser.add_argument("--no-conv3d-channels-last", action="store_true",
                         help="the fusion backend with conv3d_channels_last=False")
+    parser.add_argument("--more", action="store_true",
+                        help="other diffusers autoencoders (MORE_WORKLOADS) instead of the default models")
     args = parser.parse_args()
-    names = pick(args.workloads, WORKLOADS, "workload", substrings=True)
+    workloads = MORE_WORKLOADS if args.more else WORKLOADS
+    names = pick(args.workloads, workloads, "workload", substrings=True)
     labels = pick(args.variants, VARIANTS, "variant", substrings=False)
     try:
         import diffusers
@@ -522,7 +593,7 @@ def main():
         print(f"  no variant to run on the {device}")
         return 0
 
-    layout = ("_channels_last" if args.channels_last else "") \
+    layout = ("_more" if args.more else "") + ("_channels_last" if args.channels_last else "") \
         + ("_conv3d_inductor_layout" if args.no_conv3d_channels_last else "")
     path = os.path.join(args.out, f"diffusers_{device}{layout}.json")
     meta = {"card": card, "torch": torch.__version__, "diffusers": diffusers.__version__, "dtype": str(dtype),
@@ -556,7 +627,7 @@ def main():
     with torch.no_grad():
         for name in names:
             try:
-                model, inputs = WORKLOADS[name](device, dtype, full)
+                model, inputs = workloads[name](device, dtype, full)
                 if args.channels_last:
                     model, inputs = to_channels_last(model, inputs)
             except Exception as e:  # noqa: BLE001

@@ -17,9 +17,10 @@ What is converted
     Not a norm, but where the video VAEs spend their time around them: diffusers' causal 3-D
     convolutions, which pad their input with ``F.pad(..., mode="replicate")`` in their own
     ``forward`` (``HunyuanVideoCausalConv3d``, ``HunyuanVideo15CausalConv3d``,
-    ``HunyuanImageRefinerCausalConv3d``, and ``CogVideoXCausalConv3d``, which Mochi's VAE runs in
-    ``pad_mode "replicate"``), and their subclasses, get a subclass of their own class
-    (``<class>WithReplicationPads``) whose ``forward`` runs theirs inside
+    ``HunyuanImageRefinerCausalConv3d``, ``CogVideoXCausalConv3d``, which Mochi's VAE runs in
+    ``pad_mode "replicate"``, EasyAnimate's ``EasyAnimateCausalConv3d``, and the KVAE video VAE's
+    ``KVAECausalConv3d`` and ``KVAECachedCausalConv3d``), and their subclasses, get a subclass of
+    their own class (``<class>WithReplicationPads``) whose ``forward`` runs theirs inside
     :func:`fusednorm.replication_pads` (eager mode only; under ``torch.compile`` it is their
     ``forward`` as it is): the same values, bit for bit, with the pads on fusednorm's kernels.
     ``isinstance`` checks against their class still hold (Mochi's framewise decoding switches
@@ -100,11 +101,12 @@ _INSTANCE_NORMS = (
 )
 _FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d, fnn.FrameGroupNorm)
 # diffusers' causal 3-D convolutions, which pad their input by replication in their own forward
-# (HunyuanVideo's and its successors', and CogVideoX's in Mochi's pad_mode "replicate"): convert
-# gives them a class whose forward runs inside replication_pads() (docs/design.md, "Replication
-# pads in eager mode").
+# (HunyuanVideo's and its successors', CogVideoX's in Mochi's pad_mode "replicate", EasyAnimate's,
+# Kandinsky's KVAE video): convert gives them a class whose forward runs inside replication_pads()
+# (docs/design.md, "Replication pads in eager mode").
 _DIFFUSERS_PAD_CONVS = ("HunyuanVideoCausalConv3d", "HunyuanVideo15CausalConv3d", "HunyuanImageRefinerCausalConv3d",
-                        "CogVideoXCausalConv3d")
+                        "CogVideoXCausalConv3d", "EasyAnimateCausalConv3d", "KVAECausalConv3d",
+                        "KVAECachedCausalConv3d")
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -397,6 +397,102 @@ def test_diffusers_mochi_causal_convolutions(device, routed_pads):
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(routed_pads) == 1
 
 
+def test_diffusers_more_causal_convolutions(device, routed_pads):
+    import_or_skip("diffusers")
+    from diffusers.models.autoencoders.autoencoder_kl_kvae_video import KVAECachedCausalConv3d, KVAECausalConv3d
+    from diffusers.models.autoencoders.autoencoder_kl_magvit import EasyAnimateCausalConv3d
+
+    torch.manual_seed(0)
+    # EasyAnimate's pads time by replication and runs a convolution a frame; KVAE's pad all three
+    # dimensions, or height and width with the first frame's copies before time (the cached one).
+    model = nn.ModuleDict({"easyanimate": EasyAnimateCausalConv3d(4, 6, 3), "kvae": KVAECausalConv3d(4, 6, 3),
+                           "kvae_cached": KVAECachedCausalConv3d(4, 6, 3)}).to(device)
+    reference = copy.deepcopy(model)
+    classes = {name: type(c) for name, c in model.items()}
+    fusednorm.convert(model)
+    assert all(isinstance(c, classes[name]) and type(c).__name__ == classes[name].__name__ + "WithReplicationPads"
+               for name, c in model.items())
+    x = torch.randn(2, 4, 3, 5, 6, device=device)
+
+    def outputs(m):
+        m.easyanimate._clear_conv_cache()
+        return [m.easyanimate(x), m.kvae(x), m.kvae_cached(x, {"padding": None})]
+
+    with torch.no_grad():
+        want = outputs(reference)
+        assert routed_pads == []
+        got = outputs(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert routed_pads == [(2, 4, 5, 5, 6), (2, 4, 5, 7, 8), (2, 4, 3, 7, 8)]
+
+
+# diffusers' autoencoders whole, from small configs (their published configs are the ones
+# benchmarks/diffusers_bench.py measures): what convert replaces and folds in them, checked
+# against the unconverted model forward and backward. name -> (class, config, input shape, keywords
+# of the call); a model whose forward does not decode whole (Allegro's encoder needs tiles) is
+# called by its decode, its input a latent.
+_TINY = dict(block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8)
+DIFFUSERS_AUTOENCODERS = {
+    "flux2": ("AutoencoderKLFlux2", dict(_TINY, down_block_types=("DownEncoderBlock2D",) * 2,
+                                         up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=8),
+              (1, 3, 16, 16), {}),
+    "svd_temporal_decoder": ("AutoencoderKLTemporalDecoder",
+                             dict(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                                  layers_per_block=1), (2, 3, 16, 16), {"num_frames": 2}),
+    "kvae": ("AutoencoderKLKVAE", dict(channels=32, ch_mult=(1, 2), num_enc_blocks=1, num_dec_blocks=1, z_channels=4),
+             (1, 3, 16, 16), {}),
+    "kvae_video": ("AutoencoderKLKVAEVideo",
+                   dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4, temporal_compress_times=2),
+                   (1, 3, 5, 16, 16), {}),
+    "easyanimate": ("AutoencoderKLMagvit",
+                    dict(_TINY, down_block_types=("SpatialDownBlock3D", "SpatialTemporalDownBlock3D"),
+                         up_block_types=("SpatialUpBlock3D", "SpatialTemporalUpBlock3D"), latent_channels=4),
+                    (1, 3, 5, 16, 16), {}),
+    "cosmos": ("AutoencoderKLCosmos",
+               dict(encoder_block_out_channels=(16, 32), decode_block_out_channels=(16, 32), attention_resolutions=(),
+                    resolution=16, num_layers=1, spatial_compression_ratio=4, temporal_compression_ratio=4,
+                    latents_mean=None, latents_std=None), (1, 3, 5, 16, 16), {}),
+    "allegro_decode": ("AutoencoderKLAllegro",
+                       dict(_TINY, down_block_types=("AllegroDownBlock3D",) * 2,
+                            up_block_types=("AllegroUpBlock3D",) * 2, temporal_downsample_blocks=(True, False),
+                            temporal_upsample_blocks=(False, True), sample_size=16, temporal_compression_ratio=2),
+                       (1, 4, 12, 8, 8), {"decode": True}),
+}
+
+
+class WholeCall(nn.Module):
+    """An autoencoder's forward (or decode), its output tensor alone."""
+
+    def __init__(self, vae, decode=False, **keywords):
+        super().__init__()
+        self.vae, self.decode, self.keywords = vae, decode, keywords
+
+    def forward(self, x):
+        if self.decode:
+            return self.vae.decode(x).sample
+        return self.vae(x, **self.keywords).sample
+
+
+@pytest.mark.parametrize("name", list(DIFFUSERS_AUTOENCODERS))
+def test_diffusers_autoencoders_whole(name, device, float32_convolutions, routed_pads):
+    diffusers = import_or_skip("diffusers")
+    cls_name, config, shape, keywords = DIFFUSERS_AUTOENCODERS[name]
+    torch.manual_seed(0)
+    vae = getattr(diffusers, cls_name)(**config)
+    if cls_name == "AutoencoderKLAllegro":
+        vae.use_tiling = True  # (its decode has no other way)
+    for m in vae.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0  # (Allegro's temporal convolutions': train mode would draw two masks)
+    n_norms = sum(isinstance(m, nn.GroupNorm) for m in vae.modules())
+    model = convert_and_check(WholeCall(vae, **keywords), lambda d: (torch.randn(*shape, device=d),), device,
+                              atol=1e-4, rtol=1e-4)
+    assert len(fused_modules(model)) == n_norms > 0
+    # The causal convolutions that pad by replication route their pads (here on the CPU too).
+    padded = [m for m in model.modules() if type(m).__name__.endswith("WithReplicationPads")]
+    assert bool(padded) == (name in ("kvae_video", "easyanimate")) and bool(routed_pads) == bool(padded)
+
+
 # -- timm ----------------------------------------------------------------------------------------
 
 
