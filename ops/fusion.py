@@ -41,6 +41,14 @@ the fused op would have it written to memory and read back. In the SD1.5 UNet th
 graphs, fusing them cost 5% at batch 2 and leaving them all cost 1.5% at batch 8, whose larger ones the
 rule fuses (docs/performance.md, "The fusion backend's rule").
 
+Likewise a chain whose last value goes to an elementwise op alone (a spatial norm's
+``group_norm(f) * y + b``, the add out of the epilogue's order, in the decoders of Kandinsky's
+KVAE), on tensors of at most 4 dimensions: Inductor computes that op inside its own norm's output
+kernel, where after the fused op it would be a pass of its own. A video's chain (CogVideoX's
+spatial norms) is fused all the same: its norms read the channels_last_3d tensors of the layout
+pass below, on which Inductor's norm kernels are far slower than the fused op
+(docs/performance.md, "More diffusers autoencoders").
+
 Before the norm, a group norm also takes over the bias of the convolution that feeds it
 (``F.conv1d/2d/3d``, ``torch.conv1d/2d/3d``) and an embedding of shape (N, C, 1, ..., 1) added to
 that convolution's output (the UNet's ``conv1(h) + temb``), when each is used only by the next and
@@ -341,6 +349,18 @@ def _inductor_prologue(node: Any, source: torch.Tensor) -> bool:
     return numel is not None and numel * source.element_size() < INDUCTOR_PROLOGUE_MAX_BYTES
 
 
+def _inductor_epilogue(end: fx.Node) -> bool:
+    """Whether the chain's last value `end` goes to an out-of-place elementwise op alone (a spatial
+    norm's ``group_norm(f) * y + b``, its add out of the epilogue's order): Inductor computes that
+    op inside its own norm's output kernel, where after the fused op it would be a pass of its own,
+    reading the op's output back (docs/performance.md, "More diffusers autoencoders")."""
+    if len(end.users) != 1:
+        return False
+    user = next(iter(end.users))
+    return (user.op == "call_function" and user.target in _ELEMENTWISE) \
+        or (user.op == "call_method" and user.target in _ELEMENTWISE_METHODS)
+
+
 def _conv_bias(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Tuple[fx.Node, Optional[fx.Node]]]:
     """(conv, its bias node or None) when `node` is a convolution (F.conv1d/2d/3d, torch.conv1d/2d/3d)
     that nothing else uses, whose bias, if any, is a vector of ref's dtype not modified in place."""
@@ -561,6 +581,10 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
         epilogue.update(step[1])
         chain.append(cur)
         dying += step[2]
+    # (Not for videos: after the layout pass their norms read channels_last_3d tensors, where
+    # Inductor's own norm kernels are far slower than the fused op; the module docstring.)
+    if leave_to_inductor and ref.dim() <= 4 and _inductor_epilogue(cur):
+        return False
     added = None
     if op == "group_norm" and ref.dim() >= 3 and prologue is None:
         added = _residual_add(gm, args["input"], ref)

@@ -203,6 +203,36 @@ def test_backend_accepts_a_callable_and_fuse_graph_counts():
     assert seen == [1]
 
 
+class SpatialNorm(nn.Module):
+    """silu(group_norm(f) * y + b): the spatial norms of Kandinsky's KVAE and CogVideoX's decoders
+    (y and b convolutions of the latents), the add out of the epilogue's order."""
+
+    def forward(self, f, y, b):
+        return F.silu(F.group_norm(f, 4, eps=1e-6) * y + b)
+
+
+@pytest.mark.parametrize("shape, fused", [
+    ((2, 8, 5, 6), 0),         # an image's: Inductor computes the add in its norm kernel
+    ((2, 8, 3, 5, 6), 1),      # a video's: fused (Inductor's norms over channels_last_3d are slow)
+])
+def test_leave_to_inductor_chains_that_end_in_an_elementwise_op(shape, fused):
+    counts = []
+
+    def inner(leave):
+        def compile_graph(gm, example_inputs):
+            counts.append((leave, fusion.fuse_graph(gm, leave_to_inductor=leave)))
+            return gm.forward
+        return compile_graph
+
+    module = SpatialNorm()
+    f, y, b = (torch.randn(shape) for _ in range(3))
+    for leave in (True, False):
+        torch._dynamo.reset()
+        got = torch.compile(module, backend=inner(leave), dynamic=False)(f, y, b)
+        torch.testing.assert_close(got, module(f, y, b))
+    assert counts == [(True, fused), (False, 1)]
+
+
 class Prologue(nn.Module):
     """silu(group_norm(x + t)), t per channel: the UNet's conv(h) + temb before its second norm;
     with `keep`, x + t is also returned (a second user)."""
