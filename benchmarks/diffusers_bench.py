@@ -42,8 +42,9 @@ on, and the exit status is 1. Writes DIR/diffusers_<device>.json, rewritten afte
 ("complete" false until the end): {date, card, torch, diffusers, dtype, complete, rows: [{workload,
 ms: {variant: ms}, max_abs_diff: {variant: diff}, fusions (the norm chains compile + fusion
 rewrote; its CUDA-graph twin's when only that ran), fusions_by_variant, and where any: errors:
-{variant: message}, cudagraph_skips: {variant: graphs Inductor ran without CUDA graphs}, and with
---profile kernel_ms: {variant: {category: ms}}}]}. A run
+{variant: message}, cudagraph_skips: {variant: graphs Inductor ran without CUDA graphs}, with
+--profile kernel_ms: {variant: {category: ms}}, and with --float32-reference error_vs_float32:
+{variant: [max, mean]}}]}. A run
 given --workloads or --variants merges into an existing file of the same card, torch, diffusers and
 dtype (its other workloads and variants kept), so that the table can be measured in parts.
 
@@ -56,7 +57,8 @@ size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 
 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
                                          [--workloads NAMES] [--variants LABELS] [--profile [--top N]]
-                                         [--channels-last] [--no-conv3d-channels-last]
+                                         [--channels-last] [--no-conv3d-channels-last] [--more]
+                                         [--float32-reference]
 
 --workloads: comma-separated workload names or parts of them, case-insensitive, an exact name
 picking that workload alone ("VAE" picks the five VAE rows, "b8" the batch-8 UNet, "video" the
@@ -65,6 +67,15 @@ comma-separated variant labels as above, case-insensitive. Default: all. Each co
 compiles its model anew, so all of it most likely takes more than 10 minutes on a GPU machine (an
 estimate); for calls of 10 minutes run it in parts, e.g. a workload a call (--workloads 512, then
 1024, b2, b8, "video VAE decode", CogVideoX, Mochi), the same --out.
+
+--more: instead of the models above, the decodes of seven more diffusers autoencoders with group
+norms (MORE_WORKLOADS: FLUX.2's VAE at 1024 px, Stable Video Diffusion's temporal decoder on 14
+frames of 576x1024, Kandinsky's KVAE at 1024 px and its video VAE, EasyAnimate's, Cosmos' and
+Allegro's on a few frames), written to diffusers_<device>_more.json; --workloads picks among them.
+
+--float32-reference: each variant's max and mean |error| against a float32 copy of the model on
+the same inputs (saved as error_vs_float32: {variant: [max, mean]}): whether a variant's
+difference from eager is eager's rounding or its own.
 
 --channels-last: the models' 4-D and 5-D weights and inputs in channels_last / channels_last_3d
 (as users of convolutional models often run them); written to diffusers_<device>_channels_last.json.
@@ -444,11 +455,21 @@ def longest(kernels, n):
     return [f"{ms:9.3f} ms {count:5.0f}x  {name[:150]}" for name, (ms, count) in top]
 
 
+def float32_output(model, inputs):
+    """The output of a float32 copy of `model` on the inputs in float32: the reference of
+    --float32-reference."""
+    copied = copy.deepcopy(model).float()
+    out = copied(*(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs))
+    del copied
+    return out
+
+
 def run_workload(name, model, inputs, labels, measure, device, errors, profile=False, top=0,
-                 conv3d_channels_last=True):
+                 conv3d_channels_last=True, float32_reference=False):
     row = {"workload": name, "ms": {}, "max_abs_diff": {}}
     fusions = {}
     want = model(*inputs)
+    reference = float32_output(model, inputs) if float32_reference else None
     for label in labels:
         m = backend = got = call = timed = None
         failed = False
@@ -478,6 +499,12 @@ def run_workload(name, model, inputs, labels, measure, device, errors, profile=F
                       f"(Inductor's 'skipping cudagraphs due to ...' warning says why)", flush=True)
             got = got.clone()  # (a CUDA graph's output is overwritten by the next call)
             row["max_abs_diff"][label] = float((got.float() - want.float()).abs().max())
+            if reference is not None:
+                error = (got.float() - reference).abs()
+                row.setdefault("error_vs_float32", {})[label] = [float(error.max()), float(error.mean())]
+                print(f"  {name:16s} {label}: max / mean |error| against the float32 model "
+                      f"{float(error.max()):.2e} / {float(error.mean()):.2e}", flush=True)
+                del error
             got = None
 
             def timed(call=call):
@@ -514,12 +541,13 @@ def run_workload(name, model, inputs, labels, measure, device, errors, profile=F
 
 def merge(old_rows, new_rows):
     """old_rows with new_rows over them: what a new row says of a variant (measured or failed)
-    replaces what the old one said of it; in WORKLOADS order."""
+    replaces what the old one said of it; in WORKLOADS (then MORE_WORKLOADS) order."""
     merged = {r["workload"]: copy.deepcopy(r) for r in old_rows}
     for r in new_rows:
         o = merged.setdefault(r["workload"], {"workload": r["workload"]})
         ran = set(r["ms"]) | set(r.get("errors", {}))
-        for key in ("ms", "max_abs_diff", "fusions_by_variant", "errors", "cudagraph_skips", "kernel_ms"):
+        for key in ("ms", "max_abs_diff", "error_vs_float32", "fusions_by_variant", "errors", "cudagraph_skips",
+                    "kernel_ms"):
             values = {**{v: x for v, x in o.get(key, {}).items() if v not in ran}, **r.get(key, {})}
             o[key] = dict(sorted(values.items(), key=lambda item: VARIANTS.index(item[0])
                                  if item[0] in VARIANTS else len(VARIANTS)))
@@ -530,7 +558,7 @@ def merge(old_rows, new_rows):
             o["fusions"] = by_variant.get("compile + fusion", next(iter(by_variant.values())))
         elif ran & set(FUSION):  # (an old row's count, of a fusion variant that failed now)
             o.pop("fusions", None)
-    order = {name: i for i, name in enumerate(WORKLOADS)}
+    order = {name: i for i, name in enumerate(list(WORKLOADS) + list(MORE_WORKLOADS))}
     return sorted(merged.values(), key=lambda r: order.get(r["workload"], len(order)))
 
 
@@ -558,6 +586,8 @@ def main():
                         help="the fusion backend with conv3d_channels_last=False")
     parser.add_argument("--more", action="store_true",
                         help="other diffusers autoencoders (MORE_WORKLOADS) instead of the default models")
+    parser.add_argument("--float32-reference", action="store_true",
+                        help="each variant's max and mean |error| against a float32 copy of the model too")
     args = parser.parse_args()
     workloads = MORE_WORKLOADS if args.more else WORKLOADS
     names = pick(args.workloads, workloads, "workload", substrings=True)
@@ -639,7 +669,8 @@ def main():
             free_memory(device)
             these = [v for v in labels if not (name in eager_only and v in COMPILED)]
             rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile, args.top,
-                                     conv3d_channels_last=not args.no_conv3d_channels_last))
+                                     conv3d_channels_last=not args.no_conv3d_channels_last,
+                                     float32_reference=args.float32_reference))
             del model, inputs
             free_memory(device)
             save(rows, complete=False)
