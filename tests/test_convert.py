@@ -493,6 +493,61 @@ def test_diffusers_autoencoders_whole(name, device, float32_convolutions, routed
     assert bool(padded) == (name in ("kvae_video", "easyanimate")) and bool(routed_pads) == bool(padded)
 
 
+# diffusers' video UNets, from small configs: ModelScope's UNet3DConditionModel (whose temporal
+# convolutions are nn.Sequential(GroupNorm, SiLU, ...), folded) and Stable Video Diffusion's
+# UNetSpatioTemporalConditionModel. name -> (class, config, (sample, context) shapes, keywords'
+# shapes); the timestep is fixed.
+DIFFUSERS_VIDEO_UNETS = {
+    "unet_3d": ("UNet3DConditionModel",
+                dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, cross_attention_dim=16,
+                     attention_head_dim=8, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+                     up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), sample_size=8, in_channels=4,
+                     out_channels=4),
+                ((1, 4, 3, 8, 8), (1, 5, 16)), {}),
+    "unet_spatio_temporal": ("UNetSpatioTemporalConditionModel",
+                             dict(block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=16,
+                                  num_attention_heads=(2, 4),
+                                  down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+                                  up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+                                  sample_size=8, in_channels=8, out_channels=4,
+                                  projection_class_embeddings_input_dim=3 * 8, addition_time_embed_dim=8),
+                             ((1, 3, 8, 8, 8), (1, 1, 16)), {"added_time_ids": (1, 3)}),
+}
+
+
+class UNetCall(nn.Module):
+    """A diffusers UNet at a fixed timestep, its sample alone."""
+
+    def __init__(self, unet, **keywords):
+        super().__init__()
+        self.unet, self.keywords = unet, keywords
+
+    def forward(self, sample, context, *extra):
+        extra = dict(zip(self.keywords, extra))
+        return self.unet(sample, torch.tensor([10.0], device=sample.device), context, **extra).sample
+
+
+@pytest.mark.parametrize("name", list(DIFFUSERS_VIDEO_UNETS))
+def test_diffusers_video_unets_whole(name, device, float32_convolutions):
+    diffusers = import_or_skip("diffusers")
+    cls_name, config, (sample, context), keywords = DIFFUSERS_VIDEO_UNETS[name]
+    torch.manual_seed(0)
+    unet = getattr(diffusers, cls_name)(**config)
+    for m in unet.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    n_norms = sum(isinstance(m, nn.GroupNorm) for m in unet.modules())
+
+    def inputs(d):
+        return (torch.randn(*sample, device=d), torch.randn(*context, device=d),
+                *(torch.randn(*shape, device=d) for shape in keywords.values()))
+
+    model = convert_and_check(UNetCall(unet, **keywords), inputs, device, atol=1e-4, rtol=1e-4)
+    assert len(fused_modules(model)) == n_norms > 0
+    folded = [m for m in fused_modules(model) if m.activation is not None]
+    assert bool(folded) == (name == "unet_3d")
+
+
 # -- timm ----------------------------------------------------------------------------------------
 
 
