@@ -203,6 +203,21 @@ def test_backend_accepts_a_callable_and_fuse_graph_counts():
     assert seen == [1]
 
 
+def chains_with_and_without_leaving(module, *inputs):
+    """[(True, chains), (False, chains)]: the chains fuse_graph rewrites in `module`'s graph with
+    leave_to_inductor and without, each compiled call checked against the module's own output."""
+    counts = []
+    for leave in (True, False):
+        def compile_graph(gm, example_inputs, leave=leave):
+            counts.append((leave, fusion.fuse_graph(gm, leave_to_inductor=leave)))
+            return gm.forward
+
+        torch._dynamo.reset()
+        got = torch.compile(module, backend=compile_graph, dynamic=False)(*inputs)
+        torch.testing.assert_close(got, module(*inputs))
+    return counts
+
+
 class SpatialNorm(nn.Module):
     """silu(group_norm(f) * y + b): the spatial norms of Kandinsky's KVAE and CogVideoX's decoders
     (y and b convolutions of the latents), the add out of the epilogue's order."""
@@ -216,21 +231,8 @@ class SpatialNorm(nn.Module):
     ((2, 8, 3, 5, 6), 1),      # a video's: fused (Inductor's norms over channels_last_3d are slow)
 ])
 def test_leave_to_inductor_chains_that_end_in_an_elementwise_op(shape, fused):
-    counts = []
-
-    def inner(leave):
-        def compile_graph(gm, example_inputs):
-            counts.append((leave, fusion.fuse_graph(gm, leave_to_inductor=leave)))
-            return gm.forward
-        return compile_graph
-
-    module = SpatialNorm()
     f, y, b = (torch.randn(shape) for _ in range(3))
-    for leave in (True, False):
-        torch._dynamo.reset()
-        got = torch.compile(module, backend=inner(leave), dynamic=False)(f, y, b)
-        torch.testing.assert_close(got, module(f, y, b))
-    assert counts == [(True, fused), (False, 1)]
+    assert chains_with_and_without_leaving(SpatialNorm(), f, y, b) == [(True, fused), (False, 1)]
 
 
 class Prologue(nn.Module):
@@ -254,23 +256,11 @@ class Prologue(nn.Module):
 ])
 def test_leave_to_inductor_small_single_use_prologues(shape, keep, fused):
     assert 2 * 8 * 512 * 256 * 4 == fusion.INDUCTOR_PROLOGUE_MAX_BYTES
-    counts = []
-
-    def inner(leave):
-        def compile_graph(gm, example_inputs):
-            counts.append((leave, fusion.fuse_graph(gm, leave_to_inductor=leave)))
-            return gm.forward
-        return compile_graph
-
-    module = Prologue(keep)
     x, t = torch.randn(shape), torch.randn(shape[0], shape[1], 1, 1)
-    for leave in (True, False):
-        torch._dynamo.reset()
-        got = torch.compile(module, backend=inner(leave), dynamic=False)(x, t)
-        torch.testing.assert_close(got, module(x, t))
-    assert counts == [(True, fused), (False, 1)]
+    assert chains_with_and_without_leaving(Prologue(keep), x, t) == [(True, fused), (False, 1)]
     assert fusion.backend().leave_to_inductor and fusion.backend(mode="default").leave_to_inductor
-    assert not fusion.backend("aot_eager").leave_to_inductor and not fusion.backend(inner(True)).leave_to_inductor
+    assert not fusion.backend("aot_eager").leave_to_inductor
+    assert not fusion.backend(lambda gm, example_inputs: gm.forward).leave_to_inductor
 
 
 class CausalConvs(nn.Module):
