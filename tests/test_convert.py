@@ -494,8 +494,8 @@ def test_diffusers_autoencoders_whole(name, device, float32_convolutions, routed
 
 
 # diffusers' video UNets, from small configs: ModelScope's UNet3DConditionModel (whose temporal
-# convolutions are nn.Sequential(GroupNorm, SiLU, ...), folded) and Stable Video Diffusion's
-# UNetSpatioTemporalConditionModel. name -> (class, config, (sample, context) shapes, keywords'
+# convolutions are nn.Sequential(GroupNorm, SiLU, ...), folded), Stable Video Diffusion's
+# UNetSpatioTemporalConditionModel and AnimateDiff's UNetMotionModel. name -> (class, config, (sample, context) shapes, keywords'
 # shapes); the timestep is fixed.
 DIFFUSERS_VIDEO_UNETS = {
     "unet_3d": ("UNet3DConditionModel",
@@ -512,6 +512,14 @@ DIFFUSERS_VIDEO_UNETS = {
                                   sample_size=8, in_channels=8, out_channels=4,
                                   projection_class_embeddings_input_dim=3 * 8, addition_time_embed_dim=8),
                              ((1, 3, 8, 8, 8), (1, 1, 16)), {"added_time_ids": (1, 3)}),
+    # (its callers repeat the context a frame: (N * F, L, D))
+    "unet_motion": ("UNetMotionModel",
+                    dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, cross_attention_dim=16,
+                         down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"),
+                         up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"), sample_size=8, in_channels=4,
+                         out_channels=4, num_attention_heads=2, motion_num_attention_heads=2,
+                         motion_max_seq_length=8),
+                    ((1, 4, 3, 8, 8), (3, 5, 16)), {}),
 }
 
 
