@@ -16,7 +16,9 @@ kernels, not torch functions, so the block changes nothing there (the fusion bac
 pads that follow its fused norms itself).
 
 ``fusednorm.convert`` gives the causal convolutions of diffusers' video VAEs a class of
-``padded_forward_class``: their own ``forward`` inside the block, the rest of the model outside it.
+``padded_forward_class``: their own ``forward`` inside the block, the rest of the model outside it;
+and torch's convolutions of ``padding_mode="replicate"`` a class of ``padded_conv_class``, whose
+``_conv_forward`` calls the op itself, without the block.
 """
 
 import functools
@@ -24,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["replication_pads"]
@@ -34,21 +37,27 @@ _DEVICE_TYPES = ("cuda",)
 _ARGUMENTS = ("input", "pad", "mode", "value")
 
 
+def _replicated(x: Any, padding: Sequence[int]) -> Optional[torch.Tensor]:
+    """fusednorm's replication pad of `x` by `padding` (ints), where it takes it: a plain tensor
+    on a device of _DEVICE_TYPES, nondeterministic algorithms allowed (F.pad's deterministic
+    replicate pad is a decomposition whose backward is deterministic); otherwise None."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type not in _DEVICE_TYPES \
+            or torch.are_deterministic_algorithms_enabled():
+        return None
+    return torch.ops.fusednorm.replication_pad.default(x, list(padding))
+
+
 def _routed_pad(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
     """fusednorm's replication pad of an ``F.pad(input, pad, mode, value)`` call it takes (a
-    replicate pad without a value, of a plain tensor on a device of _DEVICE_TYPES, int padding),
-    or None: the call then runs as it was made."""
+    replicate pad without a value, int padding, and what _replicated takes), or None: the call
+    then runs as it was made."""
     bound = dict(zip(_ARGUMENTS, args))
     bound.update(kwargs)
-    x, padding = bound.get("input"), bound.get("pad")
+    padding = bound.get("pad")
     if bound.get("mode", "constant") != "replicate" or bound.get("value") is not None \
-            or type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type not in _DEVICE_TYPES \
             or not isinstance(padding, (list, tuple)) or not all(type(p) is int for p in padding):
         return None
-    # F.pad's deterministic replicate pad is a decomposition whose backward is deterministic.
-    if torch.are_deterministic_algorithms_enabled():
-        return None
-    return torch.ops.fusednorm.replication_pad(x, list(padding))
+    return _replicated(bound.get("input"), padding)
 
 
 class replication_pads(TorchFunctionMode):  # noqa: N801 (used as a function: `with replication_pads():`)
@@ -71,31 +80,42 @@ class replication_pads(TorchFunctionMode):  # noqa: N801 (used as a function: `w
         return func(*args, **kwargs)
 
 
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _compiling() -> bool:
     """Whether Dynamo is tracing the caller (torch.compile, torch.export)."""
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling()
+    if _IS_COMPILING is not None:
+        return _IS_COMPILING()
     return torch._dynamo.is_compiling()  # torch < 2.3
 
 
-class ReplicationPadsInForward:
-    """Base of the classes :func:`padded_forward_class` makes (their ``forward`` runs the original
-    class's inside :class:`replication_pads`): a module of such a class pickles and deep-copies as
-    one, its class made again from the original class."""
+class ReplicationPadsClass:
+    """Base of the classes :func:`padded_forward_class` and :func:`padded_conv_class` make: a
+    module of such a class pickles and deep-copies as one, its class made again from the original
+    class; ``torch.jit.script`` scripts it as a module of the original class (the same attributes,
+    ATen's pads)."""
 
-    _padded_base: type  # the original class, set by padded_forward_class
+    _padded_base: type  # the original class, set by the function that made the class
+    _padded_maker: str  # that function's name
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        return _remade, (self._padded_base,), dict(self.__dict__)
+        return _remade, (self._padded_maker, self._padded_base), dict(self.__dict__)
+
+    def __prepare_scriptable__(self) -> Any:
+        original = self._padded_base.__new__(self._padded_base)
+        original.__dict__.update(self.__dict__)
+        return original
 
 
 _PADDED_CLASSES: Dict[type, type] = {}
+_PADDED_CONVS: Dict[type, type] = {}
+_CONVS = ((nn.Conv3d, F.conv3d), (nn.Conv2d, F.conv2d), (nn.Conv1d, F.conv1d))
 
 
 def padded_forward_class(cls: type) -> type:
     """The subclass of the nn.Module class ``cls`` whose ``forward`` runs ``cls.forward`` inside
-    :class:`replication_pads` (ReplicationPadsInForward), one a class: ``isinstance`` checks
+    :class:`replication_pads` (a ReplicationPadsClass), one a class: ``isinstance`` checks
     against ``cls`` still hold, and its attributes are the module's own (``fusednorm.convert``
     makes diffusers' causal convolutions so, docs/design.md, "Replication pads in eager mode")."""
     if cls not in _PADDED_CLASSES:
@@ -110,12 +130,40 @@ def padded_forward_class(cls: type) -> type:
                 return original(self, *args, **kwargs)
 
         name = f"{cls.__name__}WithReplicationPads"
-        _PADDED_CLASSES[cls] = type(name, (ReplicationPadsInForward, cls), {
-            "__module__": __name__, "__qualname__": name, "_padded_base": cls, "forward": forward})
+        _PADDED_CLASSES[cls] = type(name, (ReplicationPadsClass, cls), {
+            "__module__": __name__, "__qualname__": name, "_padded_base": cls,
+            "_padded_maker": "padded_forward_class", "forward": forward})
     return _PADDED_CLASSES[cls]
 
 
-def _remade(cls: type) -> Any:
-    """An empty instance of padded_forward_class(cls), for pickle (which then sets its state)."""
-    padded = padded_forward_class(cls)
+def padded_conv_class(cls: type) -> type:
+    """The subclass of the ``torch.nn.Conv1d/2d/3d`` class ``cls`` whose ``_conv_forward`` pads by
+    replication on fusednorm's op where :class:`replication_pads` would route the pad (padding
+    mode "replicate", a plain CUDA tensor, eager mode) and then convolves the padded input
+    unpadded, as torch's own does after its ``F.pad``; otherwise it is torch's. One a class, as
+    :func:`padded_forward_class`'s; without the mode's Python call on every torch function
+    (~3 us of host time a convolution call against ~11; docs/design.md, "Replication pads in
+    eager mode")."""
+    if cls not in _PADDED_CONVS:
+        conv = next(function for base, function in _CONVS if issubclass(cls, base))
+        original = cls._conv_forward
+
+        def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Any:
+            if self.padding_mode == "replicate" and not _compiling():
+                padded = _replicated(input, self._reversed_padding_repeated_twice)
+                if padded is not None:
+                    return conv(padded, weight, bias, self.stride, 0, self.dilation, self.groups)
+            return original(self, input, weight, bias)
+
+        name = f"{cls.__name__}WithReplicationPads"
+        _PADDED_CONVS[cls] = type(name, (ReplicationPadsClass, cls), {
+            "__module__": __name__, "__qualname__": name, "_padded_base": cls,
+            "_padded_maker": "padded_conv_class", "_conv_forward": _conv_forward})
+    return _PADDED_CONVS[cls]
+
+
+def _remade(maker: str, cls: type) -> Any:
+    """An empty instance of the class `maker` (padded_forward_class or padded_conv_class) makes of
+    `cls`, for pickle (which then sets its state)."""
+    padded = {"padded_forward_class": padded_forward_class, "padded_conv_class": padded_conv_class}[maker](cls)
     return padded.__new__(padded)

@@ -23,6 +23,9 @@ What is converted
     their own class (``<class>WithReplicationPads``) whose ``forward`` runs theirs inside
     :func:`fusednorm.replication_pads` (eager mode only; under ``torch.compile`` it is their
     ``forward`` as it is): the same values, bit for bit, with the pads on fusednorm's kernels.
+    ``torch.nn.Conv1d/2d/3d`` of ``padding_mode="replicate"`` (and subclasses keeping torch's
+    ``_conv_forward``) get such a subclass too, whose ``_conv_forward`` pads on fusednorm's kernels
+    in eager mode and convolves as torch's does (``torch.jit.script`` scripts it as torch's class).
     ``isinstance`` checks against their class still hold (Mochi's framewise decoding switches
     their ``pad_mode`` so), and such a module pickles and deep-copies as converted.
 
@@ -88,7 +91,7 @@ from torch.nn.utils import parametrize
 
 from . import nn as fnn
 from ._forward_folds import FoldAssumptions, forward_folds
-from ._replication_pads import ReplicationPadsInForward, padded_forward_class
+from ._replication_pads import ReplicationPadsClass, padded_conv_class, padded_forward_class
 
 __all__ = ["convert", "module_activation"]
 
@@ -175,12 +178,20 @@ def _mochi_frame_norm(module: nn.Module) -> bool:
 
 
 def _pad_conv_class(module: nn.Module) -> Optional[type]:
-    """The class `module` takes when it is one of diffusers' causal convolutions of
-    _DIFFUSERS_PAD_CONVS (or of a subclass): its own class made to run its forward inside
-    replication_pads(). None otherwise (and for a module that already runs so)."""
-    if isinstance(module, ReplicationPadsInForward) or _diffusers_base(module, _DIFFUSERS_PAD_CONVS) is None:
+    """The class `module` takes when it pads by replication: one of diffusers' causal convolutions
+    of _DIFFUSERS_PAD_CONVS (or of a subclass), its own class made to run its forward inside
+    replication_pads(); a torch.nn.Conv1d/2d/3d (or a subclass keeping torch's _conv_forward) of
+    padding_mode "replicate", its own class made to pad on fusednorm's op. None otherwise (and
+    for a module that already pads so)."""
+    if isinstance(module, ReplicationPadsClass):
         return None
-    return padded_forward_class(type(module))
+    if _diffusers_base(module, _DIFFUSERS_PAD_CONVS) is not None:
+        return padded_forward_class(type(module))
+    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        if isinstance(module, conv) and module.padding_mode == "replicate" \
+                and _keeps(type(module), conv, ("_conv_forward",)):
+            return padded_conv_class(type(module))
+    return None
 
 
 def _target_class(module: nn.Module) -> Optional[type]:
@@ -217,7 +228,7 @@ def _converted(module: nn.Module, cls: type) -> nn.Module:
     _parameters / _buffers / hook dicts (so existing hook handles still work)."""
     new = cls.__new__(cls)
     state = dict(module.__dict__)
-    if issubclass(cls, ReplicationPadsInForward):
+    if issubclass(cls, ReplicationPadsClass):
         new.__dict__.update(state)
         return new
     activation, slope = None, 0.01

@@ -58,20 +58,21 @@ def fresh_overrides():
 
 @pytest.fixture
 def routed_pads(monkeypatch):
-    """The replication pads fusednorm.replication_pads() hands to fusednorm's op (also those of the
-    causal convolutions fusednorm.convert makes run inside it), recorded as their output shapes,
-    with the CPU among the devices routed (where the op is ATen's pad), so that CI sees the routing."""
+    """The replication pads handed to fusednorm's op by fusednorm.replication_pads() (also those
+    of the causal convolutions fusednorm.convert makes run inside it) and by the convolutions
+    convert gives padded_conv_class, recorded as their output shapes, with the CPU among the
+    devices routed (where the op is ATen's pad), so that CI sees the routing."""
     from fusednorm import _replication_pads
 
     monkeypatch.setattr(_replication_pads, "_DEVICE_TYPES", ("cpu", "cuda"))
     calls = []
-    route = _replication_pads._routed_pad
+    replicate = _replication_pads._replicated
 
-    def spy(args, kwargs):
-        out = route(args, kwargs)
+    def spy(x, padding):
+        out = replicate(x, padding)
         if out is not None:
             calls.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(_replication_pads, "_routed_pad", spy)
+    monkeypatch.setattr(_replication_pads, "_replicated", spy)
     return calls

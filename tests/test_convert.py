@@ -488,9 +488,10 @@ def test_diffusers_autoencoders_whole(name, device, float32_convolutions, routed
     model = convert_and_check(WholeCall(vae, **keywords), lambda d: (torch.randn(*shape, device=d),), device,
                               atol=1e-4, rtol=1e-4)
     assert len(fused_modules(model)) == n_norms > 0
-    # The causal convolutions that pad by replication route their pads (here on the CPU too).
+    # The convolutions that pad by replication (the video VAEs' causal ones, KVAE's torch convolutions
+    # of padding_mode "replicate") route their pads (here on the CPU too).
     padded = [m for m in model.modules() if type(m).__name__.endswith("WithReplicationPads")]
-    assert bool(padded) == (name in ("kvae_video", "easyanimate")) and bool(routed_pads) == bool(padded)
+    assert bool(padded) == (name in ("kvae", "kvae_video", "easyanimate")) and bool(routed_pads) == bool(padded)
 
 
 # diffusers' video UNets, from small configs: ModelScope's UNet3DConditionModel (whose temporal

@@ -166,3 +166,54 @@ def test_padded_forward_class(routed_pads, device):
         torch._dynamo.reset()
         compiled = torch.compile(module, backend="eager", fullgraph=True)
         assert torch.equal(compiled(x), want) and len(routed_pads) == 3  # Dynamo traces F.pad as written
+
+
+def test_padded_conv_class(routed_pads, device):
+    # What convert gives torch's convolutions of padding_mode "replicate" (Kandinsky KVAE's): their
+    # pad on fusednorm's op, the convolution unpadded after it; the rest as torch's.
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "1d": torch.nn.Conv1d(3, 4, 3, padding=1, padding_mode="replicate"),
+        "2d": torch.nn.Conv2d(3, 4, 3, padding=(2, 1), stride=2, padding_mode="replicate"),
+        "3d": torch.nn.Conv3d(3, 4, 3, padding=1, padding_mode="replicate"),
+        "zeros": torch.nn.Conv2d(3, 4, 3, padding=1),
+    }).to(device)
+    inputs = {"1d": torch.randn(2, 3, 7, device=device), "2d": torch.randn(2, 3, 6, 5, device=device),
+              "3d": torch.randn(2, 3, 4, 5, 6, device=device), "zeros": torch.randn(2, 3, 6, 5, device=device)}
+    reference = copy.deepcopy(model)
+    fusednorm.convert(model)
+    assert [type(m).__name__ for m in model.values()] == [
+        "Conv1dWithReplicationPads", "Conv2dWithReplicationPads", "Conv3dWithReplicationPads", "Conv2d"]
+    assert all(isinstance(m, type(reference[k])) for k, m in model.items())
+
+    def outputs(m):
+        return [m[k](x) for k, x in inputs.items()]
+
+    with torch.no_grad():
+        want = outputs(reference)
+        assert routed_pads == []
+        assert all(torch.equal(a, b) for a, b in zip(outputs(model), want))
+        assert routed_pads == [(2, 3, 9), (2, 3, 10, 7), (2, 3, 6, 7, 8)]
+        for again in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+            assert type(again["2d"]) is type(model["2d"]) and torch.equal(again["2d"](inputs["2d"]), want[1])
+        # torch.jit.script scripts them as torch's own class, ATen's pads.
+        scripted = torch.jit.script(model["3d"])
+        assert torch.equal(scripted(inputs["3d"]), want[2]) and len(routed_pads) == 5
+        # Compiled, they are torch's convolutions as written: Dynamo traces _conv_forward's torch
+        # branch, F.pad. (Before torch.compiler.is_compiling, torch 2.1-2.2, AOTAutograd runs the
+        # module again on plain functional tensors, where the op goes into the graph, its values
+        # the same.)
+        torch._dynamo.reset()
+        compiled = torch.compile(model["2d"], backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(inputs["2d"]), want[1])
+        if _replication_pads._IS_COMPILING is not None:
+            assert len(routed_pads) == 5
+    # Gradients through the routed pad are ATen's pad's (a call that records a graph is ATen's).
+    x = inputs["2d"].clone().requires_grad_()
+    y = inputs["2d"].clone().requires_grad_()
+    model["2d"](x).square().sum().backward()
+    reference["2d"](y).square().sum().backward()
+    assert torch.equal(x.grad, y.grad) and torch.equal(model["2d"].weight.grad, reference["2d"].weight.grad)
