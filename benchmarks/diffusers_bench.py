@@ -148,14 +148,15 @@ CPU_EAGER_ONLY = ("VAE decode 1024", "UNet step b8")
 
 
 class VAEDecode(torch.nn.Module):
-    """What a pipeline runs of the VAE: decode latents to an image (torch.compile compiles forward)."""
+    """What a pipeline runs of the VAE: decode latents to an image, with decode's `keywords` if any
+    (torch.compile compiles forward)."""
 
-    def __init__(self, vae):
+    def __init__(self, vae, **keywords):
         super().__init__()
-        self.vae = vae
+        self.vae, self.keywords = vae, keywords
 
     def forward(self, latents):
-        return self.vae.decode(latents).sample
+        return self.vae.decode(latents, **self.keywords).sample
 
 
 class UNetStep(torch.nn.Module):
@@ -243,17 +244,6 @@ WORKLOADS = {  # name -> build(device, dtype, full) -> (module, inputs)
 }
 
 
-class Decode(torch.nn.Module):
-    """An autoencoder's decode with keywords (torch.compile compiles forward)."""
-
-    def __init__(self, vae, **keywords):
-        super().__init__()
-        self.vae, self.keywords = vae, keywords
-
-    def forward(self, latents):
-        return self.vae.decode(latents, **self.keywords).sample
-
-
 def decode_of(cls_name, config, tiny_config, shape, tiny_shape, tiles=False, **keywords):
     """build(device, dtype, full) of the decode of diffusers' `cls_name` (tiling, slicing and
     frame-wise decoding off, unless `tiles`: tiling on), latents of `shape` (tiny: `tiny_shape`);
@@ -266,7 +256,7 @@ def decode_of(cls_name, config, tiny_config, shape, tiny_shape, tiles=False, **k
             if hasattr(vae, flag):
                 setattr(vae, flag, tiles and flag == "use_tiling")
         called = {k: v(full) if callable(v) else v for k, v in keywords.items()}
-        return Decode(vae, **called), (torch.randn(*(shape if full else tiny_shape), device=device, dtype=dtype),)
+        return VAEDecode(vae, **called), (torch.randn(*(shape if full else tiny_shape), device=device, dtype=dtype),)
 
     return build
 

@@ -22,7 +22,7 @@ and torch's convolutions of ``padding_mode="replicate"`` a class of ``padded_con
 """
 
 import functools
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +96,8 @@ class ReplicationPadsClass:
     class; ``torch.jit.script`` scripts it as a module of the original class (the same attributes,
     ATen's pads)."""
 
-    _padded_base: type  # the original class, set by the function that made the class
-    _padded_maker: str  # that function's name
+    _padded_base: type  # the original class
+    _padded_maker: Callable[[type], type]  # the function that made the class (a staticmethod)
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return _remade, (self._padded_maker, self._padded_base), dict(self.__dict__)
@@ -108,9 +108,19 @@ class ReplicationPadsClass:
         return original
 
 
-_PADDED_CLASSES: Dict[type, type] = {}
-_PADDED_CONVS: Dict[type, type] = {}
+_MADE: Dict[Tuple[Callable[[type], type], type], type] = {}  # (maker, original class) -> made class
 _CONVS = ((nn.Conv3d, F.conv3d), (nn.Conv2d, F.conv2d), (nn.Conv1d, F.conv1d))
+
+
+def _made(maker: Callable[[type], type], cls: type, methods: Callable[[], Dict[str, Any]]) -> type:
+    """The class `maker` makes of `cls`, made once: `<cls>WithReplicationPads`, a subclass of
+    ReplicationPadsClass and `cls` with the methods `methods()` gives."""
+    if (maker, cls) not in _MADE:
+        name = f"{cls.__name__}WithReplicationPads"
+        _MADE[maker, cls] = type(name, (ReplicationPadsClass, cls), {
+            "__module__": __name__, "__qualname__": name, "_padded_base": cls,
+            "_padded_maker": staticmethod(maker), **methods()})
+    return _MADE[maker, cls]
 
 
 def padded_forward_class(cls: type) -> type:
@@ -118,7 +128,7 @@ def padded_forward_class(cls: type) -> type:
     :class:`replication_pads` (a ReplicationPadsClass), one a class: ``isinstance`` checks
     against ``cls`` still hold, and its attributes are the module's own (``fusednorm.convert``
     makes diffusers' causal convolutions so, docs/design.md, "Replication pads in eager mode")."""
-    if cls not in _PADDED_CLASSES:
+    def methods() -> Dict[str, Any]:
         original = cls.forward
 
         # The original's name, docstring and signature (inspect.signature follows __wrapped__).
@@ -129,11 +139,16 @@ def padded_forward_class(cls: type) -> type:
             with replication_pads():
                 return original(self, *args, **kwargs)
 
-        name = f"{cls.__name__}WithReplicationPads"
-        _PADDED_CLASSES[cls] = type(name, (ReplicationPadsClass, cls), {
-            "__module__": __name__, "__qualname__": name, "_padded_base": cls,
-            "_padded_maker": "padded_forward_class", "forward": forward})
-    return _PADDED_CLASSES[cls]
+        return {"forward": forward}
+
+    return _made(padded_forward_class, cls, methods)
+
+
+def pads_in_conv_forward(module: nn.Module) -> bool:
+    """Whether `module` is a ``torch.nn.Conv1d/2d/3d`` of padding_mode "replicate" whose class
+    keeps torch's ``_conv_forward`` (which pads it): the modules padded_conv_class serves."""
+    return any(isinstance(module, base) and type(module)._conv_forward is base._conv_forward
+               for base, _ in _CONVS) and module.padding_mode == "replicate"
 
 
 def padded_conv_class(cls: type) -> type:
@@ -144,7 +159,7 @@ def padded_conv_class(cls: type) -> type:
     :func:`padded_forward_class`'s; without the mode's Python call on every torch function
     (~3 us of host time a convolution call against ~11; docs/design.md, "Replication pads in
     eager mode")."""
-    if cls not in _PADDED_CONVS:
+    def methods() -> Dict[str, Any]:
         conv = next(function for base, function in _CONVS if issubclass(cls, base))
         original = cls._conv_forward
 
@@ -155,15 +170,13 @@ def padded_conv_class(cls: type) -> type:
                     return conv(padded, weight, bias, self.stride, 0, self.dilation, self.groups)
             return original(self, input, weight, bias)
 
-        name = f"{cls.__name__}WithReplicationPads"
-        _PADDED_CONVS[cls] = type(name, (ReplicationPadsClass, cls), {
-            "__module__": __name__, "__qualname__": name, "_padded_base": cls,
-            "_padded_maker": "padded_conv_class", "_conv_forward": _conv_forward})
-    return _PADDED_CONVS[cls]
+        return {"_conv_forward": _conv_forward}
+
+    return _made(padded_conv_class, cls, methods)
 
 
-def _remade(maker: str, cls: type) -> Any:
+def _remade(maker: Callable[[type], type], cls: type) -> Any:
     """An empty instance of the class `maker` (padded_forward_class or padded_conv_class) makes of
     `cls`, for pickle (which then sets its state)."""
-    padded = {"padded_forward_class": padded_forward_class, "padded_conv_class": padded_conv_class}[maker](cls)
+    padded = maker(cls)
     return padded.__new__(padded)

@@ -91,7 +91,7 @@ from torch.nn.utils import parametrize
 
 from . import nn as fnn
 from ._forward_folds import FoldAssumptions, forward_folds
-from ._replication_pads import ReplicationPadsClass, padded_conv_class, padded_forward_class
+from ._replication_pads import ReplicationPadsClass, padded_conv_class, padded_forward_class, pads_in_conv_forward
 
 __all__ = ["convert", "module_activation"]
 
@@ -187,11 +187,7 @@ def _pad_conv_class(module: nn.Module) -> Optional[type]:
         return None
     if _diffusers_base(module, _DIFFUSERS_PAD_CONVS) is not None:
         return padded_forward_class(type(module))
-    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        if isinstance(module, conv) and module.padding_mode == "replicate" \
-                and _keeps(type(module), conv, ("_conv_forward",)):
-            return padded_conv_class(type(module))
-    return None
+    return padded_conv_class(type(module)) if pads_in_conv_forward(module) else None
 
 
 def _target_class(module: nn.Module) -> Optional[type]:

@@ -336,14 +336,17 @@ def _numel_hint(t: torch.Tensor) -> Optional[int]:
     return _hint(t.numel())
 
 
+def _is_elementwise(node: fx.Node) -> bool:
+    """Whether `node` is an out-of-place add, sub, mul or div (function or method)."""
+    return (node.op == "call_function" and node.target in _ELEMENTWISE) \
+        or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS)
+
+
 def _inductor_prologue(node: Any, source: torch.Tensor) -> bool:
     """Whether the norm's input `node` is an out-of-place elementwise op with no other user, on
     fewer than INDUCTOR_PROLOGUE_MAX_BYTES: Inductor computes such an op inside its own norm
     kernels, and would have to write it out and read it back for the fused op."""
-    if not isinstance(node, fx.Node) or len(node.users) != 1:
-        return False
-    if not ((node.op == "call_function" and node.target in _ELEMENTWISE)
-            or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS)):
+    if not isinstance(node, fx.Node) or len(node.users) != 1 or not _is_elementwise(node):
         return False
     numel = _numel_hint(source)
     return numel is not None and numel * source.element_size() < INDUCTOR_PROLOGUE_MAX_BYTES
@@ -354,11 +357,7 @@ def _inductor_epilogue(end: fx.Node) -> bool:
     norm's ``group_norm(f) * y + b``, its add out of the epilogue's order): Inductor computes that
     op inside its own norm's output kernel, where after the fused op it would be a pass of its own,
     reading the op's output back (docs/performance.md, "More diffusers autoencoders")."""
-    if len(end.users) != 1:
-        return False
-    user = next(iter(end.users))
-    return (user.op == "call_function" and user.target in _ELEMENTWISE) \
-        or (user.op == "call_method" and user.target in _ELEMENTWISE_METHODS)
+    return len(end.users) == 1 and _is_elementwise(next(iter(end.users)))
 
 
 def _conv_bias(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Tuple[fx.Node, Optional[fx.Node]]]:

@@ -104,7 +104,7 @@ def test_not_under_deterministic_algorithms(routed_pads, device):
 
 def test_compiled_code_inside_the_block(routed_pads, device):
     # Code Dynamo compiled runs as it would outside the block: the same values (its torch
-    # function calls, with an eager backend, may be routed_pads; Inductor's code calls ATen's kernels).
+    # function calls, with an eager backend, may be routed; Inductor's code calls ATen's kernels).
     x = torch.randn(2, 3, 4, device=device)
     pad = torch.compile(lambda t: F.pad(t, (1, 1), mode="replicate") * 2, backend="eager")
     torch._dynamo.reset()
