@@ -1,5 +1,4 @@
-"""The fusion backend's rewrite of per-frame group norms run in chunks (docs/design.md, "Group norms
-of frames").
+"""The fusion backend's rewrites of per-frame group norms (docs/design.md, "Group norms of frames").
 
 Mochi's VAE normalizes each frame of a video (N, C, T, H, W) on its own, a few frames at a time
 to save memory (``MochiChunkedGroupNorm3D``)::
@@ -12,6 +11,10 @@ A group norm normalizes each sample apart, so the concatenation is ``group_norm(
 eps)``; and an activation computes the same values before the views as after them. Rewritten so,
 the norm and its activation are one chain for the fusion rules (and the pad after the views one
 for the pad rule), where the concatenation of separate norms ended every chain at the norm.
+
+EasyAnimate's and Cosmos's VAEs normalize frames in one call, ``norm(x.permute(0, 2, 1, 3,
+4).flatten(0, 1))``, and view the result back before their activation: the activation moves
+before those views the same way, for every group norm of a graph.
 """
 
 import operator
@@ -23,7 +26,7 @@ from torch import fx, nn
 
 from ._fx_nodes import argument, concatenations, example_value, is_view_of
 
-__all__ = ["one_norm_of_frames"]
+__all__ = ["activations_before_views", "one_norm_of_frames"]
 
 _GROUP_NORMS = {F.group_norm, torch.group_norm}
 
@@ -76,9 +79,9 @@ def _same_norm(a: fx.Node, b: fx.Node) -> bool:
         and all(a.kwargs[k] is b.kwargs[k] or a.kwargs[k] == b.kwargs[k] for k in a.kwargs)
 
 
-def _move_activation_before_views(graph: fx.Graph, norm: fx.Node, activations: Any) -> None:
+def _move_activation_before_views(graph: fx.Graph, norm: fx.Node, activations: Any) -> bool:
     """With ``act(view(...view(norm)))`` (each node used by the next alone, act out of place),
-    computes act on the norm's output and the views after it."""
+    computes act on the norm's output and the views after it; returns whether it did."""
     cur, views = norm, []
     while len(cur.users) == 1:
         user = next(iter(cur.users))
@@ -87,25 +90,25 @@ def _move_activation_before_views(graph: fx.Graph, norm: fx.Node, activations: A
         views.append(user)
         cur = user
     if not views or len(cur.users) != 1:
-        return
+        return False
     act = next(iter(cur.users))
     if act.op != "call_function" or act.target not in activations or act.target.__name__.endswith("_") \
             or not act.args or act.args[0] is not cur or act.kwargs.get("inplace", False) \
             or any(isinstance(a, fx.Node) for a in list(act.args[1:]) + list(act.kwargs.values())):
-        return
+        return False
     with graph.inserting_after(norm):
         moved = graph.call_function(act.target, (norm,) + tuple(act.args[1:]), dict(act.kwargs))
     moved.meta["example_value"] = norm.meta.get("example_value")
     views[0].replace_input_with(norm, moved)
     act.replace_all_uses_with(cur)
     graph.erase_node(act)
+    return True
 
 
-def one_norm_of_frames(gm: fx.GraphModule, activations: Any = ()) -> int:
+def one_norm_of_frames(gm: fx.GraphModule) -> int:
     """Rewrites, in place, each ``torch.cat([group_norm(c, ...) for c in y.split(k)], dim=0)`` of a
     Dynamo-captured graph ``gm`` (every chunk of the split, in order, normalized with the same
-    arguments and used by nothing else) into ``group_norm(y, ...)``; an activation among
-    `activations` after views of the result then moves before the views. Returns how many
+    arguments and used by nothing else) into ``group_norm(y, ...)``. Returns how many
     concatenations it rewrote."""
     graph = gm.graph
     count = 0
@@ -138,8 +141,21 @@ def one_norm_of_frames(gm: fx.GraphModule, activations: Any = ()) -> int:
             graph.erase_node(n)
             graph.erase_node(chunk)
         graph.erase_node(split)
-        _move_activation_before_views(graph, norm, activations)
         count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def activations_before_views(gm: fx.GraphModule, activations: Any) -> int:
+    """Rewrites, in place, each ``act(view(...view(group_norm(...))))`` of a Dynamo-captured graph
+    ``gm`` (each view used by the next alone, ``act`` among `activations`, out of place, its other
+    arguments constants) into ``view(...view(act(group_norm(...))))``: the same values, the norm and
+    its activation next to each other for the fusion rules. Returns how many it rewrote."""
+    graph = gm.graph
+    count = sum(_move_activation_before_views(graph, node, activations)
+                for node in list(graph.nodes) if _is_group_norm(gm, node))
     if count:
         graph.lint()
         gm.recompile()

@@ -29,9 +29,9 @@ a node without one is not fused). Steps out of this order end the chain: reorder
 the rounding. A norm with no step after it is left as it is.
 
 Per-frame group norms run in chunks (Mochi's VAE: ``torch.cat([F.group_norm(c, ...) for c in
-y.split(k)])``, y a video's frames as a batch) become one norm of y first, and an activation after
-views of it (the frames permuted back) moves before the views, so that the chain above reaches it
-(docs/design.md, "Group norms of frames").
+y.split(k)])``, y a video's frames as a batch) become one norm of y first; then an activation after
+views of any group norm (the frames permuted back: Mochi's, EasyAnimate's, Cosmos's) moves before
+the views, so that the chain above reaches it (docs/design.md, "Group norms of frames").
 
 Before Inductor (the default inner backend), a chain is also left as it is when the norm's input
 is an elementwise op (add, sub, mul, div) that nothing else uses, on less than 8 MiB
@@ -104,7 +104,7 @@ from torch import fx, nn
 
 from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
-from ._frame_norms import one_norm_of_frames
+from ._frame_norms import activations_before_views, one_norm_of_frames
 from ._fx_nodes import argument, example_value, is_view_of
 from .convert import module_activation
 
@@ -520,7 +520,7 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
     "Replication pads"), in either layout: the op's kernels take contiguous and channels-last
     inputs and keep the format (docs/design.md, "Replication pad"). Returns whether it did."""
     cur = output
-    # (Views: Mochi's per-frame norm output, unflattened and permuted back to (N, C, T, H, W).)
+    # (Views: a per-frame norm's output, unflattened and permuted back to (N, C, T, H, W).)
     while len(cur.users) == 1 and (_identity_dropout(next(iter(cur.users))) or is_view_of(next(iter(cur.users)), cur)):
         cur = next(iter(cur.users))
     if len(cur.users) != 1:
@@ -644,7 +644,10 @@ def fuse_graph(gm: fx.GraphModule, leave_to_inductor: bool = False) -> int:
     ``leave_to_inductor``, a chain whose input is an elementwise op that only the norm uses, on
     less than ``INDUCTOR_PROLOGUE_MAX_BYTES`` (8 MiB), is left as it is: Inductor, compiling the
     graph next, computes that op inside its own norm kernels."""
-    one_norm_of_frames(gm, _ACTIVATIONS)  # (per-frame norms in chunks: one norm, for the rules below)
+    # Per-frame norms (docs/design.md, "Group norms of frames"): chunks made one norm, and an
+    # activation after views of a norm moved before them, for the rules below.
+    one_norm_of_frames(gm)
+    activations_before_views(gm, _ACTIVATIONS)
     count = 0
     for node in list(gm.graph.nodes):
         if _fuse(gm, node, leave_to_inductor):  # (nodes erased by an earlier fusion are never norms)

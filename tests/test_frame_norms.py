@@ -1,7 +1,7 @@
-"""The fusion backend's rewrite of per-frame group norms run in chunks (fusednorm/_frame_norms.py):
+"""The fusion backend's rewrites of per-frame group norms (fusednorm/_frame_norms.py):
 ``torch.cat([group_norm(c) for c in y.split(k)])`` becomes ``group_norm(y)``, an activation after
-views of it moves before them, and the norm and activation are then fused; every other
-concatenation of norms is left as it is."""
+views of a group norm moves before them, and the norm and activation are then fused; every other
+concatenation of norms, and an activation whose views are used twice, is left as it is."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusednorm import fusion
-from fusednorm._frame_norms import one_norm_of_frames
+from fusednorm._frame_norms import activations_before_views, one_norm_of_frames
 from test_convert import float32_convolutions, import_or_skip  # noqa: F401 (a fixture)
 
 
@@ -41,15 +41,33 @@ class FrameNorms(nn.Module):
         return F.pad(F.silu(z), (1, 1, 1, 1, 2, 0), mode="replicate")
 
 
-def rewrite(module, x):
-    """(concatenations rewritten, fused chains, activations in the graph after) of module's graph,
+class FramesInOneCall(nn.Module):
+    """EasyAnimate's and Cosmos's per-frame group norm (all frames in one call), SiLU and a pad
+    (or a variant the rewrite must leave)."""
+
+    def __init__(self, case="easyanimate", channels=8):
+        super().__init__()
+        self.case, self.norm = case, nn.GroupNorm(4, channels)
+
+    def forward(self, x):
+        z = self.norm(x.permute(0, 2, 1, 3, 4).flatten(0, 1)).unflatten(0, (x.size(0), -1))
+        v = z.permute(0, 2, 1, 3, 4)
+        if self.case == "view_reused":  # a view used again: the activation stays after the views
+            return F.silu(v) + z.sum()
+        if self.case == "gelu_tanh":  # another activation, a constant argument
+            return F.gelu(v, approximate="tanh")
+        return F.pad(F.silu(v), (1, 1, 1, 1, 2, 0), mode="replicate")
+
+
+def rewrite(module, x, first=one_norm_of_frames):
+    """(norms `first` rewrote, fused chains, activations in the graph after) of module's graph,
     compiled through fuse_graph, checked against eager."""
     seen = []
 
     def backend(gm, example_inputs):
-        seen.append(one_norm_of_frames(gm, fusion._ACTIVATIONS))
+        seen.append(first(gm))
         seen.append(fusion.fuse_graph(gm))
-        seen.append(sum(n.target is F.silu for n in gm.graph.nodes))
+        seen.append(sum(n.target in (F.silu, F.gelu) for n in gm.graph.nodes))
         return gm.forward
 
     torch._dynamo.reset()
@@ -76,6 +94,13 @@ def test_in_place_activation_stays_after_the_views():
     assert taken == 1 and fused == 0 and silus == 1
 
 
+@pytest.mark.parametrize("case, moved", [("easyanimate", 1), ("gelu_tanh", 1), ("view_reused", 0)])
+def test_activation_after_views_of_a_norm_moves_before_them(case, moved):
+    x = torch.randn(2, 8, 3, 5, 6)
+    assert rewrite(FramesInOneCall(case), x, lambda gm: activations_before_views(gm, fusion._ACTIVATIONS)) \
+        == (moved, moved, 1 - moved)
+
+
 def test_backward_through_the_rewrite():
     module = FrameNorms("mochi")
     x = torch.randn(2, 8, 5, 5, 6, requires_grad=True)
@@ -84,6 +109,20 @@ def test_backward_through_the_rewrite():
     got = compiled(x)
     (g_x, g_w), want = torch.autograd.grad(got.square().sum(), (x, module.norm.weight)), module(x)
     w_x, w_w = torch.autograd.grad(want.square().sum(), (x, module.norm.weight))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_x, w_x, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_w, w_w, atol=1e-4, rtol=1e-4)
+
+
+def test_backward_through_the_moved_activation():
+    module = FramesInOneCall()
+    x = torch.randn(2, 8, 3, 5, 6, requires_grad=True)
+    torch._dynamo.reset()
+    backend = fusion.backend("aot_eager")
+    got = torch.compile(module, backend=backend)(x)
+    (g_x, g_w), want = torch.autograd.grad(got.square().sum(), (x, module.norm.weight)), module(x)
+    w_x, w_w = torch.autograd.grad(want.square().sum(), (x, module.norm.weight))
+    assert backend.fusions == [1]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(g_x, w_x, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(g_w, w_w, atol=1e-4, rtol=1e-4)
