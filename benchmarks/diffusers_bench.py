@@ -71,7 +71,9 @@ estimate); for calls of 10 minutes run it in parts, e.g. a workload a call (--wo
 --more: instead of the models above, the decodes of seven more diffusers autoencoders with group
 norms (MORE_WORKLOADS: FLUX.2's VAE at 1024 px, Stable Video Diffusion's temporal decoder on 14
 frames of 576x1024, Kandinsky's KVAE at 1024 px and its video VAE, EasyAnimate's, Cosmos' and
-Allegro's on a few frames), written to diffusers_<device>_more.json; --workloads picks among them.
+Allegro's on a few frames) and a step of three video UNets at batch 2 (ModelScope's UNet3D on 16
+frames of 256x256, AnimateDiff's on 16 of 512x512, SVD's on 14 of 576x1024), written to
+diffusers_<device>_more.json; --workloads picks among them.
 
 --float32-reference: each variant's max and mean |error| against a float32 copy of the model on
 the same inputs (saved as error_vs_float32: {variant: [max, mean]}): whether a variant's
@@ -160,12 +162,15 @@ class VAEDecode(torch.nn.Module):
 
 
 class UNetStep(torch.nn.Module):
-    def __init__(self, unet):
-        super().__init__()
-        self.unet = unet
+    """One step of a diffusers UNet: sample, timestep, context, then the inputs named `extra` (the
+    keywords of its forward, e.g. SVD's added_time_ids)."""
 
-    def forward(self, sample, timestep, context):
-        return self.unet(sample, timestep, encoder_hidden_states=context).sample
+    def __init__(self, unet, extra=()):
+        super().__init__()
+        self.unet, self.extra = unet, tuple(extra)
+
+    def forward(self, sample, timestep, context, *extra):
+        return self.unet(sample, timestep, encoder_hidden_states=context, **dict(zip(self.extra, extra))).sample
 
 
 def _build(cls, config, device, dtype):
@@ -261,7 +266,27 @@ def decode_of(cls_name, config, tiny_config, shape, tiny_shape, tiles=False, **k
     return build
 
 
+def unet_step_of(cls_name, config, tiny_config, shapes, tiny_shapes):
+    """build(device, dtype, full) of one step of diffusers' UNet `cls_name` at timestep 500: its
+    inputs (sample, context, then the keywords named) random of `shapes` (tiny: `tiny_shapes`),
+    {"sample": shape, "context": shape, keyword: shape...}."""
+    def build(device, dtype, full):
+        import diffusers
+
+        unet = _build(getattr(diffusers, cls_name), config if full else tiny_config, device, dtype)
+        chosen = dict(shapes if full else tiny_shapes)
+        sample, context = chosen.pop("sample"), chosen.pop("context")
+        t = torch.full((sample[0],), 500, device=device)
+        extra = [torch.randn(*shape, device=device, dtype=dtype) for shape in chosen.values()]
+        return UNetStep(unet, chosen), (torch.randn(*sample, device=device, dtype=dtype), t,
+                                        torch.randn(*context, device=device, dtype=dtype), *extra)
+
+    return build
+
+
 _TINY_2D = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8)
+_TINY_UNET_3D = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, cross_attention_dim=16,
+                     sample_size=8)
 # --more: other diffusers autoencoders with group norms, each decode from its default config (SVD's
 # from the published one: the class's default is a one-block toy) at a size its pipelines decode.
 MORE_WORKLOADS = {
@@ -298,6 +323,27 @@ MORE_WORKLOADS = {
              temporal_downsample_blocks=(True, False), temporal_upsample_blocks=(False, True), sample_size=32,
              temporal_compression_ratio=2),
         (1, 4, 6, 40, 40), (1, 4, 12, 16, 16), tiles=True),
+    # Video UNets, one denoising step with classifier-free guidance's batch of 2, random weights.
+    "ModelScope UNet3D step": unet_step_of(  # UNet3DConditionModel's defaults: 16 frames of 256x256
+        "UNet3DConditionModel", {},
+        dict(_TINY_UNET_3D, attention_head_dim=8, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+             up_block_types=("UpBlock3D", "CrossAttnUpBlock3D")),
+        dict(sample=(2, 4, 16, 32, 32), context=(2, 77, 1024)), dict(sample=(2, 4, 3, 8, 8), context=(2, 5, 16))),
+    "AnimateDiff UNet step": unet_step_of(  # SD1.5 with motion modules: 16 frames of 512x512
+        "UNetMotionModel", dict(cross_attention_dim=768),
+        dict(_TINY_UNET_3D, down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"),
+             up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"), num_attention_heads=2,
+             motion_num_attention_heads=2, motion_max_seq_length=8),
+        # (its pipelines repeat the context a frame: (batch * frames, L, D))
+        dict(sample=(2, 4, 16, 64, 64), context=(32, 77, 768)), dict(sample=(2, 4, 3, 8, 8), context=(6, 5, 16))),
+    "SVD UNet step": unet_step_of(  # Stable Video Diffusion's defaults: 14 frames of 576x1024
+        "UNetSpatioTemporalConditionModel", {},
+        dict(block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=16, num_attention_heads=(2, 4),
+             down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+             up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"), sample_size=8,
+             projection_class_embeddings_input_dim=3 * 8, addition_time_embed_dim=8),
+        dict(sample=(2, 14, 8, 72, 128), context=(2, 1, 1024), added_time_ids=(2, 3)),
+        dict(sample=(2, 3, 8, 8, 8), context=(2, 1, 16), added_time_ids=(2, 3))),
 }
 
 
@@ -575,7 +621,7 @@ def main():
     parser.add_argument("--no-conv3d-channels-last", action="store_true",
                         help="the fusion backend with conv3d_channels_last=False")
     parser.add_argument("--more", action="store_true",
-                        help="other diffusers autoencoders (MORE_WORKLOADS) instead of the default models")
+                        help="other diffusers autoencoders and video UNets (MORE_WORKLOADS) instead of the default models")
     parser.add_argument("--float32-reference", action="store_true",
                         help="each variant's max and mean |error| against a float32 copy of the model too")
     args = parser.parse_args()
