@@ -131,11 +131,16 @@ bool has_strides_of(const at::Tensor& t, Layout layout) {
   return dense_over(t, dims_innermost_first(t.dim(), layout));
 }
 
-bool strided_rows_of(const at::Tensor& t) {
+bool strided_rows_of(const at::Tensor& t, int64_t pack) {
   if (t.dim() < 3) return false;
   c10::SmallVector<int64_t, 8> row_dims;
-  for (int64_t d = t.dim() - 1; d >= 2; --d) row_dims.push_back(d);
-  return dense_over(t, row_dims);
+  int64_t row = 1;
+  for (int64_t d = t.dim() - 1; d >= 2; --d) {
+    row_dims.push_back(d);
+    row *= t.size(d);
+  }
+  const auto whole_packs = [&](int64_t d) { return t.size(d) == 1 || t.stride(d) % pack == 0; };
+  return dense_over(t, row_dims) && (pack == 1 || (row % pack == 0 && whole_packs(0) && whole_packs(1)));
 }
 
 Layout layout_for(const at::Tensor& t) {

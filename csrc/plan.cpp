@@ -327,7 +327,7 @@ bool sweep_forward(const Ctx& c, Plan& pl) {
   const int64_t min_bytes = c.forward_streams() > 1 ? kSweepOperandsMinBytes : kSweepMinBytes;
   // Strided rows at any size: the alternative is a copy of x and another path (docs/design.md,
   // "Sweep path"), if the rows are whole packs long enough.
-  if (p.strided_rows && (p.S % c.V != 0 || p.S / c.V < kSweepStridedMinRowPacks)) return false;
+  if (p.strided_rows && !sweep_reads_strided_rows(p.S, c.V)) return false;
   if (mode != 1 && !p.strided_rows && (c.forced || bytes < min_bytes)) return false;
   const int64_t lenv = c.len / c.V;
   Tiling t;
@@ -765,6 +765,10 @@ const char* path_name(Path p) {
     case Path::ColsSweep: return "cols_sweep";
   }
   return "?";
+}
+
+bool sweep_reads_strided_rows(int64_t S, int V) {
+  return S % V == 0 && S / V >= kSweepStridedMinRowPacks;
 }
 
 std::string Plan::to_string() const {

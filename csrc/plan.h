@@ -155,6 +155,11 @@ enum class Path {
 
 const char* path_name(Path p);
 
+// Whether the sweep reads strided rows (Problem::strided_rows) of S elements, V elements a pack:
+// rows of whole packs, long enough to keep a CTA busy (plan.cpp, kSweepStridedMinRowPacks). The
+// dispatcher asks before it leaves an input strided; plan_forward again.
+bool sweep_reads_strided_rows(int64_t S, int V);
+
 // Rows (or columns) of the split passes cut into tiles (docs/design.md, "Split passes").
 struct Tiling {
   int log_tx = 0;

@@ -165,15 +165,15 @@ plan::Residency residency_of(Activation act, bool backward, Keep keep, int forwa
 // Whether `input`, channels-first by its layout but not contiguous, is left as it lies for the
 // sweep, which may read its rows through their strides (docs/design.md, "Sweep path"; the
 // planner decides, Problem::strided_rows): 16-bit elements, contiguous rows of whole 16-byte
-// packs, 16-byte aligned, at batch and channel strides of whole packs.
+// packs, 16-byte aligned, at batch and channel strides of whole packs, rows the planner's sweep
+// reads (plan::sweep_reads_strided_rows; others are copied here, not planned twice).
 bool sweep_may_read_rows_of(const at::Tensor& input, Layout layout) {
-  constexpr int64_t V = 8;  // elements a 16-byte pack
+  constexpr int V = 8;  // elements a 16-byte pack
   if (layout != Layout::ChannelsFirst || input.element_size() != 2 || input.numel() == 0 || input.is_contiguous() ||
-      !strided_rows_of(input) || !aligned16(input.data_ptr())) {
+      !strided_rows_of(input, V) || !aligned16(input.data_ptr())) {
     return false;
   }
-  return (input.numel() / (input.size(0) * input.size(1))) % V == 0 &&
-         (input.size(0) == 1 || input.stride(0) % V == 0) && (input.size(1) == 1 || input.stride(1) % V == 0);
+  return plan::sweep_reads_strided_rows(input.numel() / (input.size(0) * input.size(1)), V);
 }
 
 template <typename scalar_t>
