@@ -68,10 +68,10 @@ compiles its model anew, so all of it most likely takes more than 10 minutes on 
 estimate); for calls of 10 minutes run it in parts, e.g. a workload a call (--workloads 512, then
 1024, b2, b8, "video VAE decode", CogVideoX, Mochi), the same --out.
 
---more: instead of the models above, the decodes of seven more diffusers autoencoders with group
+--more: instead of the models above, the decodes of eight more diffusers autoencoders with group
 norms (MORE_WORKLOADS: FLUX.2's VAE at 1024 px, Stable Video Diffusion's temporal decoder on 14
 frames of 576x1024, Kandinsky's KVAE at 1024 px and its video VAE, EasyAnimate's, Cosmos' and
-Allegro's on a few frames) and a step of three video UNets at batch 2 (ModelScope's UNet3D on 16
+Allegro's on a few frames, HunyuanImage 2.1's at 2048 px) and a step of three video UNets at batch 2 (ModelScope's UNet3D on 16
 frames of 256x256, AnimateDiff's on 16 of 512x512, SVD's on 14 of 576x1024), written to
 diffusers_<device>_more.json; --workloads picks among them.
 
@@ -323,6 +323,13 @@ MORE_WORKLOADS = {
              temporal_downsample_blocks=(True, False), temporal_upsample_blocks=(False, True), sample_size=32,
              temporal_compression_ratio=2),
         (1, 4, 6, 40, 40), (1, 4, 12, 16, 16), tiles=True),
+    "HunyuanImage VAE decode 2048": decode_of(  # HunyuanImage 2.1's VAE (32x, 64 latent channels): 2048 px
+        "AutoencoderKLHunyuanImage",
+        dict(in_channels=3, out_channels=3, latent_channels=64, block_out_channels=(128, 256, 512, 512, 1024, 1024),
+             layers_per_block=2, spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289),
+        dict(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(32, 64), layers_per_block=1,
+             spatial_compression_ratio=2, sample_size=16),
+        (1, 64, 64, 64), (1, 8, 8, 8)),
     # Video UNets, one denoising step with classifier-free guidance's batch of 2, random weights.
     "ModelScope UNet3D step": unet_step_of(  # UNet3DConditionModel's defaults: 16 frames of 256x256
         "UNet3DConditionModel", {},

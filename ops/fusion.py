@@ -26,7 +26,7 @@ is taken only when the value it consumes has no other user, appears once among i
 every intermediate have the same dtype (no promotion, hence no autocast-dependent rewrite) and
 the shapes above, read from the fake tensors Dynamo records (``node.meta["example_value"]``;
 a node without one is not fused). Steps out of this order end the chain: reordering would change
-the rounding. A norm with no step after it is left as it is.
+the rounding. A norm with no step after it is left as it is (``_bare_norm_left``).
 
 Per-frame group norms run in chunks (Mochi's VAE: ``torch.cat([F.group_norm(c, ...) for c in
 y.split(k)])``, y a video's frames as a batch) become one norm of y first; then an activation after
@@ -360,6 +360,16 @@ def _inductor_epilogue(end: fx.Node) -> bool:
     return len(end.users) == 1 and _is_elementwise(next(iter(end.users)))
 
 
+def _bare_norm_left(node: fx.Node) -> bool:
+    """Whether a norm with no epilogue step, no prologue and no residual add is left as it is:
+    always. The op would save no pass over memory, only put fusednorm's kernels in place of
+    Inductor's (or eager's) norm, and Inductor writes the views after it (a transformer's
+    ``permute(...).reshape(...)`` into tokens) in its norm's output kernel. The video UNets'
+    attention norms are such norms (docs/performance.md, "Video UNets, and every autoencoder under
+    compile"); ``tools/fusion_rule_ab.py _bare_norm_left`` times the other choice."""
+    return True
+
+
 def _conv_bias(gm: fx.GraphModule, node: Any, ref: torch.Tensor) -> Optional[Tuple[fx.Node, Optional[fx.Node]]]:
     """(conv, its bias node or None) when `node` is a convolution (F.conv1d/2d/3d, torch.conv1d/2d/3d)
     that nothing else uses, whose bias, if any, is a vector of ref's dtype not modified in place."""
@@ -594,7 +604,7 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
                 and _untouched_between(gm, added["add"], node)
                 and _residual_add_pays(ref, args["num_groups"], epilogue, leave_to_inductor)):
             added = None
-    if not chain and prologue is None and added is None:
+    if not chain and prologue is None and added is None and _bare_norm_left(node):
         return False
 
     graph = gm.graph

@@ -457,6 +457,9 @@ DIFFUSERS_AUTOENCODERS = {
                             up_block_types=("AllegroUpBlock3D",) * 2, temporal_downsample_blocks=(True, False),
                             temporal_upsample_blocks=(False, True), sample_size=16, temporal_compression_ratio=2),
                        (1, 4, 12, 8, 8), {"decode": True}),
+    "hunyuanimage": ("AutoencoderKLHunyuanImage",  # (its GroupNorms take 32 groups whatever the config)
+                     dict(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(32, 64),
+                          layers_per_block=1, spatial_compression_ratio=2, sample_size=16), (1, 3, 16, 16), {}),
 }
 
 

@@ -1,6 +1,8 @@
 """fusednorm.fusion: the torch.compile backend that rewrites PyTorch's group_norm / instance_norm
 plus elementwise epilogues into fusednorm's fused ops, and leaves everything else alone."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,6 +237,31 @@ def test_leave_to_inductor_chains_that_end_in_an_elementwise_op(shape, fused):
     assert chains_with_and_without_leaving(SpatialNorm(), f, y, b) == [(True, fused), (False, 1)]
 
 
+class AttentionNorm(nn.Module):
+    """group_norm(x) into a transformer's tokens: a norm with nothing to fuse."""
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        return F.group_norm(x, 4, eps=1e-6).permute(0, 2, 3, 1).reshape(n, h * w, c)
+
+
+def test_a_norm_with_nothing_to_fuse_is_left(monkeypatch):
+    x = torch.randn(2, 8, 5, 6)
+    assert chains_with_and_without_leaving(AttentionNorm(), x) == [(True, 0), (False, 0)]
+    # tools/fusion_rule_ab.py's other choice: the op alone, the same values.
+    monkeypatch.setattr(fusion, "_bare_norm_left", lambda node: False)
+    assert chains_with_and_without_leaving(AttentionNorm(), x) == [(True, 1), (False, 1)]
+
+
+def test_the_rule_ab_tool_names_rules_of_the_backend():
+    path = Path(__file__).resolve().parents[1] / "tools" / "fusion_rule_ab.py"
+    source = path.read_text()
+    rules = source.split("RULES = (", 1)[1].split(")", 1)[0]
+    names = [r.strip().strip('"') for r in rules.split(",") if r.strip()]
+    assert names and all(callable(getattr(fusion, name, None)) for name in names)
+    assert all(f"    {name} " in source for name in names)  # each in the docstring's list
+
+
 class Prologue(nn.Module):
     """silu(group_norm(x + t)), t per channel: the UNet's conv(h) + temb before its second norm;
     with `keep`, x + t is also returned (a second user)."""
@@ -408,7 +435,8 @@ def test_diffusers_unet():
 # activation, which ends every chain at the norm (docs/performance.md, "More diffusers
 # autoencoders").
 WHOLE_MODEL_CHAINS = {"flux2": 22, "svd_temporal_decoder": 30, "kvae": 22, "kvae_video": 22, "easyanimate": 69,
-                      "cosmos": 16, "allegro_decode": 41, "unet_3d": 49, "unet_spatio_temporal": 33, "unet_motion": 17}
+                      "cosmos": 16, "allegro_decode": 41, "unet_3d": 49, "unet_spatio_temporal": 33, "unet_motion": 17,
+                      "hunyuanimage": 22}
 
 
 @pytest.mark.parametrize("name", list(WHOLE_MODEL_CHAINS))
@@ -429,3 +457,19 @@ def test_diffusers_models_whole(name):
         compile_and_compare(model.eval(), inputs, backend, backward=False, atol=1e-4, rtol=1e-4)
     assert sum(backend.fusions) == WHOLE_MODEL_CHAINS[name]
 
+
+
+def test_unfused_norms_tool():
+    # tools/unfused_norms.py on the SD VAE decode's real config, traced on the meta device.
+    import_or_skip("diffusers")
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("unfused_norms", root / "tools" / "unfused_norms.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    module, inputs = tool.db.WORKLOADS["VAE decode 512"]("meta", torch.float16, True)
+    [(norms, fused, left)] = tool.census(module, inputs)
+    # 30 norms: every resnet's two and the decoder's norm_out fused with their SiLU; the mid-block
+    # attention's norm left (a view and its projections after it).
+    assert (norms, fused, sum(left.values())) == (30, 29, 1)

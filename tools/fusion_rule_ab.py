@@ -7,6 +7,7 @@ The rules are predicates of ops/fusion.py that decide whether a chain is rewritt
     _inductor_prologue    leave a chain whose input is a small single-use elementwise op to Inductor
     _residual_add_pays    take the residual add before a group norm (add_group_norm)
     _replication_pad_pays take the replication pad after a fused op
+    _bare_norm_left       leave a norm with nothing to fuse (no epilogue step, prologue or add)
 
 Forcing one to False turns off what it does (a "leave to Inductor" rule then fuses, a "pays"
 rule then never takes its op). Each model is compiled twice with the backend (once a setting,
@@ -33,7 +34,7 @@ import diffusers_bench as db  # noqa: E402
 
 from fusednorm import fusion  # noqa: E402
 
-RULES = ("_inductor_epilogue", "_inductor_prologue", "_residual_add_pays", "_replication_pad_pays")
+RULES = ("_inductor_epilogue", "_inductor_prologue", "_residual_add_pays", "_replication_pad_pays", "_bare_norm_left")
 
 
 def main() -> int:
