@@ -14,8 +14,8 @@ rule then never takes its op). Each model is compiled twice with the backend (on
 each compile with its own `fusion.backend()`) and once plainly, then the three are timed in turns
 (`--rounds`, default 2) with benchmarks/bench.py's timer; the chains each rewrote and each
 output's max |difference| from eager are printed first. Models: benchmarks/diffusers_bench.py's
-workloads by exact name (WORKLOADS and MORE_WORKLOADS; their real configs in fp16 on a GPU, the
-tiny ones in fp32 on the CPU, as there).
+workloads by name or part of one, as its --workloads (WORKLOADS and MORE_WORKLOADS; their real
+configs in fp16 on a GPU, the tiny ones in fp32 on the CPU, as there).
 
     python tools/fusion_rule_ab.py RULE "WORKLOAD[,WORKLOAD...]" [--rounds N]
 
@@ -40,14 +40,11 @@ RULES = ("_inductor_epilogue", "_inductor_prologue", "_residual_add_pays", "_rep
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rule", choices=RULES)
-    parser.add_argument("workloads", help="comma-separated exact names of diffusers_bench.py's workloads")
+    parser.add_argument("workloads", help="comma-separated names of diffusers_bench.py's workloads, or parts of names (as its --workloads)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     known = {**db.WORKLOADS, **db.MORE_WORKLOADS}
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        parser.error(f"unknown workloads {unknown}; known: {', '.join(known)}")
+    names = db.pick(args.workloads, known, "workload", substrings=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     full = device == "cuda"
     dtype = torch.float16 if full else torch.float32

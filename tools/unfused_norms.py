@@ -9,7 +9,8 @@ norms left, grouped by their input's op, their users' ops and their shape:
 
 e.g. `python tools/unfused_norms.py "AnimateDiff UNet step"` lists its attention and motion-module
 norms, which have nothing after them to fuse (docs/performance.md, "Video UNets, and every
-autoencoder under compile"). Workloads by exact name (WORKLOADS and MORE_WORKLOADS).
+autoencoder under compile"). Workloads by name or part of one, as its --workloads (WORKLOADS and
+MORE_WORKLOADS).
 """
 
 import argparse
@@ -63,13 +64,10 @@ def census(module, inputs):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workloads", help="comma-separated exact names of diffusers_bench.py's workloads")
+    parser.add_argument("workloads", help="comma-separated names of diffusers_bench.py's workloads, or parts of names (as its --workloads)")
     args = parser.parse_args()
     known = {**db.WORKLOADS, **db.MORE_WORKLOADS}
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        parser.error(f"unknown workloads {unknown}; known: {', '.join(known)}")
+    names = db.pick(args.workloads, known, "workload", substrings=True)
     for name in names:
         module, inputs = known[name]("meta", torch.float16, True)
         for i, (norms, fused, left) in enumerate(census(module, inputs)):
