@@ -1,11 +1,16 @@
 """The fusion backend's rewrites of per-frame group norms (fusednorm/_frame_norms.py):
 ``torch.cat([group_norm(c) for c in y.split(k)])`` becomes ``group_norm(y)``, an activation after
 views of a group norm moves before them, and the norm and activation are then fused; every other
-concatenation of norms, and an activation whose views are used twice, is left as it is."""
+concatenation of norms, and an activation whose views are used twice, is left as it is; any chain
+of views between a norm and its activation (hypothesis) gives the same values, fused."""
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fusednorm import fusion
@@ -139,3 +144,45 @@ def test_diffusers_mochi_resnet_block(device, float32_convolutions):
         got = torch.compile(lambda h: block(h)[0], backend=backend)(x)
         torch.testing.assert_close(got, block(x)[0], atol=1e-4, rtol=1e-4)
     assert backend.fusions == [2]  # norm1 + SiLU, norm2 + SiLU
+
+
+_VIEWS = ("transpose", "permute", "flatten", "unflatten", "reshape")
+_ACTS = (F.silu, F.relu, F.mish, functools.partial(F.gelu, approximate="tanh"),
+         functools.partial(F.leaky_relu, negative_slope=0.2))
+
+
+class ViewsThenActivation(nn.Module):
+    """group_norm(x), views drawn by `draws` (an index a view), then an activation."""
+
+    def __init__(self, draws, act):
+        super().__init__()
+        self.draws, self.act = draws, act
+
+    def forward(self, x):
+        y = F.group_norm(x, 2, eps=1e-5)
+        for kind, k in self.draws:
+            dims = y.dim()
+            if kind == "transpose":
+                y = y.transpose(k % dims, (k + 1) % dims)
+            elif kind == "permute":
+                y = y.permute(*reversed(range(dims)))
+            elif kind == "flatten" and dims > 2:
+                y = y.flatten(k % (dims - 1), k % (dims - 1) + 1)
+            elif kind == "unflatten" and y.shape[k % dims] % 2 == 0:
+                y = y.unflatten(k % dims, (2, -1))
+            elif kind == "reshape":
+                y = y.reshape(-1, y.shape[-1])
+        return self.act(y)
+
+
+@given(draws=st.lists(st.tuples(st.sampled_from(_VIEWS), st.integers(0, 4)), min_size=1, max_size=4),
+       act=st.sampled_from(_ACTS), shape=st.sampled_from([(2, 4, 3, 6, 5), (1, 6, 4, 5), (3, 4, 10)]))
+@settings(max_examples=15)
+def test_an_activation_moves_before_any_views(draws, act, shape):
+    # The same values, and the norm and its activation fused as one op, whatever views lie between.
+    module = ViewsThenActivation(draws, act)
+    x = torch.randn(shape)
+    backend = fusion.backend("aot_eager")
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(module, backend=backend, dynamic=False)(x), module(x))
+    assert backend.fusions == [1]
