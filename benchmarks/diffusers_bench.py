@@ -71,9 +71,9 @@ estimate); for calls of 10 minutes run it in parts, e.g. a workload a call (--wo
 --more: instead of the models above, the decodes of eight more diffusers autoencoders with group
 norms (MORE_WORKLOADS: FLUX.2's VAE at 1024 px, Stable Video Diffusion's temporal decoder on 14
 frames of 576x1024, Kandinsky's KVAE at 1024 px and its video VAE, EasyAnimate's, Cosmos' and
-Allegro's on a few frames, HunyuanImage 2.1's at 2048 px) and a step of three video UNets at batch 2 (ModelScope's UNet3D on 16
-frames of 256x256, AnimateDiff's on 16 of 512x512, SVD's on 14 of 576x1024), written to
-diffusers_<device>_more.json; --workloads picks among them.
+Allegro's on a few frames, HunyuanImage 2.1's at 2048 px) and a step of three video UNets at
+batch 2 (ModelScope's UNet3D on 16 frames of 256x256, AnimateDiff's on 16 of 512x512, SVD's on 14
+of 576x1024), written to diffusers_<device>_more.json; --workloads picks among them.
 
 --float32-reference: each variant's max and mean |error| against a float32 copy of the model on
 the same inputs (saved as error_vs_float32: {variant: [max, mean]}): whether a variant's
@@ -352,6 +352,7 @@ MORE_WORKLOADS = {
         dict(sample=(2, 14, 8, 72, 128), context=(2, 1, 1024), added_time_ids=(2, 3)),
         dict(sample=(2, 3, 8, 8, 8), context=(2, 1, 16), added_time_ids=(2, 3))),
 }
+ALL_WORKLOADS = {**WORKLOADS, **MORE_WORKLOADS}  # (the tools and tests take either set by name)
 
 
 def pick(spec, known, what, substrings):
@@ -601,7 +602,7 @@ def merge(old_rows, new_rows):
             o["fusions"] = by_variant.get("compile + fusion", next(iter(by_variant.values())))
         elif ran & set(FUSION):  # (an old row's count, of a fusion variant that failed now)
             o.pop("fusions", None)
-    order = {name: i for i, name in enumerate(list(WORKLOADS) + list(MORE_WORKLOADS))}
+    order = {name: i for i, name in enumerate(ALL_WORKLOADS)}
     return sorted(merged.values(), key=lambda r: order.get(r["workload"], len(order)))
 
 

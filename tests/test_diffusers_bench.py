@@ -14,13 +14,11 @@ from test_convert import import_or_skip
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import diffusers_bench as db  # noqa: E402
 
-WORKLOADS = {**db.WORKLOADS, **db.MORE_WORKLOADS}
 
-
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("name", list(db.ALL_WORKLOADS))
 def test_workload_runs_and_converts(name):
     import_or_skip("diffusers")
-    model, inputs = WORKLOADS[name]("cpu", torch.float32, False)
+    model, inputs = db.ALL_WORKLOADS[name]("cpu", torch.float32, False)
     with torch.no_grad():
         want = model(*inputs)
         got = fusednorm.convert(copy.deepcopy(model))(*inputs)
@@ -29,8 +27,8 @@ def test_workload_runs_and_converts(name):
 
 
 def test_workload_names_are_unique_and_picked():
-    assert len(WORKLOADS) == len(db.WORKLOADS) + len(db.MORE_WORKLOADS)
-    assert db.pick("UNet step", WORKLOADS, "workload", substrings=True) == [
+    assert len(db.ALL_WORKLOADS) == len(db.WORKLOADS) + len(db.MORE_WORKLOADS)
+    assert db.pick("UNet step", db.ALL_WORKLOADS, "workload", substrings=True) == [
         "UNet step b2", "UNet step b8", "AnimateDiff UNet step", "SVD UNet step"]  # ("UNet3D step": no)
     with pytest.raises(SystemExit, match="unknown workload"):
-        db.pick("no such model", WORKLOADS, "workload", substrings=True)
+        db.pick("no such model", db.ALL_WORKLOADS, "workload", substrings=True)

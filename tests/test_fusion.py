@@ -432,8 +432,7 @@ def test_diffusers_unet():
 
 # The chains the backend rewrites in the models test_convert converts whole (small configs): the
 # rules on real graphs. EasyAnimate's and Cosmos' norms run on frames viewed back before their
-# activation, which ends every chain at the norm (docs/performance.md, "More diffusers
-# autoencoders").
+# activation, which moves before the views (docs/design.md, "Group norms of frames").
 WHOLE_MODEL_CHAINS = {"flux2": 22, "svd_temporal_decoder": 30, "kvae": 22, "kvae_video": 22, "easyanimate": 69,
                       "cosmos": 16, "allegro_decode": 41, "unet_3d": 49, "unet_spatio_temporal": 33, "unet_motion": 17,
                       "hunyuanimage": 22}
@@ -458,7 +457,6 @@ def test_diffusers_models_whole(name):
     assert sum(backend.fusions) == WHOLE_MODEL_CHAINS[name]
 
 
-
 def test_unfused_norms_tool():
     # tools/unfused_norms.py on the SD VAE decode's real config, traced on the meta device.
     import_or_skip("diffusers")
@@ -468,7 +466,7 @@ def test_unfused_norms_tool():
     spec = importlib.util.spec_from_file_location("unfused_norms", root / "tools" / "unfused_norms.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    module, inputs = tool.db.WORKLOADS["VAE decode 512"]("meta", torch.float16, True)
+    module, inputs = tool.db.ALL_WORKLOADS["VAE decode 512"]("meta", torch.float16, True)
     [(norms, fused, left)] = tool.census(module, inputs)
     # 30 norms: every resnet's two and the decoder's norm_out fused with their SiLU; the mid-block
     # attention's norm left (a view and its projections after it).

@@ -40,11 +40,11 @@ RULES = ("_inductor_epilogue", "_inductor_prologue", "_residual_add_pays", "_rep
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rule", choices=RULES)
-    parser.add_argument("workloads", help="comma-separated names of diffusers_bench.py's workloads, or parts of names (as its --workloads)")
+    parser.add_argument("workloads", help="comma-separated names of diffusers_bench.py's workloads, or parts of names (as its "
+                        "--workloads)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    known = {**db.WORKLOADS, **db.MORE_WORKLOADS}
-    names = db.pick(args.workloads, known, "workload", substrings=True)
+    names = db.pick(args.workloads, db.ALL_WORKLOADS, "workload", substrings=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     full = device == "cuda"
     dtype = torch.float16 if full else torch.float32
@@ -52,7 +52,7 @@ def main() -> int:
     rule = getattr(fusion, args.rule)
     with torch.no_grad():
         for name in names:
-            model, inputs = known[name](device, dtype, full)
+            model, inputs = db.ALL_WORKLOADS[name](device, dtype, full)
             want = model(*inputs)
             calls = {}
             for label, forced_off in (("compile + fusion", False), (f"compile + fusion, {args.rule} off", True)):

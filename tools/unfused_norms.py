@@ -1,9 +1,10 @@
 """The norms the fusion backend leaves in a real model's graph, and what is around each: which
 chains a rule could still take. Traces benchmarks/diffusers_bench.py's workloads in their real
-configs on the meta device (no GPU, no memory, a few seconds to a minute on a CPU), runs
-the backend's rewrites before Inductor (the pads written as concatenations, then
-`fusion.fuse_graph(gm, leave_to_inductor=True)`) on a copy of each graph Dynamo captures, and prints, per graph, the norms and the chains fused, then the
-norms left, grouped by their input's op, their users' ops and their shape:
+configs on the meta device (no GPU, no memory, a few seconds to a minute on a CPU), runs the
+fusion backend's rewrites on a copy of each graph Dynamo captures, as it runs them before Inductor
+(a `fusion.FusionBackend` with `leave_to_inductor`, Inductor replaced by a census of the graph),
+and prints, per graph, the norms and the chains fused, then the norms left, grouped by their
+input's op, their users' ops and their shape:
 
     python tools/unfused_norms.py "WORKLOAD[,WORKLOAD...]"
 
@@ -34,42 +35,43 @@ def _op(node):
     return f"{node.op}:{getattr(node.target, '__name__', node.target)}"
 
 
-def _is_norm(gm, node):
-    return fusion._norm(gm, node) is not None
-
-
 def census(module, inputs):
-    """[(norms, fused, Counter of the norms left by (input op, user ops, shape))] a graph."""
-    graphs = []
+    """[(norms, fused, Counter of the norms left by (input op, user ops, shape))] a graph; norms
+    counted after the backend made Mochi's chunks one norm (a fused chain takes one norm)."""
+    lefts = []
 
-    def backend(gm, example_inputs):
-        fused_gm = copy.deepcopy(gm)
-        norms = sum(_is_norm(fused_gm, n) for n in fused_gm.graph.nodes)
-        fusion.replication_pad_concatenations(fused_gm)
-        fused = fusion.fuse_graph(fused_gm, leave_to_inductor=True)
+    def count_left(gm, example_inputs):  # (in Inductor's place)
         left = collections.Counter()
-        for node in fused_gm.graph.nodes:
-            if _is_norm(fused_gm, node):
+        for node in gm.graph.nodes:
+            if fusion._norm(gm, node) is not None:
                 value = example_value(node)
                 left[(_op(node.args[0]) if node.args else "?", tuple(_op(u) for u in node.users),
                       tuple(value.shape) if value is not None else None)] += 1
-        graphs.append((norms, fused, left))
-        return gm.forward  # (runs the unfused graph on meta tensors)
+        lefts.append(left)
+        return gm.forward
+
+    rewrite = fusion.FusionBackend(count_left)
+    rewrite.leave_to_inductor = True  # (its rules as before Inductor, which count_left stands for)
+
+    def backend(gm, example_inputs):
+        original = copy.deepcopy(gm)
+        rewrite(gm, example_inputs)
+        return original.forward  # (runs the unfused graph on meta tensors)
 
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(module, backend=backend)(*inputs)
-    return graphs
+    return [(fused + sum(left.values()), fused, left) for fused, left in zip(rewrite.fusions, lefts)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workloads", help="comma-separated names of diffusers_bench.py's workloads, or parts of names (as its --workloads)")
+    parser.add_argument("workloads", help="comma-separated names of diffusers_bench.py's workloads, or parts of names (as its "
+                        "--workloads)")
     args = parser.parse_args()
-    known = {**db.WORKLOADS, **db.MORE_WORKLOADS}
-    names = db.pick(args.workloads, known, "workload", substrings=True)
+    names = db.pick(args.workloads, db.ALL_WORKLOADS, "workload", substrings=True)
     for name in names:
-        module, inputs = known[name]("meta", torch.float16, True)
+        module, inputs = db.ALL_WORKLOADS[name]("meta", torch.float16, True)
         for i, (norms, fused, left) in enumerate(census(module, inputs)):
             print(f"{name}, graph {i}: {norms} norms, {fused} chains fused, {sum(left.values())} norms left")
             for (source, users, shape), count in left.most_common():
