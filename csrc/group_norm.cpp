@@ -140,7 +140,7 @@ bool strided_rows_of(const at::Tensor& t, int64_t pack) {
     row *= t.size(d);
   }
   const auto whole_packs = [&](int64_t d) { return t.size(d) == 1 || t.stride(d) % pack == 0; };
-  return dense_over(t, row_dims) && (pack == 1 || (row % pack == 0 && whole_packs(0) && whole_packs(1)));
+  return dense_over(t, row_dims) && row % pack == 0 && whole_packs(0) && whole_packs(1);
 }
 
 Layout layout_for(const at::Tensor& t) {

@@ -65,9 +65,9 @@ bool has_strides_of(const at::Tensor& t, Layout layout);
 
 // Whether each row (n, c) of `t` (rank >= 3) is contiguous: its dimensions after the channels
 // dense among themselves (size-1 dimensions ignored), the batch's and channels' strides any (the
-// frames of an NCDHW video, a slice of channels); with `pack` > 1, also the rows' length and the
-// batch's and channels' strides (of dimensions of size > 1) whole multiples of `pack` elements.
-bool strided_rows_of(const at::Tensor& t, int64_t pack = 1);
+// frames of an NCDHW video, a slice of channels), and the rows' length and the batch's and
+// channels' strides (of dimensions of size > 1) whole multiples of `pack` elements.
+bool strided_rows_of(const at::Tensor& t, int64_t pack);
 
 // `t` in `layout`, copied only when its strides are not already those of `layout`. A CUDA tensor
 // is copied by the registered layout copy (below) where there is one and it takes the tensor.
