@@ -14,12 +14,27 @@ when, on every path ``forward`` can take:
 
 * every call of the activation is ``self.act(self.norm(...))``, or a statement
   ``v = self.act(v)`` whose preceding statement (on every path into it) is
-  ``v = self.norm(...)`` binding the same name ``v``: the activation only ever sees a norm's
-  output, and the norm's output, whose only reference ``v`` the activation's statement
-  replaces, reaches nothing else;
+  ``v = self.norm(...)`` binding the same name ``v``, or is reached from such a statement
+  through view statements ``v = v.permute(...).flatten(...)`` alone: the activation only ever
+  sees a norm's output (viewed), and the norm's output, whose only reference ``v`` the
+  activation's statement replaces, reaches nothing else;
 * every call of each of those norms is the argument of such an activation call or such a
-  statement ``v = self.norm(...)`` directly followed by ``v = self.act(v)``, with the same
-  activation everywhere;
+  statement ``v = self.norm(...)`` followed by ``v = self.act(v)``, directly or after view
+  statements, with the same activation everywhere;
+
+A view statement rebinds ``v`` to a chain of ``permute``, ``transpose``, ``movedim``,
+``flatten``, ``unflatten``, ``view``, ``reshape``, ``squeeze`` or ``unsqueeze`` calls on ``v``
+whose arguments are shapes and dimensions (constants, names, tuples, arithmetic, attributes and
+subscripts of other names, ``v.shape``; no calls, no other use of ``v``): an elementwise activation gives the same values
+before such a view as after it. EasyAnimate's resnet blocks normalize frames this way::
+
+    hidden_states = hidden_states.permute(0, 2, 1, 3, 4).flatten(0, 1)
+    hidden_states = self.norm1(hidden_states)
+    hidden_states = hidden_states.unflatten(0, (batch_size, -1)).permute(0, 2, 1, 3, 4)
+    hidden_states = self.nonlinearity(hidden_states)
+
+``view`` with one argument that is not a constant or a tuple (it may be a dtype: a
+reinterpretation, not a view of the values) does not count.
 * nothing else in the class names them (no other method, no ``getattr(self, "act")``, no ``self``
   handed elsewhere), and the function run is the one whose source is read (the same names,
   variables and constants: a file edited after import is not trusted).
@@ -305,6 +320,62 @@ def _rebinding_call(stmt: ast.stmt, self_name: str, names: Set[str]) -> Optional
     return None
 
 
+# Methods returning the same elements in another shape or order (a view, or reshape's copy):
+# an elementwise activation commutes with them (the module docstring's view statements).
+_VIEWS = frozenset({"permute", "transpose", "movedim", "flatten", "unflatten", "view", "reshape", "squeeze",
+                    "unsqueeze"})
+
+
+def _shape_argument(node: ast.expr, v: str) -> bool:
+    """Whether `node` can only be a shape or a dimension of a view call on `v` without effects:
+    built of constants, names but `v`, `v.shape`, tuples, lists, arithmetic, attributes and
+    subscripts."""
+    if isinstance(node, ast.Constant):
+        return node.value is None or type(node.value) is int
+    if isinstance(node, ast.Name):
+        return node.id != v
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(_shape_argument(e, v) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.USub, ast.UAdd)) and _shape_argument(node.operand, v)
+    if isinstance(node, ast.BinOp):
+        return _shape_argument(node.left, v) and _shape_argument(node.right, v)
+    if isinstance(node, ast.Attribute):
+        if node.attr in ("shape", "ndim") and isinstance(node.value, ast.Name):
+            return True  # v's own shape too
+        return _shape_argument(node.value, v)
+    if isinstance(node, ast.Slice):
+        return all(part is None or _shape_argument(part, v) for part in (node.lower, node.upper, node.step))
+    if isinstance(node, ast.Subscript):
+        index = node.slice.value if type(node.slice).__name__ == "Index" else node.slice  # Python 3.8's Index
+        return _shape_argument(node.value, v) and _shape_argument(index, v)
+    return False
+
+
+def _view_statement(stmt: ast.stmt, v: str) -> bool:
+    """Whether `stmt` is `v = v.view_method(...)...` (the module docstring's view statements)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == v):
+        return False
+    node = stmt.value
+    if not isinstance(node, ast.Call):
+        return False
+    while isinstance(node, ast.Call):
+        method = node.func
+        if not (isinstance(method, ast.Attribute) and method.attr in _VIEWS):
+            return False
+        arguments = list(node.args) + [k.value for k in node.keywords]
+        if any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
+            return False  # **kwargs, *args: not known to be shapes
+        if not all(_shape_argument(a, v) for a in arguments):
+            return False
+        if method.attr == "view" and len(node.args) == 1 and not node.keywords \
+                and not isinstance(node.args[0], (ast.Constant, ast.Tuple, ast.List, ast.UnaryOp)):
+            return False  # maybe a dtype: x.view(torch.float16) reinterprets the values
+        node = method.value
+    return isinstance(node, ast.Name) and node.id == v
+
+
 @functools.lru_cache(maxsize=None)
 def _provable_forward(fn: types.FunctionType) -> Optional[Tuple[ast.FunctionDef, str]]:
     """fn's definition and its `self` name where the proof can read it: its source is what runs
@@ -442,28 +513,45 @@ class _Proof:
         return None
 
     def _norm_partner(self, node: ast.AST, stmt: ast.stmt) -> Optional[str]:
-        """The activation of `v = self.norm(...)` directly followed by `v = self.act(v)`."""
+        """The activation of `v = self.norm(...)` followed by `v = self.act(v)`, directly or
+        after view statements of `v`."""
         norm_call = _assigned_call(stmt, self.self_name, self.norms)
         if norm_call is None or norm_call[2].func is not node:
             return None
         follower = self._successor(stmt)
+        while follower is not None and _view_statement(follower, norm_call[0]):
+            follower = self._successor(follower)
         act_call = None if follower is None else _rebinding_call(follower, self.self_name, self.activations)
         return act_call[1] if act_call is not None and act_call[0] == norm_call[0] else None
 
     def _act_partners(self, node: ast.AST, stmt: ast.stmt, facts: Set[Fact]) -> Optional[Set[str]]:
         """The norms of the statements `v = self.norm(...)` that every path into `v = self.act(v)`
-        leaves last; None where the occurrence is not such a statement or a path leaves another."""
+        leaves last, but for view statements of `v`; None where the occurrence is not such a
+        statement or a path leaves another."""
         act_call = _rebinding_call(stmt, self.self_name, self.activations)
+        if act_call is None or act_call[2].func is not node:
+            return None
+        return self._norms_before(stmt, act_call[0], facts)
+
+    def _norms_before(self, stmt: ast.stmt, v: str, facts: Set[Fact]) -> Optional[Set[str]]:
+        """The norms of the statements `v = self.norm(...)` that every path into `stmt` leaves
+        last, through view statements of `v`; None where a path leaves another statement."""
         place = self.places[id(stmt)]
-        if act_call is None or act_call[2].func is not node or place.index == 0:
+        if place.index == 0:
             return None
         before = self._exits(place.body[place.index - 1], facts)
         if before is None:
             return None
-        partners = set()
+        partners: Set[str] = set()
         for prior in before:
+            if _view_statement(prior, v):
+                norms = self._norms_before(prior, v, facts)
+                if norms is None:
+                    return None
+                partners |= norms
+                continue
             norm_call = _assigned_call(prior, self.self_name, self.norms)
-            if norm_call is None or norm_call[0] != act_call[0]:
+            if norm_call is None or norm_call[0] != v:
                 return None
             partners.add(norm_call[1])
         return partners

@@ -59,9 +59,11 @@ What is folded (the activation becomes the norm's fused ``activation``, its modu
     * timm's ``GroupNormAct`` / ``GroupNorm1Act`` (converted as said above, when their ``act``
       and ``drop`` carry no hooks);
     * an activation called in its parent's own ``forward`` only as ``self.act(self.norm(...))``
-      or as ``v = self.act(v)`` right after ``v = self.norm(...)`` on every path into it, where
+      or as ``v = self.act(v)`` right after ``v = self.norm(...)`` on every path into it (or after
+      it and statements viewing ``v`` alone, ``v = v.unflatten(...).permute(...)``), where
       each of those norms is called only so (diffusers' ``ResnetBlock2D`` in autoencoders, where
-      ``nonlinearity`` follows ``norm1`` and ``norm2``, HunyuanVideo's resnet block), with the
+      ``nonlinearity`` follows ``norm1`` and ``norm2``, HunyuanVideo's resnet block,
+      EasyAnimate's, whose norms see frames viewed as a batch and viewed back), with the
       same module conditions as above. The proof reads the forward's source
       (``fusednorm._forward_folds`` has the exact rules); branches on the module's configuration
       (an attribute holding None, a bool, an int or a str, or a child compared with None; never

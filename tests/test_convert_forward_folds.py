@@ -122,6 +122,42 @@ def test_folded_forms(device, cls, activation):
         torch.testing.assert_close(torch.jit.script(model)(x), model(x))
 
 
+class Frames(nn.Module):
+    """EasyAnimate's resnet block in small: norms of frames, `(B, C, T, H, W)` viewed as
+    `(B * T, C, H, W)` and back, the activation after the views; the branch on the config."""
+
+    def __init__(self, spatial=True):
+        super().__init__()
+        self.spatial = spatial
+        self.norm1 = nn.GroupNorm(2, 8)
+        self.norm2 = nn.GroupNorm(4, 8)
+        self.act = nn.SiLU()
+        self.conv = nn.Conv3d(8, 8, 1)
+
+    def forward(self, x):
+        if self.spatial:
+            b = x.size(0)
+            h = x.permute(0, 2, 1, 3, 4).flatten(0, 1)
+            h = self.norm1(h)
+            h = h.unflatten(0, (b, -1)).permute(0, 2, 1, 3, 4)
+        else:
+            h = self.norm1(x)
+        h = self.act(h)
+        h = self.conv(h)
+        h = self.norm2(h.reshape(h.shape[0], 8, -1))
+        h = h.reshape(h.shape[0], -1)  # its own shape in the arguments
+        h = h.unflatten(1, x.shape[1:])  # a view statement of its own, then the activation
+        h = self.act(h)
+        return x + h
+
+
+@pytest.mark.parametrize("spatial", [True, False])
+def test_views_between_norm_and_activation(device, spatial):
+    torch.manual_seed(0)
+    model = convert_and_check(Frames(spatial), lambda d: (torch.randn(2, 8, 3, 4, 5, device=d),), device)
+    assert folded(model.norm1) and folded(model.norm2) and type(model.act) is nn.Identity
+
+
 # Forms the proof refuses: the norm's output reaches something besides the activation, the
 # activation something besides a norm's output, or the children are reached in ways it cannot see.
 
@@ -275,9 +311,70 @@ class InLambda(Base):
         return f(h)
 
 
+class ViewAsDtype(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = h.view(torch.int32)  # a reinterpretation: the activation must see the norm's values
+        h = h.view(x.dtype)
+        h = self.act(h)
+        return h
+
+
+class CallInView(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = h.reshape(self.shape_of(x))  # a call: not known to be a shape
+        h = self.act(h)
+        return h
+
+    def shape_of(self, x):
+        return x.shape
+
+
+class ViewUsesOutput(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = h.reshape(h.shape[0], -1) + 1 if h.shape else h  # not a view statement
+        h = self.act(h)
+        return h
+
+
+class ViewPassesOutput(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = h.reshape(h.size(0), -1)  # a call in the arguments
+        h = self.act(h)
+        return h
+
+
+class ViewToOtherName(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        g = h.flatten(1)
+        g = self.act(g)
+        return g + h.flatten(1)
+
+
+class CastBetween(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = h.float().flatten(1)
+        h = self.act(h)
+        return h
+
+
+class ViewFirstInBranch(Base):
+    def forward(self, x, flag=True):
+        h = self.norm(x)
+        if flag:
+            h = h.flatten(2)
+        h = self.act(h)
+        return h
+
+
 REFUSED = [OutputReused, AliasBetween, ActOnInput, FirstInBranch, OneBranchWithout, TwoActivations,
            SecondNormUsedAlone, ActOnOther, ByName, Helper, WalksChildren, SelfHandedOut, LastInLoop, Decorated,
-           InLambda]
+           InLambda, ViewAsDtype, CallInView, ViewUsesOutput, ViewPassesOutput, ViewToOtherName, CastBetween, ViewFirstInBranch]
 
 
 @pytest.mark.parametrize("cls", REFUSED, ids=[c.__name__ for c in REFUSED])
@@ -289,7 +386,7 @@ def test_refused_forms(cls):
     assert type(model.norm) is fnn.GroupNorm and model.norm.activation is None
     assert type(model.act) is nn.SiLU
     x = torch.randn(2, 8, 3, 3)
-    if cls in (Decorated, ActOnOther):  # outputs without a gradient
+    if cls in (Decorated, ActOnOther, ViewAsDtype):  # outputs without a gradient
         torch.testing.assert_close(model(x), reference(x))
     else:
         assert_equivalent(reference, model, lambda d: (x,), "cpu")
@@ -380,3 +477,24 @@ class Block(nn.Module):
     assert model.norm.activation is None and type(model.act) is nn.SiLU
     x = torch.randn(2, 8, 3, 3)
     torch.testing.assert_close(model(x), reference(x))
+
+
+def test_diffusers_frames_blocks(device, float32_convolutions):  # noqa: F811
+    # EasyAnimate's resnet blocks: the activation after the frames' views (the module docstring).
+    # Their causal convolutions keep the last call's frames (with its graph), so one call each.
+    import_or_skip("diffusers")
+    from diffusers.models.autoencoders.autoencoder_kl_magvit import EasyAnimateResidualBlock3D
+
+    torch.manual_seed(0)
+    block = EasyAnimateResidualBlock3D(16, 32, norm_num_groups=4).to(device)
+    reference = copy.deepcopy(block)
+    fusednorm.convert(block)
+    assert folded(block.norm1) and folded(block.norm2) and type(block.nonlinearity) is nn.Identity
+    assert [h.facts for h in block._forward_pre_hooks.values()] == [(("spatial_group_norm", True),)]
+    x = torch.randn(2, 16, 3, 6, 5, device=device)
+    out, out_ref = block(x), reference(x)
+    torch.testing.assert_close(out, out_ref, atol=1e-4, rtol=1e-4)
+    grad = torch.randn_like(out)
+    for g, g_ref in zip(torch.autograd.grad(out, list(block.parameters()), grad),
+                        torch.autograd.grad(out_ref, list(reference.parameters()), grad)):
+        torch.testing.assert_close(g, g_ref, atol=1e-3, rtol=1e-3)
