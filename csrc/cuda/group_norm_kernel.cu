@@ -209,11 +209,14 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     return forward_impl<scalar_t>(ep.sum, weight, bias, eps, sh, layout, rest, y, mean, rstd);
   }
   // Only the channels-last sweep and one-pass kernels (the latter without a residual or
-  // multiplier) and the team forward (team_adds_input_bias) add input_bias on the fly
-  // (docs/design.md, "Input bias"); the others normalize input + input_bias materialized.
+  // multiplier), the team forward (team_adds_input_bias) and the channels-first shared-memory
+  // one-pass kernel (one_pass_adds_input_bias) add input_bias on the fly (docs/design.md,
+  // "Input bias"); the others normalize input + input_bias materialized.
   const auto adds_input_bias = [&](plan::Path path) {
     return path == plan::Path::ColsSweep || (path == plan::Path::ColsShared && streams == 1) ||
-           (path == plan::Path::Team && team_input_bias);
+           (path == plan::Path::Team && team_input_bias) ||
+           ((path == plan::Path::Shared || path == plan::Path::Cluster) &&
+               one_pass_adds_input_bias(sh, pack_width<scalar_t>(), ep));
   };
   const auto given_the_sum = [&] {
     Epilogue rest = ep;

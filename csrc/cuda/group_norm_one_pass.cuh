@@ -58,7 +58,16 @@ void forward_one_pass(const plan::Plan& pl, const at::Tensor& x, const at::Tenso
       if (pl.path == plan::Path::Registers) return launch_registers_planned<scalar_t, V>(a, items, pl);
       a.cluster = pl.cluster;
       const size_t smem = static_cast<size_t>(pl.smem);
-      dispatch_activation(ep.activation, [&](auto act) { launch_one_pass<scalar_t, V, decltype(act)::value>(a, items, smem); });
+      if (a.epi.input_bias.ptr == nullptr) {
+        dispatch_activation(ep.activation, [&](auto act) {
+          launch_one_pass<scalar_t, V, decltype(act)::value, false>(a, items, smem);
+        });
+      } else {
+        const bool launched = dispatch_common_activation(ep.activation, [&](auto act) {
+          launch_one_pass<scalar_t, V, decltype(act)::value, true>(a, items, smem);
+        });
+        TORCH_INTERNAL_ASSERT(launched, "one-pass kernel given input_bias with an activation it has no kernel for");
+      }
     }
   }
 }

@@ -10,6 +10,8 @@
 //      over the CTA, then over the cluster, in a fixed order (deterministic; one_pass_moments.cuh);
 //   3. writes y = act(((x - mean) * rstd * w_eff + b_eff) + residual) * multiplier from shared
 //      memory, with the per-(n, c) modulation of epilogue.h folded into w_eff and b_eff.
+// With input_bias (kBias: channels-first packs in one channel each), each thread adds it to its
+// copies in shared memory between steps 1 and 2.
 // x is read from DRAM once. The activation is a template parameter, so that the element loop has
 // no switch in it.
 
@@ -36,7 +38,7 @@ namespace {
 // plan.cpp; which groups take the one-pass kernels, and in how many CTAs, is the planner's).
 constexpr int64_t kOnePassCtaBytes = 64 * 1024;
 
-template <typename scalar_t, int V, Activation A>
+template <typename scalar_t, int V, Activation A, bool kBias = false>
 __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(const OnePassArgs<scalar_t> a) {
   using acc_t = acc_type<scalar_t>;
   using P = Pack<scalar_t, V>;
@@ -71,13 +73,30 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   }
   __pipeline_commit();
   __pipeline_wait_prior(0);
+  // input_bias (docs/design.md, "Input bias"): each thread adds p[n, c] to the packs it copied,
+  // which it alone reads, rounded to scalar_t as the sum the other channels-first paths are given
+  // (ATen's input + input_bias) is; a pack lies in one channel (S % V == 0, the dispatcher's
+  // condition), and a group of one CTA or cluster has under 2^32 elements.
+  const InputBiasRef<scalar_t>& ib = e.input_bias;
+  if constexpr (kBias) {
+    const uint32_t S = static_cast<uint32_t>(a.S);
+    for (int64_t v = threadIdx.x; v < count; v += kOnePassThreads) {
+      const acc_t p = ib.template at<acc_t>(n, g * a.D + static_cast<uint32_t>((v_begin + v) * V) / S);
+      const P xp = load_pack(x_smem[v]);
+      acc_t z[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) z[j] = pack_element<acc_t>(xp, j) + p;
+      x_smem[v] = round_pack<scalar_t, V>(z);
+    }
+  }
 
   // Moments of x - K, K the group's first element, as the split path computes them: a constant
   // group gives exactly mean = K and variance 0, and a mean far from 0 keeps its digits. One pass
   // over shared memory: sums of x - T and (x - T)^2, T the thread's first element, merged over
   // the CTA in the two steps of block_moments_of_shifted_sums (cta_part_moments), then over the
   // cluster in one exchange (one_pass_cluster_moments; docs/design.md, "Cluster path").
-  const acc_t K = static_cast<acc_t>(a.x[off]);
+  acc_t K = static_cast<acc_t>(a.x[off]);
+  if constexpr (kBias) K = static_cast<acc_t>(static_cast<scalar_t>(K + ib.template at<acc_t>(n, g * a.D)));
   acc_t nt = acc_t(0), tk = acc_t(0), q1 = acc_t(0), q2 = acc_t(0);
   if (threadIdx.x < count) {
     const acc_t T = pack_element<acc_t>(load_pack(x_smem[threadIdx.x]), 0);
@@ -117,11 +136,15 @@ __global__ void __launch_bounds__(kOnePassThreads) group_norm_one_pass_kernel(co
   });
 }
 
-template <typename scalar_t, int V, Activation A>
+// kBias: the instantiation adding input_bias, for the common activations alone
+// (one_pass_adds_input_bias, paths.h).
+template <typename scalar_t, int V, Activation A, bool kBias>
 void launch_one_pass(const OnePassArgs<scalar_t>& a, int64_t items, size_t smem_bytes) {
-  auto kernel = group_norm_one_pass_kernel<scalar_t, V, A>;
+  auto kernel = group_norm_one_pass_kernel<scalar_t, V, A, kBias>;
   allow_dynamic_smem(kernel, smem_bytes);
   TORCH_INTERNAL_ASSERT(a.cluster <= kWarp, "one-pass cluster of over a warp of CTAs (one_pass_cluster_moments)");
+  TORCH_INTERNAL_ASSERT((a.epi.input_bias.ptr != nullptr) == kBias && (!kBias || a.S % V == 0),
+      "one-pass kernel given input_bias it cannot add");
   launch_clustered(kernel, static_cast<unsigned>(items * a.cluster), kOnePassThreads, smem_bytes, a.cluster,
       at::cuda::getCurrentCUDAStream(), a);
 }

@@ -67,6 +67,13 @@ inline bool team_adds_input_bias(const GroupNormShape& sh, int V, const Epilogue
   return ep.input_bias.defined() && sh.S % V == 0 && !ep.residual.defined() && !ep.multiplier.defined() &&
          plan::common_activation(static_cast<plan::Act>(static_cast<int>(ep.activation)));
 }
+// Whether the channels-first shared-memory one-pass kernel (paths Shared and Cluster) adds the
+// call's input_bias (docs/design.md, "Input bias"): packs within one channel, a common
+// activation, the instantiations it has; other calls with input_bias are given the sum.
+inline bool one_pass_adds_input_bias(const GroupNormShape& sh, int V, const Epilogue& ep) {
+  return ep.input_bias.defined() && sh.S % V == 0 &&
+         plan::common_activation(static_cast<plan::Act>(static_cast<int>(ep.activation)));
+}
 // The planner's residency question about the team kernel a call launches (backward: `keep`, the
 // backward's Keep, picks it; forward: `straddling`, team_packs_straddle, and `input_bias`,
 // team_adds_input_bias).
