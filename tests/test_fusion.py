@@ -467,7 +467,10 @@ def test_unfused_norms_tool():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     module, inputs = tool.db.ALL_WORKLOADS["VAE decode 512"]("meta", torch.float16, True)
-    [(norms, fused, left)] = tool.census(module, inputs)
+    [(norms, fused, left, calls)] = tool.census(module, inputs)
     # 30 norms: every resnet's two and the decoder's norm_out fused with their SiLU; the mid-block
     # attention's norm left (a view and its projections after it).
     assert (norms, fused, sum(left.values())) == (30, 29, 1)
+    # --fused: each fused chain one call, with the plan an H200 gives it.
+    assert sum(calls.values()) == 29 and all(call[0] == "group_norm" and call[4] == "silu" for call in calls)
+    assert all(tool.plan_of(call).startswith("path=") for call in calls)
