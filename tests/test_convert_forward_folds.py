@@ -3,9 +3,15 @@ forward on norm outputs alone (ops/_forward_folds.py) is folded into those norms
 results, forward and backward; every form the proof does not cover is left alone."""
 
 import copy
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fusednorm
@@ -156,6 +162,92 @@ def test_views_between_norm_and_activation(device, spatial):
     torch.manual_seed(0)
     model = convert_and_check(Frames(spatial), lambda d: (torch.randn(2, 8, 3, 4, 5, device=d),), device)
     assert folded(model.norm1) and folded(model.norm2) and type(model.act) is nn.Identity
+
+
+# Random view statements between a norm and its activation. The proof reads source, so each
+# drawn forward is written to a module file of its own and imported.
+_VIEW_KINDS = ("permute", "transpose", "flatten", "unflatten", "reshape", "view", "movedim", "unsqueeze", "squeeze")
+_FOLD_ACTS = {"SiLU()": "silu", "GELU()": "gelu", "ReLU()": "relu", "Mish()": "mish", "GELU(approximate='tanh')": "gelu_tanh"}
+
+
+def _view_call(kind, k, shape):
+    """The source of one view call of `kind` on a tensor of `shape` (k picks the dimensions)."""
+    d = len(shape)
+    i = k % d
+    if kind == "permute":
+        return f".permute({', '.join(map(str, [0] + list(range(2, d)) + [1]))})" if d >= 2 else None
+    if kind == "transpose":
+        return f".transpose({i}, {(i + 1) % d})"
+    if kind == "flatten":
+        return f".flatten({i % (d - 1)}, {i % (d - 1) + 1})" if d >= 2 else None
+    if kind == "unflatten":
+        return f".unflatten({i}, (2, -1))" if shape[i] % 2 == 0 else None
+    if kind == "reshape":
+        return ".reshape(h.shape[0], -1)"
+    if kind == "view":
+        return f".view({', '.join(map(str, shape[:-1]))}, -1)" if d >= 2 else ".view(-1)"
+    if kind == "movedim":
+        return f".movedim({i}, -1)"
+    if kind == "unsqueeze":
+        return f".unsqueeze({i})"
+    return f".squeeze({i})" if shape[i] == 1 else None
+
+
+def _module_with_views(draws, act):
+    """A module whose forward is `h = self.norm(x)`, the drawn views in statements of their own
+    or chained, then `h = self.act(h)`; None where no drawn view applies."""
+    shape = torch.Size((2, 8, 4, 6))
+    lines = []
+    for kind, k, chained in draws:
+        call = _view_call(kind, k, shape)
+        if call is None:
+            continue
+        try:
+            h = torch.empty(shape, device="meta")
+            shape = eval("h" + call, {"h": h}).shape  # noqa: S307 (the call is built above)
+        except RuntimeError:  # a view of strides it cannot take: not drawn
+            continue
+        if chained and lines and kind != "reshape":  # (its `h.shape` is the statement's input's)
+            lines[-1] += call
+        else:
+            lines.append("h = h" + call)
+    if not lines:
+        return None
+    body = "\n        ".join(["h = self.norm(x)"] + lines + ["h = self.act(h)", "return h"])
+    source = f"""from torch import nn
+
+
+class Views(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)
+        self.act = nn.{act}
+
+    def forward(self, x):
+        {body}
+"""
+    folder = Path(tempfile.mkdtemp(prefix="fusednorm_views_"))
+    name = f"fusednorm_views_{abs(hash(source))}"
+    (folder / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # inspect.getsource finds a class through its module
+    spec.loader.exec_module(module)
+    return module.Views()
+
+
+@given(draws=st.lists(st.tuples(st.sampled_from(_VIEW_KINDS), st.integers(0, 4), st.booleans()), min_size=1,
+                      max_size=4),
+       act=st.sampled_from(sorted(_FOLD_ACTS)))
+@settings(max_examples=20, deadline=None)
+def test_any_view_statements_fold(draws, act):
+    # The activation folds after whatever views lie between, with the same values and gradients.
+    torch.manual_seed(0)
+    model = _module_with_views(draws, act)
+    if model is None:
+        return
+    model = convert_and_check(model, lambda d: (torch.randn(2, 8, 4, 6, device=d),), "cpu")
+    assert folded(model.norm, _FOLD_ACTS[act]) and type(model.act) is nn.Identity
 
 
 # Forms the proof refuses: the norm's output reaches something besides the activation, the
