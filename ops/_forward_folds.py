@@ -21,23 +21,24 @@ when, on every path ``forward`` can take:
 * every call of each of those norms is the argument of such an activation call or such a
   statement ``v = self.norm(...)`` followed by ``v = self.act(v)``, directly or after view
   statements, with the same activation everywhere;
+* nothing else in the class names them (no other method, no ``getattr(self, "act")``, no ``self``
+  handed elsewhere), and the function run is the one whose source is read (the same names,
+  variables and constants: a file edited after import is not trusted).
 
 A view statement rebinds ``v`` to a chain of ``permute``, ``transpose``, ``movedim``,
 ``flatten``, ``unflatten``, ``view``, ``reshape``, ``squeeze`` or ``unsqueeze`` calls on ``v``
 whose arguments are shapes and dimensions (constants, names, tuples, arithmetic, attributes and
-subscripts of other names, ``v.shape``; no calls, no other use of ``v``): an elementwise activation gives the same values
-before such a view as after it. EasyAnimate's resnet blocks normalize frames this way::
+subscripts of other names, ``v.shape``; no calls, no other use of ``v``): an elementwise
+activation gives the same values before such a view as after it. EasyAnimate's resnet blocks
+normalize frames this way::
 
     hidden_states = hidden_states.permute(0, 2, 1, 3, 4).flatten(0, 1)
     hidden_states = self.norm1(hidden_states)
     hidden_states = hidden_states.unflatten(0, (batch_size, -1)).permute(0, 2, 1, 3, 4)
     hidden_states = self.nonlinearity(hidden_states)
 
-``view`` with one argument that is not a constant or a tuple (it may be a dtype: a
-reinterpretation, not a view of the values) does not count.
-* nothing else in the class names them (no other method, no ``getattr(self, "act")``, no ``self``
-  handed elsewhere), and the function run is the one whose source is read (the same names,
-  variables and constants: a file edited after import is not trusted).
+``view`` with a keyword, or with one argument that is not a constant or a tuple (either may be a
+dtype: a reinterpretation, not a view of the values), does not count.
 
 Branches that cannot run are left out: an ``if`` on the module's configuration, an instance
 attribute holding None, a bool, an int or a str, or a child module slot compared with None, is
@@ -369,8 +370,8 @@ def _view_statement(stmt: ast.stmt, v: str) -> bool:
             return False  # **kwargs, *args: not known to be shapes
         if not all(_shape_argument(a, v) for a in arguments):
             return False
-        if method.attr == "view" and len(node.args) == 1 and not node.keywords \
-                and not isinstance(node.args[0], (ast.Constant, ast.Tuple, ast.List, ast.UnaryOp)):
+        if method.attr == "view" and (node.keywords or len(node.args) == 1 and not isinstance(
+                node.args[0], (ast.Constant, ast.Tuple, ast.List, ast.UnaryOp))):
             return False  # maybe a dtype: x.view(torch.float16) reinterprets the values
         node = method.value
     return isinstance(node, ast.Name) and node.id == v

@@ -167,7 +167,8 @@ def test_views_between_norm_and_activation(device, spatial):
 # Random view statements between a norm and its activation. The proof reads source, so each
 # drawn forward is written to a module file of its own and imported.
 _VIEW_KINDS = ("permute", "transpose", "flatten", "unflatten", "reshape", "view", "movedim", "unsqueeze", "squeeze")
-_FOLD_ACTS = {"SiLU()": "silu", "GELU()": "gelu", "ReLU()": "relu", "Mish()": "mish", "GELU(approximate='tanh')": "gelu_tanh"}
+_FOLD_ACTS = {"SiLU()": "silu", "GELU()": "gelu", "ReLU()": "relu", "Mish()": "mish",
+              "GELU(approximate='tanh')": "gelu_tanh"}
 
 
 def _view_call(kind, k, shape):
@@ -412,6 +413,15 @@ class ViewAsDtype(Base):
         return h
 
 
+class ViewAsDtypeKeyword(Base):
+    def forward(self, x):
+        h = self.norm(x)
+        h = h.view(dtype=torch.int32)
+        h = h.view(dtype=x.dtype)
+        h = self.act(h)
+        return h
+
+
 class CallInView(Base):
     def forward(self, x):
         h = self.norm(x)
@@ -466,7 +476,8 @@ class ViewFirstInBranch(Base):
 
 REFUSED = [OutputReused, AliasBetween, ActOnInput, FirstInBranch, OneBranchWithout, TwoActivations,
            SecondNormUsedAlone, ActOnOther, ByName, Helper, WalksChildren, SelfHandedOut, LastInLoop, Decorated,
-           InLambda, ViewAsDtype, CallInView, ViewUsesOutput, ViewPassesOutput, ViewToOtherName, CastBetween, ViewFirstInBranch]
+           InLambda, ViewAsDtype, ViewAsDtypeKeyword, CallInView, ViewUsesOutput, ViewPassesOutput, ViewToOtherName,
+           CastBetween, ViewFirstInBranch]
 
 
 @pytest.mark.parametrize("cls", REFUSED, ids=[c.__name__ for c in REFUSED])
@@ -478,7 +489,7 @@ def test_refused_forms(cls):
     assert type(model.norm) is fnn.GroupNorm and model.norm.activation is None
     assert type(model.act) is nn.SiLU
     x = torch.randn(2, 8, 3, 3)
-    if cls in (Decorated, ActOnOther, ViewAsDtype):  # outputs without a gradient
+    if cls in (Decorated, ActOnOther, ViewAsDtype, ViewAsDtypeKeyword):  # outputs without a gradient
         torch.testing.assert_close(model(x), reference(x))
     else:
         assert_equivalent(reference, model, lambda d: (x,), "cpu")
