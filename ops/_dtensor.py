@@ -254,8 +254,8 @@ def _forward(op, input, num_groups, weight, bias, eps, scale=None, shift=None, r
     from . import distributed as _dist  # here: distributed imports this module
 
     if input_bias is not None:
-        # The prologue materialized by DTensor's own add, as the kernels off the channels-last
-        # CUDA paths are given it (docs/design.md, "Input bias").
+        # The prologue materialized by DTensor's own add, as the kernels that do not add it on
+        # the fly are given it (docs/design.md, "Input bias").
         input = _add_input_bias(input, input_bias)
     input = _replicated_input(input)
     plan = _Plan(input, num_groups)
