@@ -35,7 +35,7 @@ import diffusers_bench as db  # noqa: E402
 from fusednorm import fusion, kernel_paths  # noqa: E402
 from fusednorm._fx_nodes import example_value  # noqa: E402
 
-_EPILOGUE = ("scale", "shift", "residual", "multiplier", "input_bias")
+_EPILOGUE = kernel_paths._OPERANDS + ("input_bias",)  # the planner's operand names, and the prologue
 _GROUPS_ARG = {"group_norm": 1, "add_group_norm": 2}  # where num_groups is among an op's arguments
 
 
@@ -98,8 +98,7 @@ def plan_of(call):
     """The H200's kernel plan of a fused call (_fused_call's tuple), channels-first."""
     _, shape, dtype, groups, activation, operands = call
     others = [k for k in operands if k != "input_bias"]
-    return kernel_paths.plan(shape, groups, dtype, activation=None if activation in (None, "none") else activation,
-                             operands=others, device=kernel_paths.H200)
+    return kernel_paths.plan(shape, groups, dtype, activation=activation, operands=others, device=kernel_paths.H200)
 
 
 def main() -> int:
