@@ -5,8 +5,6 @@ results, forward and backward; every form the proof does not cover is left alone
 import copy
 import importlib.util
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -194,9 +192,10 @@ def _view_call(kind, k, shape):
     return f".squeeze({i})" if shape[i] == 1 else None
 
 
-def _module_with_views(draws, act):
+def _module_with_views(draws, act, folder):
     """A module whose forward is `h = self.norm(x)`, the drawn views in statements of their own
-    or chained, then `h = self.act(h)`; None where no drawn view applies."""
+    or chained, then `h = self.act(h)`, written to a file in `folder`; None where no drawn view
+    applies."""
     shape = torch.Size((2, 8, 4, 6))
     lines = []
     for kind, k, chained in draws:
@@ -227,7 +226,6 @@ class Views(nn.Module):
     def forward(self, x):
         {body}
 """
-    folder = Path(tempfile.mkdtemp(prefix="fusednorm_views_"))
     name = f"fusednorm_views_{abs(hash(source))}"
     (folder / f"{name}.py").write_text(source)
     spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
@@ -241,10 +239,10 @@ class Views(nn.Module):
                       max_size=4),
        act=st.sampled_from(sorted(_FOLD_ACTS)))
 @settings(max_examples=20, deadline=None)
-def test_any_view_statements_fold(draws, act):
+def test_any_view_statements_fold(draws, act, tmp_path_factory):
     # The activation folds after whatever views lie between, with the same values and gradients.
     torch.manual_seed(0)
-    model = _module_with_views(draws, act)
+    model = _module_with_views(draws, act, tmp_path_factory.getbasetemp())
     if model is None:
         return
     model = convert_and_check(model, lambda d: (torch.randn(2, 8, 4, 6, device=d),), "cpu")
