@@ -386,6 +386,8 @@ def make_inputs(case: Case, device: str):
     for name in case.operands:
         if name in ("scale", "shift"):
             ops[name] = 0.1 * torch.randn(case.shape[0], C, dtype=case.dtype, device=device)
+        elif name == "input_bias":  # a convolution's bias plus a time embedding, (N, C)
+            ops[name] = torch.randn(case.shape[0], C, dtype=case.dtype, device=device)
         elif case.same_operand and ops.get("residual") is not None:
             ops[name] = ops["residual"]
         else:

@@ -9,7 +9,8 @@ within 0.5%. One line a case: label, forward ms, backward ms. On the GPU machine
 
 The cases: the fused rows whose backward the one-CTA and team kernels take (ResNet, VAE, UNet
 shapes), the channels-last split path, problem 3's tail and the GroupNorm problem, with plain rows
-and a residual alone (dp = dz, its gradient written by the dx loop) as controls.
+and a residual alone (dp = dz, its gradient written by the dx loop) as controls; the register
+kernel's UNet rows, and calls with an (N, C) input_bias (AnimateDiff's frames).
 """
 import argparse
 import os
@@ -43,6 +44,18 @@ CASES = [  # label, shape, groups, dtype, activation, operands, channels_last
     ("vae bf16 residual", (1, 128, 512, 512), 32, torch.bfloat16, None, ("residual",), False),
     ("p3 tail fp32 (h+y)*y", (1024, 8192), 1, torch.float32, None, ("same",), False),
     ("GN problem fp32 silu", (112, 64, 512, 512), 8, torch.float32, "silu", (), False),
+    # The register kernel (one CTA a group, latency-bound): UNet's 8x8 and 16x16 groups.
+    ("unet fp16 silu 8x8", (2, 1280, 8, 8), 32, torch.float16, "silu", (), False),
+    ("unet fp16 silu 16x16", (2, 640, 16, 16), 32, torch.float16, "silu", (), False),
+    ("unet fp16 silu 8x8 b8", (8, 1280, 8, 8), 32, torch.float16, "silu", (), False),
+    ("unet fp16 silu 16x16 b8", (8, 640, 16, 16), 32, torch.float16, "silu", (), False),
+    ("unet fp16 silu 16x16 R4", (2, 1280, 16, 16), 32, torch.float16, "silu", (), False),
+    ("unet bf16 silu 8x8", (2, 1280, 8, 8), 32, torch.bfloat16, "silu", (), False),
+    ("unet fp16 CL silu 8x8", (2, 1280, 8, 8), 32, torch.float16, "silu", (), True),
+    # With an (N, C) input_bias (conv + time embedding): AnimateDiff's frames at batch 2.
+    ("animatediff fp16 ib+silu 16x16", (32, 1280, 16, 16), 32, torch.float16, "silu", ("input_bias",), False),
+    ("animatediff fp16 ib+silu 64x64", (32, 320, 64, 64), 32, torch.float16, "silu", ("input_bias",), False),
+    ("unet fp16 ib+silu 8x8", (2, 1280, 8, 8), 32, torch.float16, "silu", ("input_bias",), False),
 ]
 
 
