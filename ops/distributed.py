@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .functional import ACTIVATIONS
 
@@ -78,8 +79,17 @@ def local_moments(x: Tensor, num_groups: int) -> Tensor:
         # passes more over a tensor twice the size (bf16). Its output is dropped. eps = 0, so that
         # the variance is rstd^-2 with no eps to cancel (docs/distributed.md, 'Statistics').
         with torch.no_grad():
-            _, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, num_groups, None, None, 0.0)
+            dropped, mean, rstd = torch.ops.fusednorm.group_norm_forward(x, num_groups, None, None, 0.0)
         moments[1] = mean.reshape(N, num_groups)
+        if x.dtype == torch.float32:
+            # The kernel's mean, rounded to float32, is off the centre it normalized on by up to
+            # half an ulp of |mean| (5e-4 at 1e4), which the local normalize would add to every
+            # output at float32's precision: moved by the mean of x - mean, whose values lie
+            # near the spread. (16-bit outputs round coarser than that unless |mean| exceeds
+            # ~6e4 spreads: a pass saved.) The kernel's dropped output holds x - mean.
+            xg = _grouped(x, num_groups)
+            centred = torch.sub(xg, mean.reshape(_stat_shape(xg)), out=_grouped(dropped, num_groups))
+            moments[1] += centred.sum(dim=list(range(2, xg.dim()))).double() / count
         moments[2] = rstd.double().reshape(N, num_groups).pow(-2) * count
     return moments
 
@@ -190,26 +200,6 @@ def _activation(z: Tensor, activation: Optional[str], negative_slope: float) -> 
     raise ValueError(f"Unknown activation '{activation}': expected None or one of " + ", ".join(f"'{a}'" for a in ACTIVATIONS))
 
 
-def _activation_backward(g: Tensor, z: Tensor, activation: Optional[str], negative_slope: float) -> Tensor:
-    # ATen's own derivative ops, so that the gradients are those of the single-device backward.
-    aten = torch.ops.aten
-    if activation is None or activation == "none":
-        return g
-    if activation == "silu":
-        return aten.silu_backward(g, z)
-    if activation == "gelu":
-        return aten.gelu_backward(g, z, approximate="none")
-    if activation == "gelu_tanh":
-        return aten.gelu_backward(g, z, approximate="tanh")
-    if activation == "relu":
-        return aten.threshold_backward(g, z, 0)
-    if activation == "leaky_relu":
-        return aten.leaky_relu_backward(g, z, negative_slope, False)
-    if activation == "mish":
-        return aten.mish_backward(g, z)
-    raise ValueError(f"Unknown activation '{activation}'")
-
-
 def _epilogue_chain(xhat: Tensor, x: Tensor, weight, bias, scale, shift, residual, activation, negative_slope):
     """The affine map and the epilogue up to the activation's input, in the compute dtype:
     returns (affine output, activation input)."""
@@ -250,67 +240,106 @@ def _memory_format(x: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _sum_to_channels(t: Tensor) -> Tensor:
-    # Sum over the batch and spatial dimensions: (C,).
-    return t.sum(dim=[d for d in range(t.dim()) if d != 1])
-
-
-def _sum_to_sample_channels(t: Tensor) -> Tensor:
-    # Sum over the spatial dimensions: (N, C).
-    return t.sum(dim=list(range(2, t.dim()))) if t.dim() > 2 else t
-
-
 def backward_local(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, count: Optional[Tensor], num_groups: int,
                    weight=None, bias=None, scale=None, shift=None, residual=None, activation=None,
                    negative_slope=0.01, multiplier=None, output_mask: Sequence[bool] = (True,) * 7,
                    group=None) -> List[Optional[Tensor]]:
     """The gradients of input, weight, bias, scale, shift, residual and multiplier (None where
     output_mask says no), this rank's share of the parameter gradients. With a process group the
-    input's gradient takes ONE all-gather of the per-(sample, group) sums sum(g) and
-    sum(g * xhat), added in rank order; without one (group=None and count=None) the shard holds
-    whole groups and nothing is communicated. ``count`` is the whole tensor's element count per
-    group (float64), as global_statistics returns it."""
+    input's, weight's and scale's gradients take ONE all-gather of four per-(sample, group) sums,
+    added in rank order; without one (group=None and count=None) the shard holds whole groups and
+    nothing is communicated. ``count`` is the whole tensor's element count per group (float64),
+    as global_statistics returns it.
+
+    One fused backward kernel call on the shard (docs/distributed.md, 'Local backward'): weight,
+    bias and the epilogue's scale and shift folded into one (N, C) scale and shift, so that the
+    kernel's per-(sample, channel) sums of dp and of dp times x's distance from its mean give every
+    parameter's gradient and this shard's group sums; the kernel's input gradient, taken with the
+    shard's sums, is then moved to the whole tensor's in one elementwise pass."""
     cdt = _compute_dtype(x.dtype)
-    xhat = _normalized(x, mean, rstd, num_groups)
-    affine, z = _epilogue_chain(xhat, x, weight, bias, scale, shift, residual, activation, negative_slope)
-    g = grad_out.to(cdt)
+    N, C = x.shape[:2]
+    G = num_groups
+    f64 = torch.float64
+
+    def per_sample_channel(t: Optional[Tensor], default: float) -> Tensor:
+        if t is None:
+            return torch.full((N, C), default, dtype=f64, device=x.device)
+        return t.to(f64).reshape(-1, C).expand(N, C)
+
+    def per_group(t: Tensor) -> Tensor:  # (N, C) -> (N, G): summed over each group's channels
+        return t.reshape(N, G, -1).sum(-1)
+
+    def to_channels(t: Tensor) -> Tensor:  # (N, G) -> (N, C)
+        return t.repeat_interleave(C // G, dim=1)
+
+    w, b = per_sample_channel(weight, 1.0), per_sample_channel(bias, 0.0)
+    s1 = 1 + per_sample_channel(scale, 0.0)
+    w_eff = w * s1  # normalize(x) * w_eff + b_eff is the epilogue's input before the residual
+    b_eff = b * s1 + per_sample_channel(shift, 0.0)
+    kernel_mask = [bool(output_mask[0]), False, False, True, True, bool(output_mask[5]), bool(output_mask[6])]
+    dx, _, _, sum_dp_xc, sum_dp, grad_residual, grad_multiplier = torch.ops.fusednorm.fused_group_norm_backward(
+        grad_out, x, mean, rstd, None, None, G, (w_eff - 1).to(cdt), b_eff.to(cdt), _in_dtype(residual, x.dtype),
+        activation if activation is not None else "none", negative_slope, _in_dtype(multiplier, x.dtype),
+        kernel_mask, False)
+    # Per (n, c) over this shard: sum_dp = sum dp, sum_dp_xc = rstd * sum dp * (x - m_l). The
+    # kernel centres its sums on the shard's own mean m_l (docs/design.md, 'Backward sums'), as
+    # the single-device backward centres on the whole tensor's mean c: both are taken from the
+    # sums of x (the saved mean is c rounded to the statistics' dtype).
+    M = float(x.numel() // max(N * G, 1))
+    r, mean_s = rstd.to(f64), mean.to(f64)
+    xg = _grouped(x, G)
+    shape = _stat_shape(xg)
+    # x - mean in the compute dtype (a new tensor whatever x's dtype, its values near the spread,
+    # so that its sum in the compute dtype keeps the local mean's digits); the correction below
+    # reuses it.
+    if x.is_cuda or x.dtype == cdt:
+        centred = torch.sub(xg, mean.to(cdt).reshape(shape))
+    else:  # the CPU's mixed-dtype subtraction runs element by element (~40x a conversion's time)
+        centred = xg.to(cdt).sub_(mean.to(cdt).reshape(shape))
+    X = centred.sum(dim=list(range(2, xg.dim()))).to(f64) + M * mean_s if M > 0 else torch.zeros_like(r)
+    m_l = X / max(M, 1.0)
+    sum_dp, sum_dp_xc = sum_dp.to(f64), sum_dp_xc.to(f64)
+    # g = dp * w_eff; per group of this shard: A = sum g, T = rstd * sum g * (x - m_l). The ranks'
+    # A, T, m_l * A and X, added in rank order, give the whole tensor's (ONE all-gather).
+    A, T = per_group(w_eff * sum_dp), per_group(w_eff * sum_dp_xc)
+    local = torch.stack([A, T, m_l * A, X])
+    sums = local
+    if group is not None and (output_mask[0] or output_mask[1] or output_mask[3]):
+        parts = _all_gather(local, group)
+        sums = parts[0]
+        for p in parts[1:]:
+            sums = sums + p
+    whole = count if count is not None else torch.full_like(r, M)
+    c = sums[3] / whole.clamp(min=1)  # the whole tensor's mean
+    # sum dp * xhat per (n, c), xhat = (x - c) * rstd; the parameter gradients from it.
+    sum_dp_xhat = sum_dp_xc + to_channels(r * (m_l - c)) * sum_dp
     grads: List[Optional[Tensor]] = [None] * 7
-    if multiplier is not None:
-        if output_mask[6]:
-            grads[6] = (g * _activation(z, activation, negative_slope)).to(multiplier.dtype)
-        g = g * multiplier.to(cdt)
-    g = _activation_backward(g, z, activation, negative_slope)
-    if residual is not None and output_mask[5]:
-        grads[5] = g.to(residual.dtype)
-    if shift is not None and output_mask[4]:
-        grads[4] = _sum_to_sample_channels(g).reshape(shift.shape).to(shift.dtype)
-    if scale is not None:
-        if output_mask[3]:
-            grads[3] = _sum_to_sample_channels(g * affine).reshape(scale.shape).to(scale.dtype)
-        g = g * (1 + _per_sample_channel(scale.to(cdt), x))
+    if weight is not None and output_mask[1]:
+        grads[1] = (s1 * sum_dp_xhat).sum(0).to(weight.dtype)
     if bias is not None and output_mask[2]:
-        grads[2] = _sum_to_channels(g).to(bias.dtype)
-    if weight is not None:
-        if output_mask[1]:
-            grads[1] = _sum_to_channels(g * xhat).to(weight.dtype)
-        g = g * _per_channel(weight.to(cdt), x.dim())
+        grads[2] = (s1 * sum_dp).sum(0).to(bias.dtype)
+    if scale is not None and output_mask[3]:  # d/dscale of u * (1 + scale), u = xhat * weight + bias
+        grads[3] = (w * sum_dp_xhat + b * sum_dp).reshape(scale.shape).to(scale.dtype)
+    if shift is not None and output_mask[4]:
+        grads[4] = sum_dp.reshape(shift.shape).to(shift.dtype)
+    if residual is not None and output_mask[5]:
+        grads[5] = grad_residual
+    if multiplier is not None and output_mask[6]:
+        grads[6] = grad_multiplier
     if output_mask[0]:
-        # d/dx of (x - mean) * rstd per group: rstd * (g - (sum(g) + xhat * sum(g * xhat)) / M).
-        gg, xg = _grouped(g, num_groups), _grouped(xhat, num_groups)
-        dims = list(range(2, gg.dim()))
-        sums = torch.stack([gg.sum(dim=dims), (gg * xg).sum(dim=dims)]).double()
-        if group is not None:
-            parts = _all_gather(sums, group)
-            sums = parts[0]
-            for p in parts[1:]:
-                sums = sums + p
-        if count is None:
-            count = torch.full_like(sums[0], x.numel() // max(x.shape[0] * num_groups, 1))
-        shape = _stat_shape(gg)
-        s1 = (sums[0] / count).to(cdt).reshape(shape)
-        s2 = (sums[1] / count).to(cdt).reshape(shape)
-        dx = rstd.to(cdt).reshape(shape) * (gg - s1 - xg * s2)
-        grads[0] = dx.flatten(1, 2).to(x.dtype).contiguous(memory_format=_memory_format(x))
+        if M > 0:
+            # The kernel's dx is rstd * (g - A / M) - rstd^2 * T / M * (x - m_l); the whole
+            # tensor's rstd * (g - A' / M') - rstd^2 * T' / M' * (x - c), with A' = sum A,
+            # T' = sum T + rstd * (sum m_l * A - c * A') and M' its count. The difference is
+            # k1 * (x - c) + rstd * (A / M - A' / M') + rstd^2 * T / M * (c - m_l),
+            # k1 = rstd^2 * (T / M - T' / M'); x - c is taken as `centred` - (c - mean), so that
+            # it keeps its digits when |c| >> the spread.
+            T_whole = sums[1] + r * (sums[2] - c * sums[0])
+            k1 = r * r * (T / M - T_whole / whole)
+            k0 = r * (A / M - sums[0] / whole) + r * r * T / M * (c - m_l) - k1 * (c - mean_s)
+            moved = torch.addcmul(_grouped(dx, G), centred, k1.to(cdt).reshape(shape))
+            dx = moved.add_(k0.to(cdt).reshape(shape)).flatten(1, 2).to(x.dtype)
+        grads[0] = dx.contiguous(memory_format=_memory_format(x))
     return grads
 
 
@@ -332,13 +361,13 @@ class _ShardedGroupNorm(torch.autograd.Function):
         return out, mean, rstd, count
 
     @staticmethod
+    @once_differentiable  # the collectives are not: a second derivative raises rather than be wrong
     def backward(ctx, grad_out, _grad_mean, _grad_rstd, _grad_count):
         x, mean, rstd, count, weight, bias, scale, shift, residual, multiplier = ctx.saved_tensors
         num_groups, activation, negative_slope, group = ctx.args
         mask = list(ctx.needs_input_grad[:7])
         grads = backward_local(grad_out, x, mean, rstd, count, num_groups, weight, bias, scale, shift, residual,
-                               activation, negative_slope, multiplier, output_mask=mask,
-                               group=group if mask[0] else None)
+                               activation, negative_slope, multiplier, output_mask=mask, group=group)
         return tuple(grads) + (None,) * 5
 
 

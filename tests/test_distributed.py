@@ -250,7 +250,7 @@ def _tensors(case, dtype, op="group_norm"):
         return torch.randn(*s, generator=g, dtype=torch.float64)
 
     # An offset mean: the one-pass E[x^2] - E[x]^2 would lose digits here.
-    x = to_layout((rand(*shape) * 2 + 3).to(dtype), case["layout"])
+    x = to_layout((rand(*shape) * 2 + case.get("offset", 3.0)).to(dtype), case["layout"])
     t = {"input": x}
     p = case["present"]
     param_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -296,6 +296,49 @@ def test_group_norm_shards_reduced_precision(pool, dtype):
     case = dict(shape=[2, 8, 9, 5], num_groups=4, dim=2, sizes=_even_sizes(9, pool.world), activation="silu",
                 eps=1e-5, layout="contiguous", seed=3, present=dict.fromkeys(_OPERANDS, True))
     _check_case(pool, "group_norm", case, dtype)
+
+
+def test_group_norm_shards_gradients_of_offset_data(pool):
+    # Values near 1e4 in float32: the saved mean is the whole tensor's rounded to float32 (off by
+    # up to 5e-4), and the kernels centre their backward sums on each shard's own mean; the
+    # sharded backward moves them to the saved one (docs/distributed.md, 'Local backward').
+    case = dict(shape=[2, 8, 9, 5], num_groups=4, dim=2, sizes=_even_sizes(9, pool.world), activation="silu",
+                eps=1e-5, layout="channels_last", seed=5, present=dict.fromkeys(_OPERANDS, True), offset=1e4)
+    _check_case(pool, "group_norm", case, torch.float32)
+
+
+def test_group_norm_shards_input_gradient_of_offset_data_whose_shards_differ(pool):
+    # Near 1e5, with a gradient that follows x - 1e5 on the first rows and its negative on the
+    # others: each shard's sum of g * (x - mean) is far from the whole tensor's, so the input
+    # gradient's move from the shard's to the whole tensor's is large, and x - mean must keep
+    # its digits there (taken as (x - c_hi) - c_lo).
+    shape = [2, 8, 10, 5]
+    case = dict(shape=shape, num_groups=4, dim=2, sizes=_even_sizes(10, pool.world), activation=None, eps=1e-5,
+                layout="contiguous", seed=6, present=dict.fromkeys(_OPERANDS, False), offset=1e5)
+    tensors, _ = _tensors(case, torch.float32)
+    sign = torch.where(torch.arange(shape[2]) < shape[2] // 2, 1.0, -1.0).reshape(1, 1, -1, 1)
+    grad_out = ((tensors["input"].double() - 1e5) * sign).float()
+    results = pool.run(_task_sharded, "group_norm", case, tensors, grad_out)
+    _check_against_whole(results, "group_norm", case, tensors, grad_out, torch.float32)
+
+
+def _task_second_derivative(rank, world, x):
+    a, b = _bounds(_even_sizes(x.shape[2], world), rank)
+    shard = x[:, :, a:b].clone().requires_grad_()
+    y = fusednorm.distributed.group_norm(shard, 2, activation="silu")
+    (g,) = torch.autograd.grad(y.square().sum(), shard, create_graph=True)
+    try:
+        g.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_sharded_second_derivative_raises(pool):
+    # The all-gathers are not differentiable: a second derivative through them would be silently
+    # wrong, so it raises.
+    results = pool.run(_task_second_derivative, torch.randn(2, 4, 6, 3, dtype=torch.float64))
+    assert all(r is not None and "differentiate twice" in r for r in results), results
 
 
 def _even_sizes(n, world):
