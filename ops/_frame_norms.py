@@ -22,7 +22,7 @@ from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from ._fx_nodes import argument, concatenations, example_value, is_view_of
 
@@ -58,17 +58,10 @@ def _chunks_of_one_split(norms: List[fx.Node]) -> Optional[fx.Node]:
     return split
 
 
-def _is_group_norm(gm: fx.GraphModule, node: Any) -> bool:
-    """Whether `node` calls F.group_norm / torch.group_norm, or an ``nn.GroupNorm`` with torch's
-    forward (a module call, as Dynamo keeps it on torch < 2.2)."""
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function":
-        return node.target in _GROUP_NORMS
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return isinstance(module, nn.GroupNorm) and type(module).forward is nn.GroupNorm.forward
-    return False
+def _is_group_norm(node: Any) -> bool:
+    """Whether `node` calls F.group_norm / torch.group_norm (an ``nn.GroupNorm`` module's call, as
+    Dynamo keeps it on torch < 2.2, is made that by the backend's first step: _module_calls)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _GROUP_NORMS
 
 
 def _same_norm(a: fx.Node, b: fx.Node) -> bool:
@@ -115,7 +108,7 @@ def one_norm_of_frames(gm: fx.GraphModule) -> int:
     for cat, norms, dim in concatenations(graph):
         if dim != 0 or not norms:
             continue
-        if not all(_is_group_norm(gm, n) and len(n.users) == 1 and _same_norm(n, norms[0]) for n in norms) \
+        if not all(_is_group_norm(n) and len(n.users) == 1 and _same_norm(n, norms[0]) for n in norms) \
                 or len(set(norms)) != len(norms):
             continue
         split = _chunks_of_one_split(list(norms))
@@ -155,7 +148,7 @@ def activations_before_views(gm: fx.GraphModule, activations: Any) -> int:
     its activation next to each other for the fusion rules. Returns how many it rewrote."""
     graph = gm.graph
     count = sum(_move_activation_before_views(graph, node, activations)
-                for node in list(graph.nodes) if _is_group_norm(gm, node))
+                for node in list(graph.nodes) if _is_group_norm(node))
     if count:
         graph.lint()
         gm.recompile()

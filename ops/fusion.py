@@ -10,8 +10,9 @@ backend. With Inductor as the inner backend, ``mode`` and ``options`` are what `
 own arguments of those names are (``backend(mode="reduce-overhead")``: Inductor with CUDA graphs;
 see :func:`backend`). A chain is rewritten when it starts at ``F.group_norm`` / ``torch.group_norm`` /
 ``F.instance_norm`` / ``torch.instance_norm`` (what ``nn.GroupNorm`` / ``nn.InstanceNorm*d``
-calls become; on torch versions where Dynamo keeps ``nn.GroupNorm`` as a module call, that too)
-and continues through, in this order, each step optional::
+calls become; where Dynamo keeps torch.nn modules as module calls, torch < 2.2, the backend first
+rewrites those into the functional calls their forwards make: ``fusednorm._module_calls``) and
+continues through, in this order, each step optional::
 
     z * (1 + scale)    scale of shape (N, C, 1, ..., 1), the ``1 + scale`` written out
     z + shift          shift of shape (N, C, 1, ..., 1)
@@ -106,6 +107,7 @@ from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
 from ._frame_norms import activations_before_views, one_norm_of_frames
 from ._fx_nodes import argument, example_value, is_view_of
+from ._module_calls import lower_module_calls
 from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
@@ -183,12 +185,6 @@ def _norm(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[str, Dict[str, An
         args = {name: argument(node, i, name, _DEFAULTS.get(name)) for i, name in enumerate(names)}
         args.pop("cudnn_enabled", None)
         return op, args
-    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
-        module = gm.get_submodule(node.target)
-        if type(module) is nn.GroupNorm:  # older Dynamo keeps torch.nn modules as calls
-            attr = (lambda name: ("get_attr", f"{node.target}.{name}")) if module.affine else (lambda name: None)
-            return "group_norm", {"input": node.args[0], "num_groups": module.num_groups,
-                                  "weight": attr("weight"), "bias": attr("bias"), "eps": module.eps}
     return None
 
 
@@ -615,10 +611,6 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) ->
         input_bias = _take_residual_add(gm, added, cur)
         if input_bias is not None:
             epilogue["input_bias"] = input_bias
-    with graph.inserting_before(node):
-        for name, value in args.items():
-            if isinstance(value, tuple) and value[:1] == ("get_attr",):
-                args[name] = graph.get_attr(value[1])
     params = tuple(args[name] for name in _OP_PARAMS[op])
     with graph.inserting_before(cur):
         if added is None:
@@ -654,6 +646,8 @@ def fuse_graph(gm: fx.GraphModule, leave_to_inductor: bool = False) -> int:
     ``leave_to_inductor``, a chain whose input is an elementwise op that only the norm uses, on
     less than ``INDUCTOR_PROLOGUE_MAX_BYTES`` (8 MiB), is left as it is: Inductor, compiling the
     graph next, computes that op inside its own norm kernels."""
+    # torch.nn module calls (older Dynamo's form) as the functional calls newer Dynamo records.
+    lower_module_calls(gm)
     # Per-frame norms (docs/design.md, "Group norms of frames"): chunks made one norm, and an
     # activation after views of a norm moved before them, for the rules below.
     one_norm_of_frames(gm)
@@ -715,6 +709,7 @@ class FusionBackend:
             self.config_patches = _inductor_config_patches(mode, options)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
+        lower_module_calls(gm)  # (fuse_graph's first step, here for the pass before it)
         if self.leave_to_inductor:  # (before the fusions: a pad after a fused op becomes its kernel's)
             replication_pad_concatenations(gm)
         count = fuse_graph(gm, leave_to_inductor=self.leave_to_inductor)
