@@ -64,7 +64,7 @@ def _grouped(t: Tensor, num_groups: int) -> Tensor:
 
 def _stat_shape(grouped: Tensor) -> Tuple[int, ...]:
     # (N, G) statistics broadcast against a _grouped tensor (N, G, C/G, *).
-    return (grouped.shape[0], -1) + (1,) * (grouped.dim() - 2)
+    return tuple(grouped.shape[:2]) + (1,) * (grouped.dim() - 2)
 
 
 def local_moments(x: Tensor, num_groups: int) -> Tensor:
@@ -267,7 +267,7 @@ def backward_local(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, coun
         return t.to(f64).reshape(-1, C).expand(N, C)
 
     def per_group(t: Tensor) -> Tensor:  # (N, C) -> (N, G): summed over each group's channels
-        return t.reshape(N, G, -1).sum(-1)
+        return t.reshape(N, G, C // G).sum(-1)
 
     def to_channels(t: Tensor) -> Tensor:  # (N, G) -> (N, C)
         return t.repeat_interleave(C // G, dim=1)

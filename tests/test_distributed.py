@@ -207,7 +207,8 @@ def _check_against_whole(results, op, case, tensors, grad_out, dtype):
         else:  # this rank's share: the shares add up to the whole gradient
             got = sum(r[1][name].double() for r in results)
         # Gradients are sums over many elements: scaled tolerance (float64: still 1e-9 relative).
-        assert_close(got, g, dtype, scale=scale * max(1.0, g.double().abs().max().item()), msg=f"grad of {name}")
+        size = g.double().abs().max().item() if g.numel() else 0.0
+        assert_close(got, g, dtype, scale=scale * max(1.0, size), msg=f"grad of {name}")
     if extra is not None:
         for r in results:
             for got, want, name in zip(r[2], extra, ("running_mean", "running_var")):
@@ -320,6 +321,13 @@ def test_group_norm_shards_input_gradient_of_offset_data_whose_shards_differ(poo
     grad_out = ((tensors["input"].double() - 1e5) * sign).float()
     results = pool.run(_task_sharded, "group_norm", case, tensors, grad_out)
     _check_against_whole(results, "group_norm", case, tensors, grad_out, torch.float32)
+
+
+def test_group_norm_shards_of_an_empty_batch(pool):
+    # N = 0: empty outputs and gradients, the statistics' shapes (0, G) throughout.
+    case = dict(shape=[0, 4, 6, 3], num_groups=2, dim=2, sizes=_even_sizes(6, pool.world), activation="silu",
+                eps=1e-5, layout="contiguous", seed=7, present=dict.fromkeys(_OPERANDS, True))
+    _check_case(pool, "group_norm", case, torch.float64)
 
 
 def _task_second_derivative(rank, world, x):
