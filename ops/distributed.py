@@ -327,7 +327,7 @@ def backward_local(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, coun
     if multiplier is not None and output_mask[6]:
         grads[6] = grad_multiplier
     if output_mask[0]:
-        if M > 0:
+        if M > 0 and count is not None:  # (else the shard holds whole groups: the kernel's dx is it)
             # The kernel's dx is rstd * (g - A / M) - rstd^2 * T / M * (x - m_l); the whole
             # tensor's rstd * (g - A' / M') - rstd^2 * T' / M' * (x - c), with A' = sum A,
             # T' = sum T + rstd * (sum m_l * A - c * A') and M' its count. The difference is
