@@ -21,7 +21,6 @@ it).
 
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
 import torch.nn.functional as F
 from torch import fx, nn
 

@@ -101,7 +101,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from ._cat_pads import replication_pad_concatenations
 from ._conv3d_layout import channels_last_3d_convolutions
