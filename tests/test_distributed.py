@@ -330,6 +330,42 @@ def test_group_norm_shards_of_an_empty_batch(pool):
     _check_case(pool, "group_norm", case, torch.float64)
 
 
+def _task_all_gathers(rank, world, x, wanted):
+    # The all-gathers one sharded call makes: forward only, then forward and backward for the
+    # gradients `wanted` ("input", "weight", "bias").
+    a, b = _bounds(_even_sizes(x.shape[2], world), rank)
+    calls = []
+    original = torch.distributed.all_gather
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    torch.distributed.all_gather = counting
+    try:
+        shard = x[:, :, a:b].clone().requires_grad_("input" in wanted)
+        w = torch.ones(x.shape[1], dtype=x.dtype, requires_grad="weight" in wanted)
+        bias = torch.zeros(x.shape[1], dtype=x.dtype, requires_grad="bias" in wanted)
+        with torch.no_grad():
+            fusednorm.distributed.group_norm(shard, 2, w, bias, activation="silu")
+        forward = len(calls)
+        y = fusednorm.distributed.group_norm(shard, 2, w, bias, activation="silu")
+        leaves = [t for name, t in (("input", shard), ("weight", w), ("bias", bias)) if name in wanted]
+        torch.autograd.grad(y.sum(), leaves)
+    finally:
+        torch.distributed.all_gather = original
+    return forward, len(calls) - forward
+
+
+@pytest.mark.parametrize("wanted, backward", [(("input",), 1), (("weight",), 1), (("bias",), 0),
+                                              (("input", "weight", "bias"), 1)])
+def test_sharded_norm_makes_one_all_gather_each_way(pool, wanted, backward):
+    # docs/distributed.md, "Communication": one in the forward; one in the backward, none when
+    # only the bias's gradient is asked.
+    results = pool.run(_task_all_gathers, torch.randn(2, 4, 6, 3, dtype=torch.float64), wanted)
+    assert all(r == (1, 1 + backward) for r in results), results
+
+
 def _task_second_derivative(rank, world, x):
     a, b = _bounds(_even_sizes(x.shape[2], world), rank)
     shard = x[:, :, a:b].clone().requires_grad_()
