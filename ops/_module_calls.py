@@ -8,8 +8,8 @@ group and instance norms, activations, dropouts), so that the rules see one form
 supported torch: on torch 2.1 a convolution's bias became an input_bias, a norm of an
 InstanceNorm module fused, a pad after an eval-mode Dropout module was taken, as on newer torch.
 
-Only a module of one of those classes whose class keeps its ``forward`` (and what that calls),
-called with one positional argument, is rewritten, into the call its ``forward`` makes with the
+Only a module of one of those classes whose class keeps its ``forward`` (and what that calls; the
+norms' and activations' tests are ``convert``'s), called with one positional argument, is rewritten, into the call its ``forward`` makes with the
 module's attributes as they are now; an attribute changed later goes unseen (Dynamo recompiles when a
 module's ``training`` changes, and a frame holding a module call guards on that module). A module's
 parameters and buffers become ``get_attr`` nodes, one per attribute for the whole graph (a module
@@ -25,46 +25,44 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ._fx_nodes import example_value
+from .convert import _keeps, keeps_instance_norm_forward, module_activation
 
 __all__ = ["lower_module_calls"]
 
 _CONVS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
-_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-# What an InstanceNorm module's forward calls: a subclass overriding any of them keeps its call.
-_INSTANCE_NORM_METHODS = ("forward", "_check_input_dim", "_get_no_batch_dim", "_apply_instance_norm")
-_ACTIVATIONS = {nn.SiLU: F.silu, nn.ReLU: F.relu, nn.Mish: F.mish, nn.LeakyReLU: F.leaky_relu, nn.GELU: F.gelu}
+# The activations `convert.module_activation` names whose modules' forwards call F.<name>(x, inplace)
+# (leaky_relu and the GELUs take other arguments, below).
+_ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "mish": F.mish}
 _DROPOUTS = {nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}
-
-
-def _keeps(module: nn.Module, base: type, *names: str) -> bool:
-    """Whether `module` is a `base` whose class inherits base's methods `names` unchanged."""
-    return isinstance(module, base) and all(getattr(type(module), n, None) is getattr(base, n, None) for n in names)
 
 
 def _call(module: nn.Module, x: fx.Node, attr: Callable[[str], Optional[fx.Node]]) -> Optional[Tuple[Callable, tuple, Dict[str, Any]]]:
     """(function, args, kwargs) of the call `module`'s forward makes on input `x`, or None."""
+    cls = type(module)
     for base, conv in _CONVS.items():
-        if _keeps(module, base, "forward", "_conv_forward") and module.padding_mode == "zeros":
+        if isinstance(module, base) and _keeps(cls, base, ("forward", "_conv_forward")) \
+                and module.padding_mode == "zeros":
             return conv, (x, attr("weight"), attr("bias"), module.stride, module.padding, module.dilation,
                           module.groups), {}
-    if _keeps(module, nn.GroupNorm, "forward"):
+    if isinstance(module, nn.GroupNorm) and _keeps(cls, nn.GroupNorm, ("forward",)):
         return F.group_norm, (x, module.num_groups, attr("weight"), attr("bias"), module.eps), {}
-    if any(_keeps(module, base, *_INSTANCE_NORM_METHODS) for base in _INSTANCE_NORMS):
+    if keeps_instance_norm_forward(module):
         source = example_value(x)
         if source is None or module.momentum is None or source.dim() != module._get_no_batch_dim() + 1 \
                 or source.shape[1] != module.num_features:
             return None
         return F.instance_norm, (x, attr("running_mean"), attr("running_var"), attr("weight"), attr("bias"),
                                  module.training or not module.track_running_stats, module.momentum, module.eps), {}
-    for base, function in _ACTIVATIONS.items():
-        if _keeps(module, base, "forward"):
-            if base is nn.LeakyReLU:
-                return function, (x, module.negative_slope, module.inplace), {}
-            if base is nn.GELU:
-                return function, (x,), {"approximate": module.approximate}
-            return function, (x,), {"inplace": module.inplace}
+    activation = module_activation(module)
+    if activation is not None:
+        name, slope = activation
+        if name == "leaky_relu":
+            return F.leaky_relu, (x, slope, module.inplace), {}
+        if name in ("gelu", "gelu_tanh"):
+            return F.gelu, (x,), {"approximate": "tanh" if name == "gelu_tanh" else "none"}
+        return _ACTIVATIONS[name], (x,), {"inplace": module.inplace}
     for base, dropout in _DROPOUTS.items():
-        if _keeps(module, base, "forward"):
+        if isinstance(module, base) and _keeps(cls, base, ("forward",)):
             return dropout, (x, module.p, module.training, module.inplace), {}
     return None
 

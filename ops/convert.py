@@ -214,11 +214,19 @@ def _target_class(module: nn.Module) -> Optional[type]:
         return None
     for torch_cls, fused_cls in _INSTANCE_NORMS:
         if isinstance(module, torch_cls):
-            # fusednorm's forward calls these three; a subclass overriding any of them is left alone.
-            methods = ("forward", "_check_input_dim", "_get_no_batch_dim", "_apply_instance_norm")
-            methods = tuple(m for m in methods if hasattr(torch_cls, m))
-            return fused_cls if _keeps(cls, torch_cls, methods) else None
+            return fused_cls if keeps_instance_norm_forward(module) else None
     return None
+
+
+def keeps_instance_norm_forward(module: nn.Module) -> bool:
+    """Whether `module` is a ``torch.nn.InstanceNorm1d/2d/3d`` whose class keeps torch's
+    ``forward`` and the three methods it calls (fusednorm's forward calls them too): what
+    ``convert`` replaces, and what the fusion backend reads as ``F.instance_norm``."""
+    for torch_cls, _ in _INSTANCE_NORMS:
+        if isinstance(module, torch_cls):
+            methods = ("forward", "_check_input_dim", "_get_no_batch_dim", "_apply_instance_norm")
+            return _keeps(type(module), torch_cls, tuple(m for m in methods if hasattr(torch_cls, m)))
+    return False
 
 
 def _converted(module: nn.Module, cls: type) -> nn.Module:

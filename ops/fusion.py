@@ -108,7 +108,6 @@ from ._conv3d_layout import channels_last_3d_convolutions
 from ._frame_norms import activations_before_views, one_norm_of_frames
 from ._fx_nodes import argument, example_value, is_view_of
 from ._module_calls import lower_module_calls
-from .convert import module_activation
 
 __all__ = ["backend", "dynamo_backend", "fuse_graph", "FusionBackend", "INDUCTOR_PROLOGUE_MAX_BYTES"]
 
@@ -178,7 +177,7 @@ def _is_per_channel(t: Optional[torch.Tensor], ref: torch.Tensor) -> bool:
         and _eq(t.shape[1], ref.shape[1]) and all(_eq(s, 1) for s in t.shape[2:])
 
 
-def _norm(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[str, Dict[str, Any]]]:
+def _norm(node: fx.Node) -> Optional[Tuple[str, Dict[str, Any]]]:
     """(fused op name, its arguments) when `node` computes a plain group/instance norm."""
     if node.op == "call_function" and node.target in _NORMS:
         op, names = _NORMS[node.target]
@@ -188,7 +187,7 @@ def _norm(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[str, Dict[str, An
     return None
 
 
-def _activation(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[fx.Node, Dict[str, Any]]]:
+def _activation(node: fx.Node) -> Optional[Tuple[fx.Node, Dict[str, Any]]]:
     """(input, epilogue arguments) when `node` applies a supported activation."""
     name, slope = None, 0.01
     if node.op == "call_function" and node.target in _ACTIVATIONS:
@@ -201,8 +200,6 @@ def _activation(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[fx.Node, Di
             name = name if isinstance(slope, (int, float)) and not isinstance(slope, bool) else None
     elif node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1:
         name = "relu"
-    elif node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
-        name, slope = module_activation(gm.get_submodule(node.target)) or (None, 0.01)
     if name is None:
         return None
     return argument(node, 0, "input", None), {"activation": name, "negative_slope": float(slope)}
@@ -240,7 +237,7 @@ def _step(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, ref: torch.Tensor):
     out = example_value(node)
     if not _is_full(out, ref):
         return None
-    activation = _activation(gm, node)
+    activation = _activation(node)
     if activation is not None:
         return (_ACT, activation[1], []) if activation[0] is cur else None
     binary = _binary(node)
@@ -555,7 +552,7 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
 
 
 def _fuse(gm: fx.GraphModule, node: fx.Node, leave_to_inductor: bool = False) -> bool:
-    norm = _norm(gm, node)
+    norm = _norm(node)
     ref = example_value(node)
     if norm is None or ref is None or not ref.is_floating_point():
         return False
@@ -709,7 +706,6 @@ class FusionBackend:
             self.config_patches = _inductor_config_patches(mode, options)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
-        lower_module_calls(gm)  # (fuse_graph's first step, here for the pass before it)
         if self.leave_to_inductor:  # (before the fusions: a pad after a fused op becomes its kernel's)
             replication_pad_concatenations(gm)
         count = fuse_graph(gm, leave_to_inductor=self.leave_to_inductor)

@@ -68,7 +68,7 @@ def census(module, inputs):
     def count_left(gm, example_inputs):  # (in Inductor's place)
         left, fused = collections.Counter(), collections.Counter()
         for node in gm.graph.nodes:
-            if fusion._norm(gm, node) is not None:
+            if fusion._norm(node) is not None:
                 value = example_value(node)
                 left[(_op(node.args[0]) if node.args else "?", tuple(_op(u) for u in node.users),
                       tuple(value.shape) if value is not None else None)] += 1
