@@ -126,6 +126,23 @@ def global_statistics(x: Tensor, num_groups: int, eps: float, group) -> Tuple[Te
     return mean.to(stats_dtype), rstd.to(stats_dtype), count
 
 
+def _folded_affine(x: Tensor, weight, bias, scale, shift) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """weight, bias, 1 + scale, and w_eff, b_eff: the affine map and the epilogue's scale and shift
+    as one per-(sample, channel) map, normalize(x) * w_eff + b_eff (epilogue.h), each (N, C)
+    float64 (absent ones as the identity). The local normalize and backward give the kernels
+    w_eff and b_eff in place of weight, bias, scale and shift."""
+    N, C = x.shape[:2]
+
+    def per_sample_channel(t: Optional[Tensor], default: float) -> Tensor:
+        if t is None:
+            return torch.full((N, C), default, dtype=torch.float64, device=x.device)
+        return t.to(torch.float64).reshape(-1, C).expand(N, C)
+
+    w, b = per_sample_channel(weight, 1.0), per_sample_channel(bias, 0.0)
+    s1 = 1 + per_sample_channel(scale, 0.0)
+    return w, b, s1, w * s1, b * s1 + per_sample_channel(shift, 0.0)
+
+
 def sharded_forward(x: Tensor, num_groups: int, eps: float, group, weight=None, bias=None, scale=None, shift=None,
                     residual=None, activation=None, negative_slope=0.01, multiplier=None):
     """This shard's output of the whole-tensor group norm, and the whole tensor's mean, rstd (stats
@@ -143,17 +160,13 @@ def sharded_forward(x: Tensor, num_groups: int, eps: float, group, weight=None, 
         out = forward_local(x, mean_s, rstd_s, num_groups, weight, bias, scale, shift, residual, activation,
                             negative_slope, multiplier)
         return out, mean_s, rstd_s, count
-    N, C = x.shape[:2]
-    per_group = C // num_groups
+    per_group = x.shape[1] // num_groups
     local_rstd = torch.rsqrt(local[2] / local[0] + eps)
     a = (rstd / local_rstd).repeat_interleave(per_group, dim=1)  # (N, C), float64
     b = ((local[1] - mean) * rstd).repeat_interleave(per_group, dim=1)
-    w = weight.double() if weight is not None else 1.0
-    s1 = 1 + scale.double().reshape(N, C) if scale is not None else 1.0
-    folded_scale = a * w * s1 - 1
-    folded_shift = (b * w + (bias.double() if bias is not None else 0.0)) * s1
-    if shift is not None:
-        folded_shift = folded_shift + shift.double().reshape(N, C)
+    w_eff, b_eff = _folded_affine(x, weight, bias, scale, shift)[3:]
+    folded_scale = a * w_eff - 1
+    folded_shift = b * w_eff + b_eff
     out, _, _ = torch.ops.fusednorm.fused_group_norm_forward(
         x, num_groups, None, None, eps, folded_scale.to(stats_dtype), folded_shift.to(stats_dtype),
         _in_dtype(residual, x.dtype), activation if activation is not None else "none", negative_slope,
@@ -261,21 +274,13 @@ def backward_local(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, coun
     G = num_groups
     f64 = torch.float64
 
-    def per_sample_channel(t: Optional[Tensor], default: float) -> Tensor:
-        if t is None:
-            return torch.full((N, C), default, dtype=f64, device=x.device)
-        return t.to(f64).reshape(-1, C).expand(N, C)
-
     def per_group(t: Tensor) -> Tensor:  # (N, C) -> (N, G): summed over each group's channels
         return t.reshape(N, G, C // G).sum(-1)
 
     def to_channels(t: Tensor) -> Tensor:  # (N, G) -> (N, C)
         return t.repeat_interleave(C // G, dim=1)
 
-    w, b = per_sample_channel(weight, 1.0), per_sample_channel(bias, 0.0)
-    s1 = 1 + per_sample_channel(scale, 0.0)
-    w_eff = w * s1  # normalize(x) * w_eff + b_eff is the epilogue's input before the residual
-    b_eff = b * s1 + per_sample_channel(shift, 0.0)
+    w, b, s1, w_eff, b_eff = _folded_affine(x, weight, bias, scale, shift)
     kernel_mask = [bool(output_mask[0]), False, False, True, True, bool(output_mask[5]), bool(output_mask[6])]
     dx, _, _, sum_dp_xc, sum_dp, grad_residual, grad_multiplier = torch.ops.fusednorm.fused_group_norm_backward(
         grad_out, x, mean, rstd, None, None, G, (w_eff - 1).to(cdt), b_eff.to(cdt), _in_dtype(residual, x.dtype),
