@@ -109,12 +109,19 @@ template <typename T, typename F>
 void map_through_buffer(const T* x, T* out, int64_t off, int64_t n, F f, const ElementwiseOperands<T>& ep) {
   using IO = VecIO<T>;
   using acc_t = at::opmath_type<T>;
+  static_assert(kBlock % IO::kSize == 0, "buf holds whole vectors");
   acc_t buf[kBlock];
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
     for (int64_t i = 0; i < len; i += IO::kSize) {
       const int64_t count = std::min<int64_t>(IO::kSize, len - i);
+#if FUSEDNORM_GENERIC_VECTORS
+      // Whole vectors into buf (it holds whole vectors; forward_run reads len values): a store
+      // of a run-time count is a memcpy call there (vec_io.h).
+      f(IO::load(x + start + i, count), typename IO::Vec(0), start + i).store(buf + i);
+#else
       f(IO::load(x + start + i, count), typename IO::Vec(0), start + i).store(buf + i, count);
+#endif
     }
     ep.forward_run(buf, out + start, off + start, len);
   }

@@ -35,6 +35,20 @@ constexpr int64_t kBlock = 4096;
 #define FUSEDNORM_FLATTEN
 #endif
 
+// The portable x86 build: ATen's generic vectors (each operation a loop over the lanes) at -O2
+// (setup.py, PORTABLE_BESIDE_WIDER_FLAGS). GCC left those loops and the row loops' lambdas out of
+// line there, and stored a run-time count of lanes with a memcpy call: its plain backward took
+// 2.3x, its fused ReLU forward 3.5x the time they take with the row loops flattened
+// (FUSEDNORM_PORTABLE_FLATTEN) and whole vectors stored without a count (docs/design.md, "CPU
+// capabilities"). The AVX builds inline all of it at -O3 unasked; their code does not change.
+#if defined(CPU_CAPABILITY_DEFAULT) && (defined(__x86_64__) || defined(__i386__))
+#define FUSEDNORM_GENERIC_VECTORS 1
+#define FUSEDNORM_PORTABLE_FLATTEN FUSEDNORM_FLATTEN
+#else
+#define FUSEDNORM_GENERIC_VECTORS 0
+#define FUSEDNORM_PORTABLE_FLATTEN
+#endif
+
 // A whole float vector's worth of bfloat16 / half values, widened by ATen's vector conversion.
 inline void load_widened(const c10::BFloat16* p, at::vec::Vectorized<float>& out) {
   at::vec::load_fp32_from_bf16(p, out);
@@ -124,7 +138,7 @@ constexpr int kUnroll = 4;
 // one vector's contribution to the K accumulators; lanes past `count` hold zeros. `y` may be null;
 // it is of the input's type or already opmath (a buffer of computed gradients).
 template <int K, typename T, typename Y = T, typename F>
-std::array<double, K> reduce_row(const T* x, const Y* y, int64_t n, F f) {
+FUSEDNORM_PORTABLE_FLATTEN std::array<double, K> reduce_row(const T* x, const Y* y, int64_t n, F f) {
   using IO = VecIO<T>;
   using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
@@ -190,7 +204,7 @@ inline DoubleParts<acc_t> widen_to_double(const at::vec::Vectorized<acc_t>& v) {
 // Applies out[i] = f(x[i], y[i], i) over a contiguous row. bfloat16 / half go two float vectors
 // at a time, so that each store is one whole reduced-precision vector.
 template <typename T, typename Y = T, typename F>
-void map_row(const T* x, const Y* y, T* out, int64_t n, F f) {
+FUSEDNORM_PORTABLE_FLATTEN void map_row(const T* x, const Y* y, T* out, int64_t n, F f) {
   using IO = VecIO<T>;
   using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
