@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .functional import ACTIVATIONS
+from .functional import ACTIVATIONS, torch_activation
 
 __all__ = ["group_norm", "instance_norm", "is_available"]
 
@@ -195,24 +195,6 @@ def _normalized(x: Tensor, mean: Tensor, rstd: Tensor, num_groups: int) -> Tenso
     return ((xg - mean.to(cdt).reshape(_stat_shape(xg))) * rstd.to(cdt).reshape(_stat_shape(xg))).flatten(1, 2)
 
 
-def _activation(z: Tensor, activation: Optional[str], negative_slope: float) -> Tensor:
-    if activation is None or activation == "none":
-        return z
-    if activation == "silu":
-        return F.silu(z)
-    if activation == "gelu":
-        return F.gelu(z)
-    if activation == "gelu_tanh":
-        return F.gelu(z, approximate="tanh")
-    if activation == "relu":
-        return F.relu(z)
-    if activation == "leaky_relu":
-        return F.leaky_relu(z, negative_slope)
-    if activation == "mish":
-        return F.mish(z)
-    raise ValueError(f"Unknown activation '{activation}': expected None or one of " + ", ".join(f"'{a}'" for a in ACTIVATIONS))
-
-
 def _epilogue_chain(xhat: Tensor, x: Tensor, weight, bias, scale, shift, residual, activation, negative_slope):
     """The affine map and the epilogue up to the activation's input, in the compute dtype:
     returns (affine output, activation input)."""
@@ -239,7 +221,7 @@ def forward_local(x: Tensor, mean: Tensor, rstd: Tensor, num_groups: int, weight
     format. sharded_forward's fallback (docs/distributed.md, 'Local normalize')."""
     xhat = _normalized(x, mean, rstd, num_groups)
     _, z = _epilogue_chain(xhat, x, weight, bias, scale, shift, residual, activation, negative_slope)
-    z = _activation(z, activation, negative_slope)
+    z = torch_activation(z, activation, negative_slope)
     if multiplier is not None:
         z = z * multiplier.to(z.dtype)
     return z.to(x.dtype).contiguous(memory_format=_memory_format(x))
@@ -399,7 +381,7 @@ def _check_args(input, num_groups, weight, bias, dim, activation, negative_slope
         raise RuntimeError("Expected number of channels in input to be divisible by num_groups, but got input of "
                            f"shape {tuple(input.shape)} and num_groups={num_groups}")
     if activation is not None and activation not in ACTIVATIONS:
-        _activation(input.new_empty(0), activation, negative_slope)  # raises the ValueError
+        torch_activation(input.new_empty(0), activation, negative_slope)  # raises the ValueError
     d = _check_shard_dim(input, dim)
     if input.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         raise NotImplementedError(f"\"fusednorm::group_norm\" not implemented for '{input.dtype}'")
@@ -466,6 +448,8 @@ def _group_norm_with_stats(input, num_groups, weight, bias, eps, group, activati
     # (output, mean, rstd, count per group) after group_norm's checks.
     if group is None:
         group = torch.distributed.group.WORLD
+    if activation == "swish":  # the composite op's alias; the forward and backward ops take "silu"
+        activation = "silu"
     return _ShardedGroupNorm.apply(input, weight, bias, scale, shift, residual, multiplier, num_groups, eps,
                                    activation, negative_slope, group)
 

@@ -27,6 +27,29 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
 ACTIVATION_NAMES = ("none",) + ACTIVATIONS + ("swish",)
 
 
+def torch_activation(input: Tensor, activation: Optional[str], negative_slope: float = 0.01) -> Tensor:
+    """The epilogue's ``activation`` (None or one of ACTIVATION_NAMES) applied to ``input`` by
+    torch.nn.functional, for the compositions that compute outside fusednorm's kernels what they
+    compute."""
+    fn = torch.nn.functional
+    if activation is None or activation == "none":
+        return input
+    if activation in ("silu", "swish"):
+        return fn.silu(input)
+    if activation == "gelu":
+        return fn.gelu(input)
+    if activation == "gelu_tanh":
+        return fn.gelu(input, approximate="tanh")
+    if activation == "relu":
+        return fn.relu(input)
+    if activation == "leaky_relu":
+        return fn.leaky_relu(input, negative_slope)
+    if activation == "mish":
+        return fn.mish(input)
+    raise ValueError(f"Unknown activation '{activation}': expected None or one of "
+                     + ", ".join(f"'{a}'" for a in ACTIVATION_NAMES))
+
+
 # Argument types, checked as torch.nn.functional's argument parser checks them, with its
 # TypeError and message (the op's own schema parser would raise RuntimeError). Symbolic ints and
 # floats (torch.compile) are ints and floats.

@@ -237,7 +237,7 @@ def _cases(draw, world, op="group_norm"):
     sizes = [bounds[i + 1] - bounds[i] for i in range(world)]
     present = {name: draw(st.booleans()) for name in _OPERANDS}
     return dict(shape=shape, num_groups=G, dim=dim, sizes=sizes, present=present,
-                activation=draw(st.sampled_from([None, "silu", "gelu", "gelu_tanh", "leaky_relu", "mish"])),
+                activation=draw(st.sampled_from([None, "silu", "swish", "gelu", "gelu_tanh", "leaky_relu", "mish"])),
                 eps=draw(st.sampled_from([1e-5, 1e-3])),
                 layout=draw(st.sampled_from(["contiguous", "channels_last"])), seed=draw(st.integers(0, 2**16)))
 
