@@ -10,7 +10,9 @@ What is converted
     (a video's frames group-normalized 8 at a time, then concatenated) becomes
     ``fusednorm.nn.FrameGroupNorm`` (all frames in one call), keeping its ``norm_layer``, when
     that is a ``torch.nn.GroupNorm`` with torch's ``forward`` and no forward or backward hooks
-    (they would see one call instead of one a chunk). Anything else that overrides
+    (they would see one call instead of one a chunk). diffusers' ``AdaGroupNorm`` (a group norm
+    modulated by a time embedding, ``* (1 + scale) + shift``) becomes
+    ``fusednorm.nn.AdaGroupNorm``, keeping its ``linear`` and ``act``. Anything else that overrides
     ``forward`` is left alone, and so are fusednorm's own modules and parametrized modules
     (``torch.nn.utils.parametrize``).
 
@@ -62,7 +64,8 @@ What is folded (the activation becomes the norm's fused ``activation``, its modu
       or as ``v = self.act(v)`` right after ``v = self.norm(...)`` on every path into it (or after
       it and statements viewing ``v`` alone, ``v = v.unflatten(...).permute(...)``), where
       each of those norms is called only so (diffusers' ``ResnetBlock2D`` in autoencoders, where
-      ``nonlinearity`` follows ``norm1`` and ``norm2``, HunyuanVideo's resnet block,
+      ``nonlinearity`` follows ``norm1`` and ``norm2``, its ``ResnetBlockCondNorm2D``, whose
+      ``norm1`` and ``norm2`` are ``AdaGroupNorm`` modules, HunyuanVideo's resnet block,
       EasyAnimate's, whose norms see frames viewed as a batch and viewed back), with the
       same module conditions as above. The proof reads the forward's source
       (``fusednorm._forward_folds`` has the exact rules); branches on the module's configuration
@@ -104,7 +107,8 @@ _INSTANCE_NORMS = (
     (nn.InstanceNorm2d, fnn.InstanceNorm2d),
     (nn.InstanceNorm1d, fnn.InstanceNorm1d),
 )
-_FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d, fnn.FrameGroupNorm)
+_FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d, fnn.FrameGroupNorm,
+          fnn.AdaGroupNorm)
 # diffusers' causal 3-D convolutions, which pad their input by replication in their own forward
 # (HunyuanVideo's and its successors', CogVideoX's in Mochi's pad_mode "replicate", EasyAnimate's,
 # Kandinsky's KVAE video): convert gives them a class whose forward runs inside replication_pads()
@@ -198,6 +202,9 @@ def _target_class(module: nn.Module) -> Optional[type]:
         return None  # a parametrized module's class is made for it (its weight is a property)
     if _mochi_frame_norm(module):
         return fnn.FrameGroupNorm
+    ada = _diffusers_base(module, ("AdaGroupNorm",))
+    if ada is not None:
+        return fnn.AdaGroupNorm if _keeps(type(module), ada, ("forward",)) else None
     pad_conv = _pad_conv_class(module)
     if pad_conv is not None:
         return pad_conv

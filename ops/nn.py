@@ -8,8 +8,10 @@ operands ``scale``, ``shift``, ``residual`` and ``multiplier`` of :func:`fusedno
 as (keyword) arguments of ``forward``. Neither adds parameters or buffers: a module with an
 activation loads a plain torch.nn checkpoint.
 
-``FrameGroupNorm`` has no torch.nn counterpart: the group norm of each frame of a video, as
-diffusers' Mochi VAE computes it (``fusednorm.convert`` puts it in place of that module).
+``FrameGroupNorm`` and ``AdaGroupNorm`` have no torch.nn counterpart: the group norm of each
+frame of a video, as diffusers' Mochi VAE computes it, and a group norm modulated by an embedding,
+as diffusers' ``AdaGroupNorm`` computes it (``fusednorm.convert`` puts each in place of that
+module).
 """
 
 import inspect
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["FrameGroupNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+__all__ = ["AdaGroupNorm", "FrameGroupNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
 
 def _check_activation(activation: Optional[str]) -> Optional[str]:
@@ -181,6 +183,82 @@ class FrameGroupNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return _activation_repr(self.activation, self.negative_slope).lstrip(", ")
+
+
+# diffusers' get_activation: the activations an AdaGroupNorm's act_fn names, by their modules.
+_EMBEDDING_ACTIVATIONS = {"swish": torch.nn.SiLU, "silu": torch.nn.SiLU, "mish": torch.nn.Mish,
+                          "gelu": torch.nn.GELU, "relu": torch.nn.ReLU}
+
+
+class AdaGroupNorm(torch.nn.Module):
+    """Group Normalization modulated by an embedding (AdaGN), computed by fusednorm's fused
+    kernels: what diffusers' ``AdaGroupNorm`` computes, the modulation (and an activation) in the
+    normalization's pass over memory::
+
+        emb = linear(act(emb))                  # (N, 2 * out_dim)
+        scale, shift = emb.chunk(2, dim=1)      # (N, out_dim) each
+        y = group_norm(input, num_groups, eps=eps) * (1 + scale) + shift
+        y = activation(y)                       # the module's fused activation, if any
+
+    :func:`fusednorm.convert` puts it in place of diffusers' module (the same ``linear`` and
+    ``act``, so the same ``state_dict`` keys), where a following activation can then be folded
+    into it (diffusers' ``ResnetBlockCondNorm2D``).
+
+    Args:
+        embedding_dim: size of the embedding.
+        out_dim: number of channels C of the input.
+        num_groups: number of groups to separate the channels into (divides C).
+        act_fn: ``None`` (default) or the embedding's activation, as diffusers names it:
+            ``"silu"`` / ``"swish"``, ``"mish"``, ``"gelu"`` or ``"relu"``.
+        eps: added to the variance for numerical stability (default 1e-5).
+        activation, negative_slope: the output's fused activation, as
+            :class:`fusednorm.nn.GroupNorm`'s (keyword-only).
+        device, dtype: of ``linear``'s parameters (keyword-only).
+
+    Shape:
+        - Input: (N, C, H, W) and the embedding (N, embedding_dim) or (1, embedding_dim), of the
+          input's dtype; channels_last inputs keep their memory format. Other shapes and dtypes
+          take diffusers' composition (``emb[:, :, None, None]`` broadcast against the input, in
+          torch's type promotion), then the activation.
+        - Output: the input's shape.
+
+    Example::
+
+        >>> norm = fusednorm.nn.AdaGroupNorm(1280, 320, 32, activation="silu")
+        >>> y = norm(torch.randn(2, 320, 64, 64), torch.randn(2, 1280))
+    """
+
+    def __init__(self, embedding_dim: int, out_dim: int, num_groups: int, act_fn: Optional[str] = None,
+                 eps: float = 1e-5, *, activation: Optional[str] = None, negative_slope: float = 0.01,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_groups = num_groups
+        self.eps = eps
+        if act_fn is None:
+            self.act = None
+        elif act_fn.lower() in _EMBEDDING_ACTIVATIONS:
+            self.act = _EMBEDDING_ACTIVATIONS[act_fn.lower()]()
+        else:
+            raise ValueError(f"activation function {act_fn} not found in ACT2FN mapping "
+                             f"{list(_EMBEDDING_ACTIVATIONS)}")
+        self.linear = torch.nn.Linear(embedding_dim, out_dim * 2, device=device, dtype=dtype)
+        self.activation = _check_activation(activation)
+        self.negative_slope = negative_slope
+
+    def forward(self, input: Tensor, emb: Tensor) -> Tensor:
+        if self.act is not None:
+            emb = self.act(emb)
+        emb = self.linear(emb)
+        if input.dim() == 4 and emb.dim() == 2 and emb.shape[0] in (1, input.shape[0]) and emb.dtype == input.dtype:
+            scale, shift = emb.expand(input.shape[0], -1).chunk(2, dim=1)
+            return F.group_norm(input, self.num_groups, eps=self.eps, activation=self.activation,
+                                negative_slope=self.negative_slope, scale=scale, shift=shift)
+        scale, shift = emb[:, :, None, None].chunk(2, dim=1)
+        out = torch.nn.functional.group_norm(input, self.num_groups, eps=self.eps) * (1 + scale) + shift
+        return F.torch_activation(out, self.activation, self.negative_slope)
+
+    def extra_repr(self) -> str:
+        return f"num_groups={self.num_groups}, eps={self.eps}" + _activation_repr(self.activation, self.negative_slope)
 
 
 class _InstanceNormMixin:

@@ -12,7 +12,7 @@ from torch import nn
 import fusednorm
 import fusednorm.nn as fnn
 
-FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d)
+FUSED = (fnn.GroupNorm, fnn.InstanceNorm1d, fnn.InstanceNorm2d, fnn.InstanceNorm3d, fnn.AdaGroupNorm)
 
 
 def import_or_skip(name):
@@ -261,6 +261,54 @@ def test_diffusers_autoencoder(device, float32_convolutions):
     # Decode a deterministic latent: the posterior sample would draw random numbers.
     vae = convert_and_check(vae, lambda d: (torch.randn(2, 3, 8, 8, device=d),), device, atol=1e-4, rtol=1e-4)
     assert len(fused_modules(vae)) == n_norms > 0
+
+
+def tiny_k_unet():
+    """A UNet2DConditionModel of diffusers' K blocks (the SD x2 latent upscaler's layout, as
+    diffusers' own tests build it): ResnetBlockCondNorm2D and KAttentionBlock, whose norms are
+    AdaGroupNorm modules modulated by the time embedding."""
+    diffusers = import_or_skip("diffusers")
+    return diffusers.UNet2DConditionModel(
+        act_fn="gelu", attention_head_dim=8, norm_num_groups=None, block_out_channels=(32, 32, 64, 64),
+        time_cond_proj_dim=40, conv_in_kernel=1, conv_out_kernel=1, cross_attention_dim=16,
+        down_block_types=("KDownBlock2D",) + ("KCrossAttnDownBlock2D",) * 3, in_channels=8, mid_block_type=None,
+        out_channels=5, layers_per_block=1, resnet_time_scale_shift="scale_shift", time_embedding_type="fourier",
+        timestep_post_act="gelu", up_block_types=("KCrossAttnUpBlock2D",) * 3 + ("KUpBlock2D",),
+    )
+
+
+def k_unet_inputs(device):
+    return (torch.randn(2, 8, 16, 16, device=device), torch.tensor([10.0, 500.0], device=device),
+            torch.randn(2, 4, 16, device=device), None, torch.randn(2, 40, device=device))
+
+
+def test_diffusers_ada_group_norm(device, float32_convolutions, caplog):
+    import logging
+
+    torch.manual_seed(0)
+    unet = tiny_k_unet()
+    ada = type(unet.down_blocks[0].resnets[0].norm1)
+    n_norms = sum(type(m) is ada for m in unet.modules())
+    with caplog.at_level(logging.INFO, logger="fusednorm"):
+        unet = convert_and_check(unet, k_unet_inputs, device, atol=1e-4, rtol=1e-4)
+    assert f"replaced {n_norms} module(s): {n_norms} AdaGroupNorm -> fusednorm.nn.AdaGroupNorm;" in caplog.text
+    assert n_norms == sum(type(m) is fnn.AdaGroupNorm for m in unet.modules()) > 0
+    # ResnetBlockCondNorm2D's nonlinearity follows its two norms and nothing else: folded into both.
+    resnets = [m for m in unet.modules() if type(m).__name__ == "ResnetBlockCondNorm2D"]
+    assert resnets and all(r.norm1.activation == r.norm2.activation == "gelu" and type(r.nonlinearity) is nn.Identity
+                           for r in resnets)
+
+
+def test_diffusers_ada_group_norm_left_alone(device):
+    normalization = import_or_skip("diffusers.models.normalization")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.overriding = type("Other", (normalization.AdaGroupNorm,), {"forward": lambda self, x, emb: x})(6, 8, 2)
+    model.kept = type("Kept", (normalization.AdaGroupNorm,), {})(6, 8, 2)
+    model.rejected = normalization.AdaGroupNorm(6, 8, 2)
+    fusednorm.convert(model, filter_fn=lambda name, m: name != "rejected")
+    assert type(model.overriding).__name__ == "Other" and type(model.kept) is fnn.AdaGroupNorm
+    assert type(model.rejected) is normalization.AdaGroupNorm
 
 
 class MochiBlock(nn.Module):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import fusednorm
 import fusednorm.nn as fnn
-from reference import _f64, activation_reference, assert_close, group_norm_reference
+from reference import _f64, activation_reference, assert_close, assert_compiles_like_eager, group_norm_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
 
@@ -728,3 +728,108 @@ def test_frame_group_norm_module(device):
         norm(torch.randn(2, 6, 3, 5, device=device))
     with pytest.raises(ValueError, match="Unknown activation"):
         fnn.FrameGroupNorm(2, 4, activation="tanh")
+
+
+# -- AdaGroupNorm -------------------------------------------------------------------------------
+
+
+def ada_group_norm_reference(x, emb, num_groups, linear_weight, linear_bias, eps, embedding_activation, activation):
+    """diffusers' AdaGroupNorm written from its definition in float64: the embedding through its
+    activation and the linear map, split into scale and shift, modulating the plain group norm."""
+    e = activation_reference(emb, embedding_activation, 0.01) @ linear_weight.t() + linear_bias
+    scale, shift = e.chunk(2, dim=1)
+    y = group_norm_reference(x, num_groups, None, None, eps)
+    y = y * (1 + scale[:, :, None, None]) + shift[:, :, None, None]
+    return activation_reference(y, activation, 0.01)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_groups=st.integers(1, 3), per_group=st.integers(1, 3), N=st.integers(1, 3),
+       H=st.integers(1, 5), W=st.integers(1, 5), embedding_dim=st.integers(1, 6),
+       act_fn=st.sampled_from([None, "silu", "gelu", "relu"]), activation=st.sampled_from([None, "silu", "gelu"]),
+       one_embedding=st.booleans(), channels_last=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_ada_group_norm_matches_reference(num_groups, per_group, N, H, W, embedding_dim, act_fn, activation,
+                                          one_embedding, channels_last, seed, device):
+    C = num_groups * per_group
+    assume(per_group * H * W > 1)
+    torch.manual_seed(seed)
+    norm = fnn.AdaGroupNorm(embedding_dim, C, num_groups, act_fn, eps=1e-3, activation=activation).to(device)
+    x = random_input((N, C, H, W), seed, device, requires_grad=False)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    emb = torch.randn(1 if one_embedding else N, embedding_dim, device=device, requires_grad=True)
+    y = norm(x, emb)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if channels_last:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    w, b = norm.linear.weight, norm.linear.bias
+    args = (num_groups, _f64(w), _f64(b), 1e-3, act_fn, activation)
+    x64, e64 = _f64(x), _f64(emb)
+    ref = ada_group_norm_reference(x64, e64, *args)
+    assert_close(y, ref, torch.float32, scale=4)
+    # Gradients of the input, the embedding and the linear map against the reference's.
+    grad = torch.randn(y.shape, dtype=torch.float64)
+    want = torch.autograd.grad(ref, [x64, e64, args[1], args[2]], grad)
+    got = torch.autograd.grad(y, [x, emb, w, b], grad.to(device, torch.float32))
+    for g, r in zip(got, want):
+        assert_close(g, r, torch.float32, scale=10 * (1 + r.abs().max().item()))
+
+
+def test_ada_group_norm_takes_diffusers_composition_elsewhere(device):
+    """Other ranks, and an embedding of another dtype than the input, get diffusers' composition
+    (emb[:, :, None, None] broadcast, torch's type promotion), then the activation."""
+    torch.manual_seed(0)
+    norm = fnn.AdaGroupNorm(6, 4, 2, "silu", activation="gelu", device=device)
+
+    def composition(x, emb):
+        e = norm.linear(F.silu(emb))[:, :, None, None]
+        scale, shift = e.chunk(2, dim=1)
+        return F.gelu(F.group_norm(x, 2, eps=1e-5) * (1 + scale) + shift)
+
+    x64 = torch.randn(2, 4, 3, 5, device=device, dtype=torch.float64)
+    emb = torch.randn(2, 6, device=device)
+    y = norm(x64, emb)  # float64 input, float32 embedding: promoted as diffusers' module promotes
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, composition(x64, emb), atol=0, rtol=0)
+    # A video, an embedding of another batch, one without a batch: diffusers' error.
+    for x, e in ((torch.randn(2, 4, 2, 3, 5, device=device), emb), (torch.randn(3, 4, 3, 5, device=device), emb),
+                 (torch.randn(8, 4, 3, 5, device=device), emb[0])):  # linear(emb[0]): 8 values
+        with pytest.raises((RuntimeError, IndexError)) as want:
+            composition(x, e)
+        with pytest.raises(type(want.value), match=re.escape(str(want.value))):
+            norm(x, e)
+    # One embedding for two samples is broadcast, as diffusers' composition does.
+    x = torch.randn(2, 4, 3, 5, device=device)
+    torch.testing.assert_close(norm(x, emb[:1]), composition(x, emb[:1]))
+
+
+def test_ada_group_norm_module(device):
+    norm = fnn.AdaGroupNorm(6, 4, 2, act_fn="swish", eps=1e-6, activation="silu", device=device)
+    assert list(norm.state_dict()) == ["linear.weight", "linear.bias"]
+    assert norm.linear.weight.shape == (8, 6) and norm.linear.weight.device.type == device
+    assert type(norm.act) is torch.nn.SiLU and fnn.AdaGroupNorm(6, 4, 2).act is None
+    assert repr(norm).startswith("AdaGroupNorm(\n  num_groups=2, eps=1e-06, activation='silu'\n  (act): SiLU()")
+    with pytest.raises(ValueError, match="activation function tanh not found"):
+        fnn.AdaGroupNorm(6, 4, 2, act_fn="tanh")
+    with pytest.raises(ValueError, match="Unknown activation"):
+        fnn.AdaGroupNorm(6, 4, 2, activation="tanh")
+    # A group count that does not divide the channels raises what F.group_norm raises.
+    x, emb = torch.randn(2, 6, 3, 3, device=device), torch.randn(2, 6, device=device)
+    with pytest.raises(RuntimeError, match="Expected number of channels in input to be divisible by num_groups"):
+        fnn.AdaGroupNorm(6, 6, 4, device=device)(x, emb)
+    # One fused graph under torch.compile, dynamic shapes, forward and backward.
+    inputs = lambda shape: (torch.randn(shape, device=device, requires_grad=True),
+                            torch.randn(shape[0], 6, device=device, requires_grad=True))
+    assert_compiles_like_eager(fnn.AdaGroupNorm(6, 8, 2, "silu", activation="silu").to(device), inputs)
+
+
+def test_ada_group_norm_matches_diffusers(device):
+    diffusers_norm = pytest.importorskip("diffusers.models.normalization").AdaGroupNorm
+    torch.manual_seed(0)
+    theirs = diffusers_norm(6, 8, 4, act_fn="silu", eps=1e-6).to(device, torch.float64)
+    ours = fnn.AdaGroupNorm(6, 8, 4, act_fn="silu", eps=1e-6).to(device, torch.float64)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 8, 5, 4, device=device, dtype=torch.float64)
+    emb = torch.randn(3, 6, device=device, dtype=torch.float64)
+    torch.testing.assert_close(ours(x, emb), theirs(x, emb), atol=1e-12, rtol=1e-12)
