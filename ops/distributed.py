@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .functional import ACTIVATIONS, torch_activation
+from .functional import check_activation, torch_activation
 
 __all__ = ["group_norm", "instance_norm", "is_available"]
 
@@ -380,8 +380,7 @@ def _check_args(input, num_groups, weight, bias, dim, activation, negative_slope
     if input.shape[1] % num_groups != 0:
         raise RuntimeError("Expected number of channels in input to be divisible by num_groups, but got input of "
                            f"shape {tuple(input.shape)} and num_groups={num_groups}")
-    if activation is not None and activation not in ACTIVATIONS:
-        torch_activation(input.new_empty(0), activation, negative_slope)  # raises the ValueError
+    check_activation(activation)
     d = _check_shard_dim(input, dim)
     if input.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         raise NotImplementedError(f"\"fusednorm::group_norm\" not implemented for '{input.dtype}'")

@@ -27,27 +27,38 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "mish")
 ACTIVATION_NAMES = ("none",) + ACTIVATIONS + ("swish",)
 
 
+def check_activation(activation: Optional[str]) -> Optional[str]:
+    """The activation a module keeps: what the functions accept (else their TypeError or ValueError),
+    "none" kept as None."""
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"activation must be None or a str, not {type(activation).__name__}")
+    if activation is not None and activation not in ACTIVATION_NAMES:
+        raise ValueError(
+            f"Unknown activation '{activation}': expected None or one of "
+            + ", ".join(f"'{a}'" for a in ACTIVATION_NAMES)
+        )
+    return None if activation == "none" else activation
+
+
 def torch_activation(input: Tensor, activation: Optional[str], negative_slope: float = 0.01) -> Tensor:
     """The epilogue's ``activation`` (None or one of ACTIVATION_NAMES) applied to ``input`` by
     torch.nn.functional, for the compositions that compute outside fusednorm's kernels what they
-    compute."""
-    fn = torch.nn.functional
+    compute. TorchScript compiles it (fusednorm.nn.AdaGroupNorm calls it)."""
     if activation is None or activation == "none":
         return input
-    if activation in ("silu", "swish"):
-        return fn.silu(input)
+    if activation == "silu" or activation == "swish":
+        return torch.nn.functional.silu(input)
     if activation == "gelu":
-        return fn.gelu(input)
+        return torch.nn.functional.gelu(input)
     if activation == "gelu_tanh":
-        return fn.gelu(input, approximate="tanh")
+        return torch.nn.functional.gelu(input, approximate="tanh")
     if activation == "relu":
-        return fn.relu(input)
+        return torch.nn.functional.relu(input)
     if activation == "leaky_relu":
-        return fn.leaky_relu(input, negative_slope)
+        return torch.nn.functional.leaky_relu(input, negative_slope)
     if activation == "mish":
-        return fn.mish(input)
-    raise ValueError(f"Unknown activation '{activation}': expected None or one of "
-                     + ", ".join(f"'{a}'" for a in ACTIVATION_NAMES))
+        return torch.nn.functional.mish(input)
+    raise ValueError(f"Unknown activation '{activation}'")  # (callers check names: check_activation)
 
 
 # Argument types, checked as torch.nn.functional's argument parser checks them, with its

@@ -26,18 +26,6 @@ from . import functional as F
 __all__ = ["AdaGroupNorm", "FrameGroupNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
 
-def _check_activation(activation: Optional[str]) -> Optional[str]:
-    """The activation the module keeps: what the functions accept, "none" kept as None."""
-    if activation is not None and not isinstance(activation, str):
-        raise TypeError(f"activation must be None or a str, not {type(activation).__name__}")
-    if activation is not None and activation not in F.ACTIVATION_NAMES:
-        raise ValueError(
-            f"Unknown activation '{activation}': expected None or one of "
-            + ", ".join(f"'{a}'" for a in F.ACTIVATION_NAMES)
-        )
-    return None if activation == "none" else activation
-
-
 def _activation_repr(activation: Optional[str], negative_slope: float) -> str:
     if activation is None:
         return ""
@@ -52,7 +40,7 @@ def _init_with_activation(torch_cls):
 
     def __init__(self, *args, activation: Optional[str] = None, negative_slope: float = 0.01, **kwargs) -> None:
         torch_cls.__init__(self, *args, **kwargs)
-        self.activation = _check_activation(activation)
+        self.activation = F.check_activation(activation)
         self.negative_slope = negative_slope
 
     sig = inspect.signature(torch_cls.__init__)
@@ -170,7 +158,7 @@ class FrameGroupNorm(torch.nn.Module):
                  device=None, dtype=None, *, activation: Optional[str] = None, negative_slope: float = 0.01) -> None:
         super().__init__()
         self.norm_layer = torch.nn.GroupNorm(num_groups, num_channels, eps, affine, device=device, dtype=dtype)
-        self.activation = _check_activation(activation)
+        self.activation = F.check_activation(activation)
         self.negative_slope = negative_slope
 
     def forward(self, input: Tensor) -> Tensor:
@@ -242,14 +230,15 @@ class AdaGroupNorm(torch.nn.Module):
             raise ValueError(f"activation function {act_fn} not found in ACT2FN mapping "
                              f"{list(_EMBEDDING_ACTIVATIONS)}")
         self.linear = torch.nn.Linear(embedding_dim, out_dim * 2, device=device, dtype=dtype)
-        self.activation = _check_activation(activation)
+        self.activation = F.check_activation(activation)
         self.negative_slope = negative_slope
 
     def forward(self, input: Tensor, emb: Tensor) -> Tensor:
         if self.act is not None:
             emb = self.act(emb)
         emb = self.linear(emb)
-        if input.dim() == 4 and emb.dim() == 2 and emb.shape[0] in (1, input.shape[0]) and emb.dtype == input.dtype:
+        if (input.dim() == 4 and emb.dim() == 2 and (emb.shape[0] == 1 or emb.shape[0] == input.shape[0])
+                and emb.dtype == input.dtype):
             scale, shift = emb.expand(input.shape[0], -1).chunk(2, dim=1)
             return F.group_norm(input, self.num_groups, eps=self.eps, activation=self.activation,
                                 negative_slope=self.negative_slope, scale=scale, shift=shift)

@@ -818,6 +818,11 @@ def test_ada_group_norm_module(device):
     x, emb = torch.randn(2, 6, 3, 3, device=device), torch.randn(2, 6, device=device)
     with pytest.raises(RuntimeError, match="Expected number of channels in input to be divisible by num_groups"):
         fnn.AdaGroupNorm(6, 6, 4, device=device)(x, emb)
+    # TorchScript compiles it, both paths (a float64 input with a float32 embedding: the composition).
+    x, emb = torch.randn(2, 4, 3, 3, device=device), torch.randn(2, 6, device=device)
+    scripted = torch.jit.script(norm)
+    for a, e in ((x, emb), (x, emb[:1]), (x.double(), emb)):
+        torch.testing.assert_close(scripted(a, e), norm(a, e), atol=0, rtol=0)
     # One fused graph under torch.compile, dynamic shapes, forward and backward.
     inputs = lambda shape: (torch.randn(shape, device=device, requires_grad=True),
                             torch.randn(shape[0], 6, device=device, requires_grad=True))
