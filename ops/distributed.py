@@ -24,7 +24,6 @@ in ``fusednorm._dtensor``.
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
