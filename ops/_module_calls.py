@@ -8,15 +8,15 @@ group and instance norms, activations, dropouts), so that the rules see one form
 supported torch: on torch 2.1 a convolution's bias became an input_bias, a norm of an
 InstanceNorm module fused, a pad after an eval-mode Dropout module was taken, as on newer torch.
 
-Only a module of one of those classes whose class keeps its ``forward`` (and what that calls; the
-norms' and activations' tests are ``convert``'s), called with one positional argument, is rewritten, into the call its ``forward`` makes with the
-module's attributes as they are now; an attribute changed later goes unseen (Dynamo recompiles when a
-module's ``training`` changes, and a frame holding a module call guards on that module). A module's
-parameters and buffers become ``get_attr`` nodes, one per attribute for the whole graph (a module
-called several times hands each call the same nodes, as Mochi's per-chunk norms need), with the
-tensor itself as their example value. An InstanceNorm module keeps its call unless its input is
-batched and has ``num_features`` channels (its own checks, warning and unbatched inputs stay with
-it).
+Only a module of one of those classes whose class keeps its ``forward`` (and what that calls;
+the norms' and activations' tests are ``convert``'s), called with one positional argument, is
+rewritten, into the call its ``forward`` makes with the module's attributes as they are now; an
+attribute changed later goes unseen (Dynamo recompiles when a module's ``training`` changes, and a
+frame holding a module call guards on that module). A module's parameters and buffers become
+``get_attr`` nodes, one per attribute for the whole graph (a module called several times hands
+each call the same nodes, as Mochi's per-chunk norms need), with the tensor itself as their
+example value. An InstanceNorm module keeps its call unless its input is batched and has
+``num_features`` channels (its own checks, warning and unbatched inputs stay with it).
 """
 
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -36,7 +36,8 @@ _ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "mish": F.mish}
 _DROPOUTS = {nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}
 
 
-def _call(module: nn.Module, x: fx.Node, attr: Callable[[str], Optional[fx.Node]]) -> Optional[Tuple[Callable, tuple, Dict[str, Any]]]:
+def _call(module: nn.Module, x: fx.Node,
+          attr: Callable[[str], Optional[fx.Node]]) -> Optional[Tuple[Callable, tuple, Dict[str, Any]]]:
     """(function, args, kwargs) of the call `module`'s forward makes on input `x`, or None."""
     cls = type(module)
     for base, conv in _CONVS.items():
