@@ -104,6 +104,18 @@ def test_every_combination(activation, layout, dtype, device):
             check_fused((2, 6, 5, 3), 3, dtype, layout, list(names), activation, device)
 
 
+# Channels-last rows of fewer channels than a vector holds (or not a whole number of vectors) are
+# mapped several rows at a time on the CPU (csrc/cpu/kernels/channels_last.h, rows_per_run): whole
+# runs of rows and a last, shorter one (117 rows a sample), with and without every operand.
+@pytest.mark.parametrize("channels,groups", [(3, 1), (5, 5), (24, 8), (40, 5)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_short_channels_last_rows(channels, groups, dtype, activation, device):
+    torch.manual_seed(channels)
+    for names in ([], OPERANDS):
+        check_fused((2, channels, 9, 13), groups, dtype, "channels_last", names, activation, device)
+
+
 @given(case=group_norm_cases(max_numel=20_000), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(LAYOUTS),
        names=st.lists(st.sampled_from(OPERANDS), unique=True), activation=st.sampled_from(ACTIVATIONS),
        affine=st.booleans(), per_sample_shape=st.sampled_from(["flat", "broadcast"]),

@@ -79,11 +79,13 @@ void for_each_dp_chunk(const ElementwiseOperands<T>& ep, const T* dy, const T* x
     dp = buf.data();
   }
   if (write || cache == nullptr) {
-    for (int64_t r = r0; r < r1; ++r) {
+    // Runs of rows where rows are short (rows_per_run): the same values, fewer partial vectors.
+    const int64_t run = rows_per_run(C, VecIO<T>::kSize);
+    const RowRunCoeffs<acc_t, 3> co({&k.mean[n * C], &k.a[n * C], &k.pc[n * C]}, C, run);
+    for_row_runs(r0, r1, run, [&](int64_t r, int64_t count) {
       const int64_t o = base + r * C;
-      ep.template backward_run<true>(dy + o, x + o, o, C, &k.mean[n * C], &k.a[n * C], &k.pc[n * C],
-          dp + (r - r0) * C, write);
-    }
+      ep.template backward_run<true>(dy + o, x + o, o, count * C, co[0], co[1], co[2], dp + (r - r0) * C, write);
+    });
   }
   body(static_cast<const acc_t*>(dp), x + first, r1 - r0);
 }
@@ -117,16 +119,18 @@ void chunk_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
   const int64_t C = sh.C, first = (n * sh.S + r0) * C;
   for_each_dp_chunk(ep, dy, x, n * sh.S * C, r0, r1, C, k, n, /*write=*/false, buf,
       [&](const auto* dp, const T* xr, int64_t rows) {
-        for (int64_t r = 0; r < rows; ++r) {
-          map_row(xr + r * C, dp + r * C, dx + first + r * C, C,
-              [&](const Vec& xv, const Vec& dpv, int64_t c0) {
-                const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
-                const int64_t nc = n * C + c0;
-                return at::vec::fmadd(Vec::loadu(&k.a[nc], count), dpv,
-                    at::vec::fmadd(Vec::loadu(&k.b[nc], count), xv - Vec::loadu(&k.mean[nc], count),
-                        Vec::loadu(&k.e[nc], count)));
-              });
-        }
+        // Runs of rows where rows are short (rows_per_run): the same values, fewer partial vectors.
+        const int64_t run = rows_per_run(C, Vec::size());
+        const RowRunCoeffs<at::opmath_type<T>, 4> co({&k.a[n * C], &k.b[n * C], &k.mean[n * C], &k.e[n * C]}, C, run);
+        for_row_runs(0, rows, run, [&](int64_t r, int64_t count) {
+          const int64_t len = count * C;
+          map_row(xr + r * C, dp + r * C, dx + first + r * C, len, [&](const Vec& xv, const Vec& dpv, int64_t c0) {
+            const int64_t lanes = std::min<int64_t>(Vec::size(), len - c0);
+            return at::vec::fmadd(Vec::loadu(co[0] + c0, lanes), dpv,
+                at::vec::fmadd(Vec::loadu(co[1] + c0, lanes), xv - Vec::loadu(co[2] + c0, lanes),
+                    Vec::loadu(co[3] + c0, lanes)));
+          });
+        });
       },
       cache, cache_origin);
 }

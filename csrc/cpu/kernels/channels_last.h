@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <numeric>
+#include <vector>
 
 #include "cpu/kernels/parallel_grain.h"
 #include "cpu/kernels/vec_io.h"
@@ -82,6 +84,50 @@ void reduce_channels(const T* x, const Y* y, int64_t r0, int64_t r1, int64_t C, 
       }
     });
   }
+}
+
+// Rows taken at a time by the channels-last element passes (the forward's output map, the
+// backward's dp and dx): a row of C channels that is not a whole number of vectors ends in a
+// partial vector, a masked load and store and a run of the epilogue's loop for a few elements,
+// once per row: at C = 3 those passes took 10-30x their channels-first time (docs/design.md,
+// "CPU kernels"). rows_per_run(C) rows are one run of elements, with the per-channel
+// coefficients repeated as many times (RowRunCoeffs), so that every vector but the run's last is
+// whole; each element is computed as before, so the results keep their bits. 1 where C is a
+// whole number of vectors, or spans kChannelVecs of them: there a run of one row loses nothing.
+inline int64_t rows_per_run(int64_t C, int64_t vector_size) {
+  if (C % vector_size == 0 || C >= kChannelVecs * vector_size) return 1;
+  // The fewest rows whose elements are whole vectors, doubled up to kChannelVecs vectors or more.
+  int64_t rows = vector_size / std::gcd(C, vector_size);
+  while (rows * C < kChannelVecs * vector_size) rows *= 2;
+  return rows;
+}
+
+// Per-channel coefficient arrays of one sample (C values each) for runs of up to `rows` rows
+// starting at a row: the arrays themselves for runs of one row, else each repeated `rows` times.
+template <typename acc_t, int K>
+class RowRunCoeffs {
+ public:
+  RowRunCoeffs(const std::array<const acc_t*, K>& per_channel, int64_t C, int64_t rows) : ptr_(per_channel) {
+    if (rows == 1) return;
+    repeated_.resize(K * rows * C);
+    for (int k = 0; k < K; ++k) {
+      acc_t* out = repeated_.data() + k * rows * C;
+      for (int64_t r = 0; r < rows; ++r) std::copy_n(per_channel[k], C, out + r * C);
+      ptr_[k] = out;
+    }
+  }
+  // Coefficient array k, indexed by the element's position in its run.
+  const acc_t* operator[](int k) const { return ptr_[k]; }
+
+ private:
+  std::array<const acc_t*, K> ptr_;
+  std::vector<acc_t> repeated_;
+};
+
+// Calls body(r, rows) over rows [r0, r1) in runs of at most `run` rows.
+template <typename F>
+void for_row_runs(int64_t r0, int64_t r1, int64_t run, F body) {
+  for (int64_t r = r0; r < r1; r += run) body(r, std::min(run, r1 - r));
 }
 
 inline int64_t num_chunks(const GroupNormShape& sh) {

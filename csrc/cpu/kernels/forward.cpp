@@ -369,8 +369,12 @@ void forward_channels_last(
   const int64_t C = sh.C, chunks = num_chunks(sh);
 
   std::vector<Moments> partial(sh.N * chunks * sh.G);
+  // The output map takes `run` rows at a time (rows_per_run), its per-channel coefficients
+  // repeated as many times: run_len values a sample. Its coefficients' lanes are counted against
+  // a whole run (a last, shorter run loads some it does not store), one constant as C was.
+  const int64_t run = rows_per_run(C, Vec::size()), run_len = run * C;
   // (Every element written by sample_coefficients before it is read: not zeroed, see UninitVector.)
-  UninitVector<acc_t> mean_hi(sh.N * C), scale(sh.N * C), shift(sh.N * C);
+  UninitVector<acc_t> mean_hi(sh.N * run_len), scale(sh.N * run_len), shift(sh.N * run_len);
   // Samples whose map folds into y = x * scale + shift (mean_hi unused), see output_chunk.
   std::vector<char> folded(sh.N, 0);
 
@@ -387,48 +391,53 @@ void forward_channels_last(
       rstd_out[ng] = static_cast<acc_t>(rstd);
       const SplitMean<acc_t> m(stats.mean);
       for (int64_t c = g * sh.D; c < (g + 1) * sh.D; ++c) {
-        const int64_t nc = n * C + c;
+        const int64_t nc = n * C + c, i = n * run_len + c;
         const acc_t gain = mod.gain_at(nc);
-        mean_hi[nc] = m.hi;
-        scale[nc] = static_cast<acc_t>(rstd) * w[c] * gain;
-        shift[nc] = folded_shift(b[c], gain, mod.shift_at(nc), m.lo, scale[nc]);
-        fold = fold && std::abs(m.hi * rstd) <= kFoldMaxOffset && std::isfinite(scale[nc]) && std::isfinite(shift[nc]);
+        mean_hi[i] = m.hi;
+        scale[i] = static_cast<acc_t>(rstd) * w[c] * gain;
+        shift[i] = folded_shift(b[c], gain, mod.shift_at(nc), m.lo, scale[i]);
+        fold = fold && std::abs(m.hi * rstd) <= kFoldMaxOffset && std::isfinite(scale[i]) && std::isfinite(shift[i]);
       }
     }
+    const int64_t first = n * run_len;
     if (fold) {
-      for (int64_t nc = n * C; nc < (n + 1) * C; ++nc) {
-        shift[nc] = static_cast<acc_t>(shift[nc] - static_cast<double>(mean_hi[nc]) * scale[nc]);
+      for (int64_t i = first; i < first + C; ++i) {
+        shift[i] = static_cast<acc_t>(shift[i] - static_cast<double>(mean_hi[i]) * scale[i]);
       }
+    }
+    for (auto* a : {&mean_hi, &scale, &shift}) {
+      for (int64_t r = 1; r < run; ++r) std::copy_n(a->data() + first, C, a->data() + first + r * C);
     }
     folded[n] = fold;
   };
 
   // y = (x - hi) * scale + (bias - lo * scale) over rows [r0, r1) of sample n, see SplitMean,
-  // row by row: the loads and stores run along memory, the coefficients (12 bytes a channel) come
-  // from L1. (Blocks of channels down the rows with the coefficients in registers, as the moments
-  // take them, made strided loads and stores: 1.5x ATen's time on (8, 320, 32, 32).)
+  // row by row (short rows a run of them at a time: rows_per_run): the loads and stores run along
+  // memory, the coefficients (12 bytes a channel) come from L1. (Blocks of channels down the rows
+  // with the coefficients in registers, as the moments take them, made strided loads and stores:
+  // 1.5x ATen's time on (8, 320, 32, 32).)
   auto output_chunk = [&](int64_t n, int64_t r0, int64_t r1) {
-    const acc_t* hi = mean_hi.data() + n * C;
-    const acc_t* sc = scale.data() + n * C;
-    const acc_t* sf = shift.data() + n * C;
+    const acc_t* hi = mean_hi.data() + n * run_len;
+    const acc_t* sc = scale.data() + n * run_len;
+    const acc_t* sf = shift.data() + n * run_len;
     auto rows = [&](auto affine) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t off = (n * sh.S + r) * C;
+      for (int64_t r = r0; r < r1; r += run) {
+        const int64_t off = (n * sh.S + r) * C, len = std::min(run, r1 - r) * C;
         if (!ep.active()) {
-          map_row(x + off, static_cast<const T*>(nullptr), y + off, C, affine);
+          map_row(x + off, static_cast<const T*>(nullptr), y + off, len, affine);
         } else {
-          map_through_buffer(x + off, y + off, off, C, affine, ep);
+          map_through_buffer(x + off, y + off, off, len, affine, ep);
         }
       }
     };
     if (folded[n]) {
       rows([&](const Vec& xv, const Vec&, int64_t c0) {
-        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+        const int64_t count = std::min<int64_t>(Vec::size(), run_len - c0);
         return at::vec::fmadd(xv, Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
       });
     } else {
       rows([&](const Vec& xv, const Vec&, int64_t c0) {
-        const int64_t count = std::min<int64_t>(Vec::size(), C - c0);
+        const int64_t count = std::min<int64_t>(Vec::size(), run_len - c0);
         return at::vec::fmadd(xv - Vec::loadu(hi + c0, count), Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
       });
     }
