@@ -64,10 +64,28 @@ inline void load_widened(const c10::Half* p, at::vec::Vectorized<float>& lo, at:
   at::vec::load_fp32_from_fp16(p, lo, hi);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The first `count` (< 16) values widened to float, zeros past them: a masked load (AVX512BW) and
+// ATen's conversion of a whole vector. The element loop through a buffer that the other builds
+// take made a 49-element row's tail cost about as much as its three whole vectors: the
+// (64,64,7,7) bfloat16 forward took 1.4x eager's time (docs/design.md, "CPU kernels").
+inline at::vec::Vectorized<float> load_widened_partial(const c10::BFloat16* p, int64_t count) {
+  __m512 out;
+  at::vec::cvtbf16_fp32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), p), out);
+  return out;
+}
+inline at::vec::Vectorized<float> load_widened_partial(const c10::Half* p, int64_t count) {
+  __m512 out;
+  at::vec::cvtfp16_fp32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), p), out);
+  return out;
+}
+#endif
+
 // Loads and stores between T and vectors of opmath_type<T>. bfloat16 and half convert a whole
 // vector at a time with ATen's conversions (round to nearest even, as c10's scalar conversion);
 // converting element by element through a buffer made the bfloat16 channels-last forward 3-4x
-// ATen's time. Partial vectors (row tails) keep the element loop.
+// ATen's time. Partial vectors (row tails) are a masked load or store of a whole vector's
+// conversion under AVX512 (load_widened_partial), an element loop elsewhere.
 template <typename T>
 struct VecIO {
   using acc_t = at::opmath_type<T>;
@@ -83,9 +101,13 @@ struct VecIO {
         load_widened(p, v);
         return v;
       }
+#if defined(CPU_CAPABILITY_AVX512)
+      return load_widened_partial(p, count);
+#else
       acc_t buf[kSize] = {};
       for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<acc_t>(p[i]);
       return Vec::loadu(buf);
+#endif
     }
   }
 
@@ -96,9 +118,15 @@ struct VecIO {
       // Both halves of the reduced vector hold v; its first kSize values are stored.
       at::vec::convert_from_float<T>(v, v).store(p, kSize);
     } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      // A masked store of the whole vector's conversion (AVX512BW), as load_widened_partial: the
+      // same rounding as the element loop's, and a NaN gets the whole vectors' NaN.
+      at::vec::convert_from_float<T>(v, v).store(p, count);
+#else
       acc_t buf[kSize];
       v.store(buf);
       for (int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(buf[i]);
+#endif
     }
   }
 
