@@ -116,6 +116,18 @@ def test_short_channels_last_rows(channels, groups, dtype, activation, device):
         check_fused((2, channels, 9, 13), groups, dtype, "channels_last", names, activation, device)
 
 
+# Channels-first rows of a few vectors: the CPU backward takes several groups a step, their dp
+# cached between the sums and dx (csrc/cpu/kernels/backward.cpp, short_rows_group_batch): whole
+# batches of groups and a last, smaller one.
+@pytest.mark.parametrize("shape,groups", [((5, 6, 7, 7), 3), ((3, 40, 4, 4), 40), ((2, 12, 3, 5), 4)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_short_channels_first_rows(shape, groups, dtype, activation, device):
+    torch.manual_seed(shape[1])
+    for names in ([], OPERANDS):
+        check_fused(shape, groups, dtype, "contiguous", names, activation, device)
+
+
 @given(case=group_norm_cases(max_numel=20_000), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(LAYOUTS),
        names=st.lists(st.sampled_from(OPERANDS), unique=True), activation=st.sampled_from(ACTIVATIONS),
        affine=st.booleans(), per_sample_shape=st.sampled_from(["flat", "broadcast"]),

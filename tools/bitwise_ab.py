@@ -1,7 +1,7 @@
 """Bitwise A/B of two builds: the proof that a refactor left every result alone, or that a change
 moved only the results it meant to. `save` runs fusednorm.group_norm forward and backward on fixed
 inputs (seeded from each case's name, so independent of the build and of the case list's order)
-over 8 shapes (both layouts, odd sizes, short channels-last rows) x 3 dtypes x 4 activations x 5 operand sets (none; scale,
+over 10 shapes (both layouts, odd sizes, short rows in both) x 3 dtypes x 4 activations x 5 operand sets (none; scale,
 shift, residual and multiplier; a multiplier; a residual; all four not requiring grad, which the
 CUDA backwards treat apart) under each kernel path, and saves output and gradients; `compare`
 reports how many outputs differ, and fails on any outside the cases matching --expect.
@@ -35,6 +35,8 @@ SHAPES = [  # shape, groups, channels_last
     ((1, 32, 128, 128), 16, False),
     ((2, 24, 9, 7), 8, True),  # channels-last rows shorter than a vector: runs of rows
     ((2, 3, 20, 21), 1, True),
+    ((4, 64, 7, 7), 32, False),  # channels-first rows of a few vectors: groups batched
+    ((2, 40, 4, 4), 40, False),
 ]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ACTIVATIONS = [None, "silu", "gelu", "relu"]

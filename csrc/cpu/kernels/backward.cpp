@@ -289,17 +289,18 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
   }
 }
 
-// dx of rows [first, last) of a ChannelsFirst input without an epilogue (dp = dy): the
-// arithmetic of channel_grad_input, in one flattened loop. Through channel_grad_input a row of
+// dx of rows [first, last) of a ChannelsFirst input from dp at dp + (element - dp_origin): dy
+// itself (origin 0) without an epilogue, or the epilogue's dp cached by the sums' pass. The
+// arithmetic of channel_grad_input, in one flattened loop: through channel_grad_input a row of
 // one or a few vectors paid a call and its closure's loads.
-template <typename T>
-FUSEDNORM_FLATTEN void plain_rows_grad_input(const T* dy, const T* x, T* dx, const GroupNormShape& sh,
-    const GradInputCoeffs<at::opmath_type<T>>& k, int64_t first, int64_t last) {
+template <typename T, typename P>
+FUSEDNORM_FLATTEN void rows_grad_input(const P* dp, int64_t dp_origin, const T* x, T* dx,
+    const GroupNormShape& sh, const GradInputCoeffs<at::opmath_type<T>>& k, int64_t first, int64_t last) {
   using Vec = typename VecIO<T>::Vec;
   for (int64_t nc = first; nc < last; ++nc) {
     const Vec a(k.a[nc]), b(k.b[nc]), e(k.e[nc]), m(k.mean[nc]);
     const int64_t o = nc * sh.S;
-    map_row(x + o, dy + o, dx + o, sh.S, [&](const Vec& xv, const Vec& dpv, int64_t) {
+    map_row(x + o, dp + (o - dp_origin), dx + o, sh.S, [&](const Vec& xv, const Vec& dpv, int64_t) {
       return at::vec::fmadd(a, dpv, at::vec::fmadd(b, xv - m, e));
     });
   }
@@ -336,17 +337,18 @@ constexpr int64_t kMaxGroupDpBytes = 512 * 1024;
 constexpr int64_t kMaxPlainGroupBytes = 512 * 1024;
 constexpr int64_t kMinPlainGroupsPerThread = 4;
 
-// Groups a step of backward_groups_channels_first takes: 1, or for short rows without an
-// epilogue (no dp buffer to size) enough groups that their rows fill whole blocks of L rows
-// (L / gcd(D, L) groups, at most kMaxShortRowBatchRows rows): a group of D < L rows alone would
-// leave the rest of its block's transpose_sum empty. The sums of a row do not depend on its
-// block (short_rows_grad_sums), so the batch changes no bits.
+// Groups a step of backward_groups_channels_first takes: 1, or for short rows enough groups that
+// their rows fill whole blocks of L rows (L / gcd(D, L) groups, at most kMaxShortRowBatchRows
+// rows): a group of D < L rows alone would leave the rest of its block's transpose_sum empty.
+// The sums of a row do not depend on its block (short_rows_grad_sums), so the batch changes no
+// bits. (With an epilogue the batch's dp is cached: kMaxShortRowBatchRows rows of at most
+// kShortRowVectors vectors, 32 KB of float at most under AVX512.)
 constexpr int64_t kMaxShortRowBatchRows = 128;
 
 template <typename T>
-int64_t short_rows_group_batch(const GroupNormShape& sh, const ElementwiseOperands<T>& ep) {
+int64_t short_rows_group_batch(const GroupNormShape& sh) {
   constexpr int64_t L = VecIO<T>::kSize;
-  if (!short_rows<T>(sh) || ep.active() || sh.D >= L) return 1;
+  if (!short_rows<T>(sh) || sh.D >= L) return 1;
   const int64_t full = L / std::gcd(sh.D, L);
   return full * sh.D <= kMaxShortRowBatchRows ? full : (L + sh.D - 1) / sh.D;
 }
@@ -357,9 +359,10 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
     GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
   using acc_t = at::opmath_type<T>;
   const int64_t M = sh.D * sh.S;
-  const int64_t batch = short_rows_group_batch<T>(sh, ep);
+  const int64_t batch = short_rows_group_batch<T>(sh);
   at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> group_dp(ep.active() ? M : 0);  // (without an epilogue dp = dy: no buffer)
+    // The batch's dp (without an epilogue dp = dy: no buffer).
+    std::vector<acc_t> group_dp(ep.active() ? batch * M : 0);
     for (int64_t g0 = begin; g0 < end; g0 += batch) {
       const int64_t g1 = std::min(end, g0 + batch);
       const int64_t rows_end = g1 * sh.D;
@@ -376,12 +379,14 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
         const double delta = recentre_group(sh, ng, sums);
         grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
       }
-      if (ep.active()) {
+      if (!ep.active()) {
+        rows_grad_input(dy, 0, x, dx, sh, k, g0 * sh.D, rows_end);
+      } else if (short_rows<T>(sh)) {
+        rows_grad_input(static_cast<const acc_t*>(group_dp.data()), g0 * M, x, dx, sh, k, g0 * sh.D, rows_end);
+      } else {
         for (int64_t nc = g0 * sh.D; nc < rows_end; ++nc) {
           channel_grad_input(dy, x, dx, sh, k, ep, nc, group_dp.data(), g0 * M);
         }
-      } else {
-        plain_rows_grad_input(dy, x, dx, sh, k, g0 * sh.D, rows_end);
       }
     }
   });
