@@ -104,10 +104,11 @@ def test_every_combination(activation, layout, dtype, device):
             check_fused((2, 6, 5, 3), 3, dtype, layout, list(names), activation, device)
 
 
-# Channels-last rows of fewer channels than a vector holds (or not a whole number of vectors) are
-# mapped several rows at a time on the CPU (csrc/cpu/kernels/channels_last.h, rows_per_run): whole
-# runs of rows and a last, shorter one (117 rows a sample), with and without every operand.
-@pytest.mark.parametrize("channels,groups", [(3, 1), (5, 5), (24, 8), (40, 5)])
+# Channels-last rows of a few vectors, fewer channels than a vector holds or not a whole number
+# of vectors are mapped several rows at a time on the CPU (csrc/cpu/kernels/channels_last.h,
+# rows_per_run): whole runs of rows and a last, shorter one (117 rows a sample), with and without
+# every operand.
+@pytest.mark.parametrize("channels,groups", [(3, 1), (5, 5), (24, 8), (40, 5), (64, 16)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_short_channels_last_rows(channels, groups, dtype, activation, device):

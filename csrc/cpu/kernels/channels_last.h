@@ -87,18 +87,22 @@ void reduce_channels(const T* x, const Y* y, int64_t r0, int64_t r1, int64_t C, 
 }
 
 // Rows taken at a time by the channels-last element passes (the forward's output map, the
-// backward's dp and dx): a row of C channels that is not a whole number of vectors ends in a
+// backward's dp and dx). A row of C channels that is not a whole number of vectors ends in a
 // partial vector, a masked load and store and a run of the epilogue's loop for a few elements,
-// once per row: at C = 3 those passes took 10-30x their channels-first time (docs/design.md,
-// "CPU kernels"). rows_per_run(C) rows are one run of elements, with the per-channel
-// coefficients repeated as many times (RowRunCoeffs), so that every vector but the run's last is
-// whole; each element is computed as before, so the results keep their bits. 1 where C is a
-// whole number of vectors, or spans kChannelVecs of them: there a run of one row loses nothing.
+// once per row: at C = 3 those passes took 10-30x their channels-first time; and a row of a few
+// vectors paid a call and its loop's set-up once per row: at C = 64 the output map took 4x the
+// statistics' pass (docs/design.md, "CPU kernels"). rows_per_run(C) rows are one run of
+// elements, with the per-channel coefficients repeated as many times (RowRunCoeffs), so that
+// every vector but the run's last is whole and a run holds kRunVectors vectors or more; each
+// element is computed as before, so the results keep their bits. 1 where a row holds
+// kRunVectors vectors already (32 gained nothing more on C = 64-320).
+constexpr int64_t kRunVectors = 16;
+
 inline int64_t rows_per_run(int64_t C, int64_t vector_size) {
-  if (C % vector_size == 0 || C >= kChannelVecs * vector_size) return 1;
-  // The fewest rows whose elements are whole vectors, doubled up to kChannelVecs vectors or more.
+  if (C >= kRunVectors * vector_size) return 1;
+  // The fewest rows whose elements are whole vectors, doubled up to kRunVectors vectors or more.
   int64_t rows = vector_size / std::gcd(C, vector_size);
-  while (rows * C < kChannelVecs * vector_size) rows *= 2;
+  while (rows * C < kRunVectors * vector_size) rows *= 2;
   return rows;
 }
 
