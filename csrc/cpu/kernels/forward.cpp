@@ -127,6 +127,25 @@ void map_through_buffer(const T* x, T* out, int64_t off, int64_t n, F f, const E
   }
 }
 
+// The output rows of ChannelsFirst group g of sample n without an epilogue, in one flattened loop:
+// through a call of map_row a row, a row of a few vectors (8x8 feature maps) paid the call and
+// its loop's set-up (docs/design.md, "CPU kernels").
+template <typename T>
+FUSEDNORM_FLATTEN void group_rows_output(const T* xg, T* yg, const GroupNormShape& sh, int64_t n, int64_t g,
+    double rstd, const SplitMean<at::opmath_type<T>>& m, const std::vector<at::opmath_type<T>>& w,
+    const std::vector<at::opmath_type<T>>& b, const Modulation<at::opmath_type<T>>& mod) {
+  using acc_t = at::opmath_type<T>;
+  using Vec = typename VecIO<T>::Vec;
+  for (int64_t d = 0; d < sh.D; ++d) {
+    const int64_t c = g * sh.D + d;
+    const acc_t gain = mod.gain_at(n * sh.C + c);
+    const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
+    const Vec scale_v(scale), hi(m.hi), shift(folded_shift(b[c], gain, mod.shift_at(n * sh.C + c), m.lo, scale));
+    map_row(xg + d * sh.S, static_cast<const T*>(nullptr), yg + d * sh.S, sh.S,
+        [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); });
+  }
+}
+
 // per_channel_params: a weight or bias was given (w and b are 1 and 0 otherwise).
 template <typename T>
 void forward_channels_first(
@@ -211,6 +230,10 @@ void forward_channels_first(
           }
           continue;
         }
+        if (!ep.active()) {
+          group_rows_output(xg, y + ng * M, sh, n, g, rstd, m, w, b, mod);
+          continue;
+        }
         for (int64_t d = 0; d < sh.D; ++d) {
           const int64_t c = g * sh.D + d;
           const int64_t row = ng * M + d * sh.S;
@@ -218,11 +241,7 @@ void forward_channels_first(
           const acc_t scale = static_cast<acc_t>(rstd) * w[c] * gain;
           const Vec scale_v(scale), hi(m.hi), shift(folded_shift(b[c], gain, mod.shift_at(n * sh.C + c), m.lo, scale));
           auto affine = [&](const Vec& xv, const Vec&, int64_t) { return at::vec::fmadd(xv - hi, scale_v, shift); };
-          if (!ep.active()) {
-            map_row(xg + d * sh.S, static_cast<const T*>(nullptr), y + row, sh.S, affine);
-          } else {
-            map_through_buffer(xg + d * sh.S, y + row, row, sh.S, affine, ep);
-          }
+          map_through_buffer(xg + d * sh.S, y + row, row, sh.S, affine, ep);
         }
       }
     }
