@@ -390,8 +390,10 @@ void forward_channels_last(
   std::vector<Moments> partial(sh.N * chunks * sh.G);
   // The output map takes `run` rows at a time (rows_per_run), its per-channel coefficients
   // repeated as many times: run_len values a sample. Its coefficients' lanes are counted against
-  // a whole run (a last, shorter run loads some it does not store), one constant as C was.
-  const int64_t run = rows_per_run(C, Vec::size()), run_len = run * C;
+  // a whole run (a last, shorter run loads some it does not store), one constant as C was. At
+  // most a sample's rows: the three arrays then hold at most three values an input element (as
+  // they did with one row of coefficients a sample at S = 1), however many samples.
+  const int64_t run = std::min(rows_per_run(C, Vec::size()), std::max<int64_t>(sh.S, 1)), run_len = run * C;
   // (Every element written by sample_coefficients before it is read: not zeroed, see UninitVector.)
   UninitVector<acc_t> mean_hi(sh.N * run_len), scale(sh.N * run_len), shift(sh.N * run_len);
   // Samples whose map folds into y = x * scale + shift (mean_hi unused), see output_chunk.
