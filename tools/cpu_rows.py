@@ -3,26 +3,32 @@
 Every case of SHAPES x dtypes x layouts (contiguous, channels-last where the input has 4 or 5
 dimensions) x activation (none, SiLU) x pass (forward without grad; forward + backward, the
 gradients of input, weight and bias) is timed in one process, fusednorm.group_norm against
-F.group_norm then F.silu, each the minimum of --repeat calls, the two in turns twice. Rows where
-fusednorm takes more than --flag times eager's time are marked. The shapes are the UNet's and
+F.group_norm then F.silu, each the median of --repeat calls timed in turns
+(benchmarks/bench.py's interleaved_cpu_times, freed memory kept in the process as bench.py
+keeps it). Rows where fusednorm takes more than --flag times
+eager's time are marked. The shapes are the UNet's and
 VAE's feature maps, small maps (7x7, 8x8) with many groups, rows shorter than a vector
 (channels-last C = 3, 24), one channel a group, and a long 1-D row: the places CPU kernels lose
 to fixed work a row rather than memory (docs/design.md, "CPU kernels"). A full run takes ~5 min on
-2 cores; the machine should be otherwise idle (the VM's timings are bimodal between processes:
-compare builds in several processes each).
+2 cores; the machine should be otherwise idle (bench.py's load check says so; the VM's timings
+are bimodal between processes: compare builds in several processes each).
 
-    python tools/cpu_rows.py [--threads 2] [--filter REGEX] [--repeat 15] [--flag 0.95]
+    python tools/cpu_rows.py [--threads 2] [--filter REGEX] [--repeat 40] [--flag 0.95]
 """
 
 import argparse
 import itertools
+import os
 import re
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
-import fusednorm
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench  # noqa: E402
+
+import fusednorm  # noqa: E402
 
 SHAPES = [  # input shape, groups
     ((8, 320, 32, 32), 32),
@@ -42,17 +48,6 @@ SHAPES = [  # input shape, groups
     ((2, 1, 100000), 1),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def min_time_ms(fn, repeat):
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def case_fns(shape, groups, dtype, channels_last, activation, backward):
@@ -84,10 +79,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--filter", default=None, help="only rows whose printed name matches this regular expression")
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=40)
     parser.add_argument("--flag", type=float, default=0.95, help="mark rows below this speedup over eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    bench.keep_freed_memory_in_process()  # else calls page-fault their outputs by the order of frees
+    bench.warn_if_busy()
     behind = 0
     for (shape, groups), dtype, channels_last, activation, backward in itertools.product(
             SHAPES, DTYPES, [False, True], [None, "silu"], [False, True]):
@@ -98,8 +95,8 @@ def main():
         if args.filter and not re.search(args.filter, name):
             continue
         ours, eager = case_fns(shape, groups, dtype, channels_last, activation, backward)
-        times = [min_time_ms(f, args.repeat) for f in (ours, eager, ours, eager)]
-        t_ours, t_eager = min(times[0::2]), min(times[1::2])
+        times = bench.interleaved_cpu_times({"fusednorm": ours, "eager": eager}, args.repeat)
+        t_ours, t_eager = times["fusednorm"], times["eager"]
         speedup = t_eager / t_ours
         mark = "   <-- behind eager" if speedup < args.flag else ""
         behind += bool(mark)
