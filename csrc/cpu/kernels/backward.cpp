@@ -392,16 +392,19 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
   });
 }
 
-// The backward sums of sample n from its per-chunk partials [chunks][3][C], added in chunk order.
+// The backward sums of sample n from its per-chunk partials [chunks][3][C], added in chunk order
+// (from 0.0, as a sum of one chunk's -0.0 is +0.0). A chunk at a time, its channels in a
+// contiguous run: channel by channel the partials were read 3 * C apart.
 void sample_grad_totals(const double* partial, const GroupNormShape& sh, int64_t n, GradSums& out) {
   const int64_t C = sh.C, chunks = num_chunks(sh);
-  for (int64_t c = 0; c < C; ++c) {
-    double t[3] = {0, 0, 0};
-    for (int64_t k = 0; k < chunks; ++k)
-      for (int j = 0; j < 3; ++j) t[j] += partial[(k * 3 + j) * C + c];
-    out.db[n * C + c] = t[0];
-    out.dsc[n * C + c] = t[1];
-    out.dev[n * C + c] = t[2];
+  double* const totals[3] = {&out.db[n * C], &out.dsc[n * C], &out.dev[n * C]};
+  for (int j = 0; j < 3; ++j) std::fill_n(totals[j], C, 0.0);
+  for (int64_t k = 0; k < chunks; ++k) {
+    for (int j = 0; j < 3; ++j) {
+      double* const t = totals[j];
+      const double* const p = partial + (k * 3 + j) * C;
+      for (int64_t c = 0; c < C; ++c) t[c] += p[c];
+    }
   }
 }
 

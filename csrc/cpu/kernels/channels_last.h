@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/kernels/parallel_grain.h"
@@ -66,23 +67,43 @@ void reduce_channels(const T* x, const Y* y, int64_t r0, int64_t r1, int64_t C, 
   using YIO = VecIO<Y>;
   using Vec = typename IO::Vec;
   using acc_t = typename IO::acc_t;
+  using Acc = std::array<Vec, K>;
   constexpr int64_t kSize = IO::kSize;
-  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
-    std::array<std::array<Vec, K>, kChannelVecs> acc;
-    for (auto& a : acc) a.fill(Vec(0));
+  static_assert(kChannelVecs == 4, "a block's accumulators are written out for 4 vectors");
+  // A block's rows, its accumulators four objects of their own, which GCC keeps in registers: as
+  // one array indexed through for_block_vectors' lambda they stayed on the stack, a store and a
+  // reload of each a row (docs/design.md, "CPU kernels"). `whole`: every vector of the block lies
+  // below C (no bounds checks); otherwise vector u covers channels [c0, min(c0 + kSize, C)).
+  const auto block = [&](int64_t cb, auto whole) {
+    Acc a0, a1, a2, a3;
+    for (int k = 0; k < K; ++k) a0[k] = a1[k] = a2[k] = a3[k] = Vec(0);
+    const auto step = [&](Acc& a, int64_t r, int u) {
+      const int64_t c0 = cb + u * kSize;
+      if (!decltype(whole)::value && c0 >= C) return;
+      const int64_t count = decltype(whole)::value ? kSize : std::min(kSize, C - c0), o = r * C + c0;
+      f(a, IO::load(x + o, count), y ? YIO::load(y + o, count) : Vec(0), c0, count);
+    };
     for (int64_t r = r0; r < r1; ++r) {
-      for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
-        const int64_t off = r * C + c0;
-        f(acc[u], IO::load(x + off, count), y ? YIO::load(y + off, count) : Vec(0), c0, count);
-      });
+      step(a0, r, 0);
+      step(a1, r, 1);
+      step(a2, r, 2);
+      step(a3, r, 3);
     }
+    const Acc* const acc[kChannelVecs] = {&a0, &a1, &a2, &a3};
     for_block_vectors(cb, C, kSize, [&](int64_t c0, int64_t count, int u) {
       for (int k = 0; k < K; ++k) {
         acc_t buf[kSize];
-        acc[u][k].store(buf);
+        (*acc[u])[k].store(buf);
         for (int64_t i = 0; i < count; ++i) out[k * C + c0 + i] = buf[i];
       }
     });
+  };
+  for (int64_t cb = 0; cb < C; cb += kChannelVecs * kSize) {
+    if (cb + kChannelVecs * kSize <= C) {
+      block(cb, std::true_type{});
+    } else {
+      block(cb, std::false_type{});
+    }
   }
 }
 

@@ -451,13 +451,16 @@ void forward_channels_last(
         }
       }
     };
+    // The maps take the coefficients' pointers by value: by reference, each vector's store (a
+    // may-alias intrinsic) made the compiler reload them from the closure (docs/design.md, "CPU
+    // kernels").
     if (folded[n]) {
-      rows([&](const Vec& xv, const Vec&, int64_t c0) {
+      rows([sc, sf, run_len](const Vec& xv, const Vec&, int64_t c0) {
         const int64_t count = std::min<int64_t>(Vec::size(), run_len - c0);
         return at::vec::fmadd(xv, Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
       });
     } else {
-      rows([&](const Vec& xv, const Vec&, int64_t c0) {
+      rows([hi, sc, sf, run_len](const Vec& xv, const Vec&, int64_t c0) {
         const int64_t count = std::min<int64_t>(Vec::size(), run_len - c0);
         return at::vec::fmadd(xv - Vec::loadu(hi + c0, count), Vec::loadu(sc + c0, count), Vec::loadu(sf + c0, count));
       });
