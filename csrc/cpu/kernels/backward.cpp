@@ -393,8 +393,8 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
 }
 
 // The backward sums of sample n from its per-chunk partials [chunks][3][C], added in chunk order
-// (from 0.0, as a sum of one chunk's -0.0 is +0.0). A chunk at a time, its channels in a
-// contiguous run: channel by channel the partials were read 3 * C apart.
+// to totals that start at 0.0 (so that partials of -0.0 still sum to +0.0), a chunk at a time
+// along its run of channels: channel by channel the partials were read 3 * C apart.
 void sample_grad_totals(const double* partial, const GroupNormShape& sh, int64_t n, GradSums& out) {
   const int64_t C = sh.C, chunks = num_chunks(sh);
   double* const totals[3] = {&out.db[n * C], &out.dsc[n * C], &out.dev[n * C]};
