@@ -5,9 +5,8 @@ dimensions) x activation (none, SiLU) x pass (forward without grad; forward + ba
 gradients of input, weight and bias) is timed in one process, fusednorm.group_norm against
 F.group_norm then F.silu, each the median of --repeat calls timed in turns
 (benchmarks/bench.py's interleaved_cpu_times, freed memory kept in the process as bench.py
-keeps it). Rows where fusednorm takes more than --flag times
-eager's time are marked. The shapes are the UNet's and
-VAE's feature maps, small maps (7x7, 8x8) with many groups, rows shorter than a vector
+keeps it). Rows where fusednorm takes more than --flag times eager's time are marked. The shapes
+are the UNet's and VAE's feature maps, small maps (7x7, 8x8) with many groups, rows shorter than a vector
 (channels-last C = 3, 24), one channel a group, and a long 1-D row: the places CPU kernels lose
 to fixed work a row rather than memory (docs/design.md, "CPU kernels"). A full run takes ~5 min on
 2 cores; the machine should be otherwise idle (bench.py's load check says so; the VM's timings
