@@ -90,8 +90,8 @@ convolution, attention, GEMM, Inductor's generated kernels, other; torch.profile
 kernels' durations summed): where a model's time goes, e.g. which kernels a fusion replaced. The
 part of Inductor's that carries a norm op in its kernel names is also given ("inductor,
 norm-related": the norms Inductor computes, and the passes that feed fusednorm's ops). With --top
-N, also the N kernels that take the most time, each with its launches a call (docs/performance.md,
-"Channels-last replication pads", found the transposes and pads that bound the video decode so).
+N, also the N kernels that take the most time, each with its launches a call (so were found the
+transposes and pads that bound the video decode: docs/design.md, "Replication pad").
 """
 
 import argparse
@@ -439,7 +439,7 @@ KERNEL_CATEGORIES = (
 # Inductor's kernels whose names carry a norm op (its own group / instance norms' reductions and
 # applies, with what it fused into them; under compile + fusion also the passes that feed a fused
 # op, e.g. a convolution's bias, "triton_poi_fused_convolution_fused_group_norm_forward"): shown
-# as a part of "inductor" (docs/performance.md, "Where the rest of the end-to-end gap is").
+# as a part of "inductor".
 NORM_RELATED = ("group_norm", "instance_norm", "batch_norm", "var_mean")
 
 

@@ -40,7 +40,7 @@ is an elementwise op (add, sub, mul, div) that nothing else uses, on less than 8
 the fused op would have it written to memory and read back. In the SD1.5 UNet these are the
 ``conv(h) + temb`` adds before each ResnetBlock's second norm; measured on an H200 with CUDA
 graphs, fusing them cost 5% at batch 2 and leaving them all cost 1.5% at batch 8, whose larger ones the
-rule fuses (docs/performance.md, "The fusion backend's rule").
+rule fuses (docs/design.md, "Compile-time fusion").
 
 Likewise a chain whose last value goes to an elementwise op alone (a spatial norm's
 ``group_norm(f) * y + b``, the add out of the epilogue's order, in the decoders of Kandinsky's
@@ -48,7 +48,7 @@ KVAE), on tensors of at most 4 dimensions: Inductor computes that op inside its 
 kernel, where after the fused op it would be a pass of its own. A video's chain (CogVideoX's
 spatial norms) is fused all the same: its norms read the channels_last_3d tensors of the layout
 pass below, on which Inductor's norm kernels are far slower than the fused op
-(docs/performance.md, "More diffusers autoencoders").
+(docs/design.md, "Compile-time fusion").
 
 Before the norm, a group norm also takes over the bias of the convolution that feeds it
 (``F.conv1d/2d/3d``, ``torch.conv1d/2d/3d``) and an embedding of shape (N, C, 1, ..., 1) added to
@@ -146,7 +146,7 @@ _DROPOUT_PARAMS = {F.dropout: inspect.signature(F.dropout).parameters,
                    torch.dropout: inspect.signature(lambda input, p, train: None).parameters}
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
 # A chain whose input Inductor would compute inside its own norm kernels is left to it below this
-# size (docs/performance.md, "The fusion backend's rule"): at 8 MiB and over, the fused op wins
+# size (docs/design.md, "Compile-time fusion"): at 8 MiB and over, the fused op wins
 # even though the input is then written and read back.
 INDUCTOR_PROLOGUE_MAX_BYTES = 8 * 2**20
 
@@ -349,7 +349,7 @@ def _inductor_epilogue(end: fx.Node) -> bool:
     """Whether the chain's last value `end` goes to an out-of-place elementwise op alone (a spatial
     norm's ``group_norm(f) * y + b``, its add out of the epilogue's order): Inductor computes that
     op inside its own norm's output kernel, where after the fused op it would be a pass of its own,
-    reading the op's output back (docs/performance.md, "More diffusers autoencoders")."""
+    reading the op's output back (docs/design.md, "Compile-time fusion")."""
     return len(end.users) == 1 and _is_elementwise(next(iter(end.users)))
 
 
@@ -358,8 +358,8 @@ def _bare_norm_left(node: fx.Node) -> bool:
     always. The op would save no pass over memory, only put fusednorm's kernels in place of
     Inductor's (or eager's) norm, and Inductor writes the views after it (a transformer's
     ``permute(...).reshape(...)`` into tokens) in its norm's output kernel. The video UNets'
-    attention norms are such norms (docs/performance.md, "Video UNets, and every autoencoder under
-    compile"); ``tools/fusion_rule_ab.py _bare_norm_left`` times the other choice."""
+    attention norms are such norms (docs/design.md, "Compile-time fusion");
+    ``tools/fusion_rule_ab.py _bare_norm_left`` times the other choice."""
     return True
 
 
@@ -519,9 +519,9 @@ def _take_replication_pad(gm: fx.GraphModule, output: fx.Node) -> bool:
     """Replaces ``F.pad(output, padding, mode="replicate")`` (through dropouts that return their
     input, as in a causal convolution after ``norm -> act -> nn.Dropout``, and views) with
     ``fusednorm.replication_pad``: after a fused op, Inductor can no longer fold the pad into the
-    norm's output kernel, and the pad it runs alone is slower than a copy (docs/performance.md,
-    "Replication pads"), in either layout: the op's kernels take contiguous and channels-last
-    inputs and keep the format (docs/design.md, "Replication pad"). Returns whether it did."""
+    norm's output kernel, and the pad it runs alone is slower than a copy, in either layout: the
+    op's kernels take contiguous and channels-last inputs and keep the format (docs/design.md,
+    "Replication pad"). Returns whether it did."""
     cur = output
     # (Views: a per-frame norm's output, unflattened and permuted back to (N, C, T, H, W).)
     while len(cur.users) == 1 and (_identity_dropout(next(iter(cur.users))) or is_view_of(next(iter(cur.users)), cur)):

@@ -143,3 +143,32 @@ def test_a_missing_design_section_is_found():
     assert design_citations("x  // docs/design.md, 'Team path'") == {"Team path"}
     assert design_citations('see docs/design.md "Numerics"') == {"Numerics"}
     assert design_citations("// docs/design.md, 'Kernel\n  // overrides'") == {"Kernel overrides"}
+
+
+# design.md cites the measurement log that docs/performance.md kept until 2026-12-05 as
+# (perf log, "Section"); the log itself is in git, at the commit design.md's introduction names.
+PERF_LOG_CITATION = re.compile(r"perf log,?\s+\"([^\"]+)\"")
+
+
+def perf_log_citations(text):
+    """The section names a text cites as (perf log, "Section"), a name's line breaks as spaces."""
+    return {re.sub(r"\s+", " ", name) for name in PERF_LOG_CITATION.findall(text)} - {"Section"}
+
+
+def test_perf_log_citations_name_sections_of_the_log():
+    design = (ROOT / "docs" / "design.md").read_text()
+    commit = re.search(r"git show ([0-9a-f]{7,40}):docs/performance\.md", design)
+    assert commit, "design.md's introduction names the commit of the measurement log"
+    if not (ROOT / ".git").exists():
+        pytest.skip("the log is read from git")
+    log = subprocess.run(["git", "show", f"{commit.group(1)}:docs/performance.md"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    if log.returncode != 0:
+        pytest.skip(f"no commit {commit.group(1)} in this clone (a shallow one?)")
+    headings = [m.group(1) for m in re.finditer(r"^#+ (.+)$", log.stdout, re.M)]
+    missing = sorted(name for name in perf_log_citations(design) if not any(h.startswith(name) for h in headings))
+    assert not missing, f"the perf log has no section of these names: {missing}"
+
+
+def test_a_perf_log_citation_is_read():
+    assert perf_log_citations('(perf log, "Team\n  count"); perf log "Sweep path"') == {"Team count", "Sweep path"}

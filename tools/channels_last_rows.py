@@ -7,13 +7,13 @@ and written, the copy measured in the same run. Prints a line a shape, then the 
 
     python tools/channels_last_rows.py [N] [--fusednorm-only]    # N: only the first N shapes
 
---clusters: the channels-last one-pass clusters' rows instead (docs/performance.md, "Channels-last
-clusters"): the default plan, the same with FUSEDNORM_ONE_PASS_MAX_CLUSTER=1 (the split passes;
+--clusters: the channels-last one-pass clusters' rows instead (docs/design.md, "Channels-last
+one-pass"): the default plan, the same with FUSEDNORM_ONE_PASS_MAX_CLUSTER=1 (the split passes;
 a tuning knob: build with CFLAGS=-DFUSEDNORM_TUNING_KNOBS), each with and without a residual, and
 torch.compile.
 
---one-pass: the channels-last shared-memory forward's rows (clustered or not; docs/performance.md,
-"The channels-last one-pass moments"): fusednorm's kernel time with x rewritten by a copy before
+--one-pass: the channels-last shared-memory forward's rows (clustered or not; docs/design.md,
+"Channels-last one-pass"): fusednorm's kernel time with x rewritten by a copy before
 each call (as by a convolution before the norm) and after the L2 flush, without and with a (C,)
 input_bias. Run it on two builds in one call for an A/B. With --contiguous, the ChannelsFirst
 one-pass kernels' rows instead (shared memory, clusters, registers).

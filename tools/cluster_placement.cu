@@ -1,5 +1,5 @@
-// Cluster capacity and placement on this GPU (docs/performance.md, "Where the clusters' CTAs land,
-// and wider rows"): cudaOccupancyMaxActiveClusters for clusters of 2/4/8/16 CTAs of 256 threads at
+// Cluster capacity and placement on this GPU (docs/design.md, "Channels-last
+// one-pass"): cudaOccupancyMaxActiveClusters for clusters of 2/4/8/16 CTAs of 256 threads at
 // one, two and three CTAs an SM (dynamic shared memory as the cap), then where 256 CTAs in
 // clusters land on an idle GPU: how many SMs hold 1, 2, 3... CTAs, which SMs hold none, and how
 // many CTAs started late (a second wave; each CTA spins ~1 ms so that a wave is co-resident).

@@ -16,8 +16,8 @@ prints, over the CTAs of each case, when they began after the first (the launch'
 spread of: the copy's issue, the wait for the thread's copies, the moments pass, the CTA's two
 block sums, the cluster's exchange and merge (st.async stores, the wait for the others', butterflies),
 and the output loop; then, by how many CTAs an SM held, when those SMs' CTAs ended (the cluster
-scheduler gives some SMs three CTAs, and they end last: docs/performance.md, "Where the clusters'
-CTAs land, and wider rows").
+scheduler gives some SMs three CTAs, and they end last: docs/design.md, "Channels-last
+one-pass").
 Stamps are in ns from the first CTA's start; the printf after the last stamp delays the kernels
 after it, so only this kernel is stamped (the instrumented kernel spills 16 bytes under its
 80-register cap). The patch inserts the stamps at fixed lines of the source: it stops with the

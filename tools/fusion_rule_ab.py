@@ -20,7 +20,7 @@ configs in fp16 on a GPU, the tiny ones in fp32 on the CPU, as there).
     python tools/fusion_rule_ab.py RULE "WORKLOAD[,WORKLOAD...]" [--rounds N]
 
 e.g. `python tools/fusion_rule_ab.py _inductor_epilogue "KVAE decode 1024,CogVideoX VAE decode"`
-(docs/performance.md, "More diffusers autoencoders").
+(docs/design.md, "Compile-time fusion").
 """
 
 import argparse

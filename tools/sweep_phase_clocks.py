@@ -146,8 +146,8 @@ def phase_table(lines, tag, phases, last, with_sm=False):
 
 def placement_table(ctas, t0, last):
     """Where the CTAs landed: the SMs by how many CTAs each held, and when those CTAs ended (the
-    SMs given more CTAs than the others end last: docs/performance.md, "Where the clusters' CTAs
-    land, and wider rows")."""
+    SMs given more CTAs than the others end last: docs/design.md, "Channels-last
+    one-pass")."""
     per_sm = collections.Counter(sm for sm, _ in ctas.values())
     ends = collections.defaultdict(list)
     for sm, s in ctas.values():

@@ -1,5 +1,5 @@
-"""Where a channels-last sweep call's time goes (docs/performance.md, "Where a channels-last sweep
-call's time goes"): the three kernels' torch.profiler timestamps, medians over the calls, in us.
+"""Where a channels-last sweep call's time goes (docs/design.md, "Channels-last
+sweep"): the three kernels' torch.profiler timestamps, medians over the calls, in us.
 For each shape, float16 GN32+SiLU channels-last: the moments kernel's duration, the finalize's
 end after the moments kernel's end (the gap between the two sweeps), the output kernel's end
 after the finalize's, and the call; with x rewritten by a copy before each call ("written", as a

@@ -16,8 +16,8 @@ convolutions around a norm channels-last (the SD UNet's are; AnimateDiff's are n
 are those of channels-first inputs.
 
 e.g. `python tools/unfused_norms.py "AnimateDiff UNet step"` lists its attention and motion-module
-norms, which have nothing after them to fuse (docs/performance.md, "Video UNets, and every
-autoencoder under compile"). Workloads by name or part of one, as its --workloads (WORKLOADS and
+norms, which have nothing after them to fuse (docs/design.md, "Compile-time
+fusion"). Workloads by name or part of one, as its --workloads (WORKLOADS and
 MORE_WORKLOADS).
 """
 

@@ -107,8 +107,8 @@ at::Tensor transpose_copy(const at::Tensor& t, Layout layout) {
 // `t` (a CUDA tensor of rank >= 3 with elements, copied into `layout`): the transpose where it is
 // dense in the other layout; the pad's lines kernel, no padding, where the copy is channels-first
 // and its rows are contiguous and at least kPadLinesMinBytes long (ranks 3 to 5, the pad's; on
-// shorter rows ATen's copy was as fast or faster, performance.md, "Mochi's frames in eager
-// mode"); otherwise undefined, and to_layout then copies with ATen.
+// shorter rows ATen's copy was as fast or faster, docs/design.md, "Layout
+// copies"); otherwise undefined, and to_layout then copies with ATen.
 at::Tensor layout_copy_cuda(const at::Tensor& t, Layout layout) {
   const Layout other = layout == Layout::ChannelsFirst ? Layout::ChannelsLast : Layout::ChannelsFirst;
   if (has_strides_of(t, other)) return transpose_copy(t, layout);
