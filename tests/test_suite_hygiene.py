@@ -128,8 +128,13 @@ def design_citations(text):
     return {re.sub(r"\s*\n\s*(?://|#|\*)?\s*", " ", name) for name in CITATION.findall(text)}
 
 
+def markdown_headings(text):
+    """The headings of a markdown text, without their #s."""
+    return [m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", text, re.M)]
+
+
 def test_design_citations_name_existing_sections():
-    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", (ROOT / "docs" / "design.md").read_text(), re.M)}
+    headings = set(markdown_headings((ROOT / "docs" / "design.md").read_text()))
     missing = {}
     for folder in ("csrc", "ops", "tests", "tools", "benchmarks", "scripts"):
         for path in (ROOT / folder).rglob("*"):
@@ -165,7 +170,7 @@ def test_perf_log_citations_name_sections_of_the_log():
                          capture_output=True, text=True, timeout=60)
     if log.returncode != 0:
         pytest.skip(f"no commit {commit.group(1)} in this clone (a shallow one?)")
-    headings = [m.group(1) for m in re.finditer(r"^#+ (.+)$", log.stdout, re.M)]
+    headings = markdown_headings(log.stdout)
     missing = sorted(name for name in perf_log_citations(design) if not any(h.startswith(name) for h in headings))
     assert not missing, f"the perf log has no section of these names: {missing}"
 
