@@ -213,16 +213,21 @@ std::array<V, n> generate(F f) {
   return generate_impl<V, n>(f, std::make_integer_sequence<int, n>());
 }
 
-// Rows of at most this many vectors take the backward's sums a block of rows at a time.
+// Rows of at most this many vectors take the backward's sums a block of rows at a time: with an
+// elementwise epilogue, whose dp a block makes in stack buffers of that size, kShortRowVectors;
+// without one, kPlainShortRowVectors (a row's lanes then add at most 32 values each, fewer than
+// reduce_row's kBlock; row by row, rows of 100 and 225 elements took 2x and 1.6x the time;
+// docs/design.md, "CPU kernels").
 constexpr int64_t kShortRowVectors = 4;
+constexpr int64_t kPlainShortRowVectors = 32;
 
 template <typename T>
-bool short_rows(const GroupNormShape& sh) {
-  return sh.S <= kShortRowVectors * VecIO<T>::kSize;
+bool short_rows(const GroupNormShape& sh, bool epilogue) {
+  return sh.S <= (epilogue ? kShortRowVectors : kPlainShortRowVectors) * VecIO<T>::kSize;
 }
 
-// The ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, rows of at
-// most kShortRowVectors vectors: each row's three sums in one vector each, then the lanes of the
+// The ChannelsFirst sums of rows [first, first + Vec::size()) that lie below `rows`, short rows
+// (short_rows): each row's three sums in one vector each, then the lanes of the
 // block's rows summed together (transpose_sum), in place of three horizontal sums a row. Those,
 // with reduce_row's set-up, were a fixed ~90 cycles a row: (8, 1280, 16) took 4x ATen's time,
 // (2, 1280, 8, 8) 2.2x (one thread; docs/design.md, 'CPU kernels'). Every lane of transpose_sum adds its
@@ -311,7 +316,7 @@ void grad_sums_channels_first(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& out) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sh.S, 1));
   constexpr int64_t L = VecIO<T>::kSize;
-  if (short_rows<T>(sh)) {
+  if (short_rows<T>(sh, ep.active())) {
     const int64_t rows = sh.N * sh.C;
     at::parallel_for(0, (rows + L - 1) / L, std::max<int64_t>(1, grain / L), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) short_rows_grad_sums(dy, x, sh, k, ep, b * L, rows, out);
@@ -346,9 +351,9 @@ constexpr int64_t kMinPlainGroupsPerThread = 4;
 constexpr int64_t kMaxShortRowBatchRows = 128;
 
 template <typename T>
-int64_t short_rows_group_batch(const GroupNormShape& sh) {
+int64_t short_rows_group_batch(const GroupNormShape& sh, bool epilogue) {
   constexpr int64_t L = VecIO<T>::kSize;
-  if (!short_rows<T>(sh) || sh.D >= L) return 1;
+  if (!short_rows<T>(sh, epilogue) || sh.D >= L) return 1;
   const int64_t full = L / std::gcd(sh.D, L);
   return full * sh.D <= kMaxShortRowBatchRows ? full : (L + sh.D - 1) / sh.D;
 }
@@ -359,14 +364,15 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
     GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, GradSums& sums) {
   using acc_t = at::opmath_type<T>;
   const int64_t M = sh.D * sh.S;
-  const int64_t batch = short_rows_group_batch<T>(sh);
+  const bool blocks = short_rows<T>(sh, ep.active());
+  const int64_t batch = short_rows_group_batch<T>(sh, ep.active());
   at::parallel_for(0, sh.N * sh.G, std::max<int64_t>(1, 32768 / std::max<int64_t>(M, 1)), [&](int64_t begin, int64_t end) {
     // The batch's dp (without an epilogue dp = dy: no buffer).
     std::vector<acc_t> group_dp(ep.active() ? batch * M : 0);
     for (int64_t g0 = begin; g0 < end; g0 += batch) {
       const int64_t g1 = std::min(end, g0 + batch);
       const int64_t rows_end = g1 * sh.D;
-      if (short_rows<T>(sh)) {
+      if (blocks) {
         for (int64_t nc = g0 * sh.D; nc < rows_end; nc += VecIO<T>::kSize) {
           short_rows_grad_sums(dy, x, sh, k, ep, nc, rows_end, sums, group_dp.data(), g0 * M);
         }
@@ -375,13 +381,10 @@ void backward_groups_channels_first(const T* dy, const T* x, T* dx, const GroupN
           channel_grad_sums(dy, x, sh, k, ep, nc, sums, group_dp.data(), g0 * M);
         }
       }
-      for (int64_t ng = g0; ng < g1; ++ng) {
-        const double delta = recentre_group(sh, ng, sums);
-        grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta, k);
-      }
+      for (int64_t ng = g0; ng < g1; ++ng) finish_group(sh, ng, w_eff, rstd, sums, &k);
       if (!ep.active()) {
         rows_grad_input(dy, 0, x, dx, sh, k, g0 * sh.D, rows_end);
-      } else if (short_rows<T>(sh)) {
+      } else if (blocks) {
         rows_grad_input(static_cast<const acc_t*>(group_dp.data()), g0 * M, x, dx, sh, k, g0 * sh.D, rows_end);
       } else {
         for (int64_t nc = g0 * sh.D; nc < rows_end; ++nc) {
@@ -441,9 +444,7 @@ void backward_samples_channels_last(const T* dy, const T* x, T* dx, const GroupN
         chunk_grad_sums(dy, x, sh, k, ep, n, r0, r1, &partial[kk * 3 * C], buf, sample_dp.data(), origin);
       });
       sample_grad_totals(partial.data(), sh, n, sums);
-      for (int64_t ng = n * sh.G; ng < (n + 1) * sh.G; ++ng) {
-        grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, recentre_group(sh, ng, sums), k);
-      }
+      for (int64_t ng = n * sh.G; ng < (n + 1) * sh.G; ++ng) finish_group(sh, ng, w_eff, rstd, sums, &k);
       for_sample_chunks(sh, [&](int64_t, int64_t r0, int64_t r1) {
         chunk_grad_input(dy, x, dx, sh, k, ep, n, r0, r1, buf, sample_dp.data(), origin);
       });
@@ -524,9 +525,8 @@ FusedGrads fused_backward(const at::Tensor& grad_out, const at::Tensor& x, const
     } else {
       grad_sums_channels_last(dyp, xp, sh, k, ep, sums);
     }
-    const std::vector<double> delta = recentre(sh, sums);
+    finish_groups<acc_t>(sh, w_eff, rp, sums, mask[0] ? &k : nullptr);
     if (mask[0]) {
-      grad_input_coeffs<acc_t>(sh, w_eff, rp, sums, delta, k);
       scalar_t* dxp = grads.input.data_ptr<scalar_t>();
       if (layout == Layout::ChannelsFirst) {
         grad_input_channels_first(dyp, xp, dxp, sh, k, ep);

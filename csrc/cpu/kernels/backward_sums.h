@@ -55,34 +55,39 @@ struct GradInputCoeffs {
 // The sum of f(i) over [begin, end) in four interleaved partial sums, added (s0 + s1) + (s2 + s3):
 // a chain of D / 4 dependent double additions a group instead of D, which bounded the per-group
 // work of short rows (docs/design.md, 'CPU kernels'). A fixed order: the same bits on any thread.
-template <typename F>
-double sum4(int64_t begin, int64_t end, F f) {
-  double s[4] = {0.0, 0.0, 0.0, 0.0};
+// The partial sums are named, not an array: the tail's index, known only at run time, kept an
+// array in memory, a chain of stores and loads that made the per-group coefficients of
+// (64,64,7,7) (D = 2) take twice their time (docs/design.md, "CPU kernels").
+template <typename V, typename F>
+V sum4(int64_t begin, int64_t end, F f) {
+  V s0{}, s1{}, s2{}, s3{};
   int64_t i = begin;
   for (; i + 4 <= end; i += 4) {
-    for (int u = 0; u < 4; ++u) s[u] += f(i + u);
+    s0 += f(i);
+    s1 += f(i + 1);
+    s2 += f(i + 2);
+    s3 += f(i + 3);
   }
-  for (int u = 0; i < end; ++i, ++u) s[u] += f(i);
-  return (s[0] + s[1]) + (s[2] + s[3]);
+  const int64_t rest = end - i;
+  if (rest > 0) s0 += f(i);
+  if (rest > 1) s1 += f(i + 1);
+  if (rest > 2) s2 += f(i + 2);
+  return (s0 + s1) + (s2 + s3);
 }
 
-// Recentres the sums of group ng on its true mean; returns its delta.
-inline double recentre_group(const GroupNormShape& sh, int64_t ng, GradSums& sums) {
-  const double M = static_cast<double>(sh.D * sh.S);
-  if (M == 0) return 0.0;
-  const double* dev = sums.dev.data();
-  const double delta = sum4(ng * sh.D, (ng + 1) * sh.D, [dev](int64_t nc) { return dev[nc]; }) / M;
-  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) sums.dsc[nc] -= delta * sums.db[nc];
-  return delta;
-}
-
-// Recentres the sums on the true mean; returns delta per (n, g). (Channel nc = ng * D + d belongs
-// to group ng: no division per channel, which dominated when S == 1 and N * C is large.)
-inline std::vector<double> recentre(const GroupNormShape& sh, GradSums& sums) {
-  std::vector<double> delta(sh.N * sh.G, 0.0);
-  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) delta[ng] = recentre_group(sh, ng, sums);
-  return delta;
-}
+// A group's totals over its channels, taken in one pass: sum (x - m), A = sum w * db and
+// sum w * dsc before recentring. (In three passes, one a total, the per-group work of
+// (64,64,7,7), D = 2, took twice its time: docs/design.md, "CPU kernels".)
+struct GroupTotals {
+  double dev = 0.0, a = 0.0, b = 0.0;
+  GroupTotals& operator+=(const GroupTotals& o) {
+    dev += o.dev;
+    a += o.a;
+    b += o.b;
+    return *this;
+  }
+  GroupTotals operator+(const GroupTotals& o) const { return GroupTotals(*this) += o; }
+};
 
 // The coefficients that do not depend on the sums (a, mean, pc): what the first pass needs to
 // recompute p; and `w_eff`, weight * (1 + scale) per (n, c). Elementwise, in parallel: serial,
@@ -127,30 +132,39 @@ GradInputCoeffs<acc_t> pre_activation_coeffs(
   return k;
 }
 
-// Fills b and e of `k` for group ng = (n, g) from its recentred sums.
+// Finishes group ng = (n, g) once its sums are taken: recentres them on its true mean (dsc -=
+// delta * db, delta = sum (x - m) / M) and, given `k`, fills b and e of its coefficients, with
+// B = sum w * (dsc - delta * db) = sum w * dsc - delta * A.
 template <typename acc_t>
-void grad_input_coeffs_group(const GroupNormShape& sh, int64_t ng, const std::vector<acc_t>& w_eff,
-    const acc_t* rstd, const GradSums& sums, double delta, GradInputCoeffs<acc_t>& k) {
+void finish_group(const GroupNormShape& sh, int64_t ng, const std::vector<acc_t>& w_eff, const acc_t* rstd,
+    GradSums& sums, GradInputCoeffs<acc_t>* k) {
   const double M = static_cast<double>(sh.D * sh.S);
   if (M == 0) return;
   const acc_t* w = w_eff.data();
-  const double *db = sums.db.data(), *dsc = sums.dsc.data();
-  const double A = sum4(ng * sh.D, (ng + 1) * sh.D, [w, db](int64_t nc) { return w[nc] * db[nc]; });
-  const double B = sum4(ng * sh.D, (ng + 1) * sh.D, [w, dsc](int64_t nc) { return w[nc] * dsc[nc]; });
+  double* const dsc = sums.dsc.data();
+  const double *db = sums.db.data(), *dev = sums.dev.data();
+  const int64_t c0 = ng * sh.D, c1 = c0 + sh.D;
+  const GroupTotals t = sum4<GroupTotals>(c0, c1, [=](int64_t nc) {
+    const double wc = w[nc];
+    return GroupTotals{dev[nc], wc * db[nc], wc * dsc[nc]};
+  });
+  const double delta = t.dev / M;
+  for (int64_t nc = c0; nc < c1; ++nc) dsc[nc] -= delta * db[nc];
+  if (k == nullptr) return;
   const double r = rstd[ng];
-  const double b = -r * r * r / M * B;
-  for (int64_t nc = ng * sh.D; nc < (ng + 1) * sh.D; ++nc) {
-    k.b[nc] = static_cast<acc_t>(b);
-    k.e[nc] = static_cast<acc_t>(-r / M * A - b * delta);
+  const double b = -r * r * r / M * (t.b - delta * t.a);
+  const acc_t kb = static_cast<acc_t>(b), ke = static_cast<acc_t>(-r / M * t.a - b * delta);
+  for (int64_t nc = c0; nc < c1; ++nc) {
+    k->b[nc] = kb;
+    k->e[nc] = ke;
   }
 }
 
-// Fills b and e of `k` from the recentred sums.
+// finish_group for every group.
 template <typename acc_t>
-void grad_input_coeffs(
-    const GroupNormShape& sh, const std::vector<acc_t>& w_eff, const acc_t* rstd,
-    const GradSums& sums, const std::vector<double>& delta, GradInputCoeffs<acc_t>& k) {
-  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) grad_input_coeffs_group(sh, ng, w_eff, rstd, sums, delta[ng], k);
+void finish_groups(const GroupNormShape& sh, const std::vector<acc_t>& w_eff, const acc_t* rstd, GradSums& sums,
+    GradInputCoeffs<acc_t>* k) {
+  for (int64_t ng = 0; ng < sh.N * sh.G; ++ng) finish_group(sh, ng, w_eff, rstd, sums, k);
 }
 
 // Accumulates dp, dp * (x - m) and x - m.
