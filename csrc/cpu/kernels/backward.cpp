@@ -236,20 +236,19 @@ bool short_rows(const GroupNormShape& sh, bool epilogue) {
 // groups or not, give the same bits. With an epilogue, the block's dp is made first (into
 // `cache` as for_each_dp_run), in one backward_run with each row's coefficients spread over its
 // elements: the same values as channel_grad_sums makes row by row, without a call a row.
-// kActive is ep.active(), a constant (short_rows_grad_sums): tested a vector at run time, it cost
-// the sums 13-18% (docs/design.md, "CPU kernels").
-template <bool kActive, typename T>
-void short_rows_grad_sums_for(const T* dy, const T* x, const GroupNormShape& sh,
+template <typename T>
+void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
     const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t first, int64_t rows,
-    GradSums& out, at::opmath_type<T>* cache, int64_t cache_origin) {
+    GradSums& out, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
   using acc_t = at::opmath_type<T>;
   using IO = VecIO<T>;
   using Vec = typename IO::Vec;
   constexpr int L = Vec::size();
   const int64_t present = std::min<int64_t>(L, rows - first), len = present * sh.S, o_first = first * sh.S;
-  acc_t block_dp[kActive ? kShortRowVectors * L * L : 1];
+  acc_t block_dp[kShortRowVectors * L * L];
   acc_t* const dp_first = cache != nullptr ? cache + (o_first - cache_origin) : block_dp;
-  if constexpr (kActive) {
+  const bool active = ep.active();  // (a local: the loop below would reload ep's members)
+  if (active) {
     acc_t centre[kShortRowVectors * L * L], pa[kShortRowVectors * L * L], pc[kShortRowVectors * L * L];
     for (int64_t r = 0; r < present; ++r) {
       const int64_t nc = first + r;
@@ -269,7 +268,7 @@ void short_rows_grad_sums_for(const T* dy, const T* x, const GroupNormShape& sh,
       const acc_t* dp = dp_first + r * sh.S;
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
         // Padding lanes hold dp = x = 0: only x - m needs masking.
-        const Vec dpv = kActive ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
+        const Vec dpv = active ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
         accumulate_grad_sums(acc, dpv, first_lanes(IO::load(x + o + i, count) - m, count));
       });
     }
@@ -292,18 +291,6 @@ void short_rows_grad_sums_for(const T* dy, const T* x, const GroupNormShape& sh,
     } else {
       for (int j = 0; j < present; ++j) outs[i][j] = lanes[i][j];
     }
-  }
-}
-
-// short_rows_grad_sums_for with or without the epilogue's dp.
-template <typename T>
-void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
-    const GradInputCoeffs<at::opmath_type<T>>& k, const ElementwiseOperands<T>& ep, int64_t first, int64_t rows,
-    GradSums& out, at::opmath_type<T>* cache = nullptr, int64_t cache_origin = 0) {
-  if (ep.active()) {
-    short_rows_grad_sums_for<true>(dy, x, sh, k, ep, first, rows, out, cache, cache_origin);
-  } else {
-    short_rows_grad_sums_for<false>(dy, x, sh, k, ep, first, rows, out, cache, cache_origin);
   }
 }
 
