@@ -43,8 +43,8 @@ on, and the exit status is 1. Writes DIR/diffusers_<device>.json, rewritten afte
 ms: {variant: ms}, max_abs_diff: {variant: diff}, fusions (the norm chains compile + fusion
 rewrote; its CUDA-graph twin's when only that ran), fusions_by_variant, and where any: errors:
 {variant: message}, cudagraph_skips: {variant: graphs Inductor ran without CUDA graphs}, with
---profile kernel_ms: {variant: {category: ms}}, and with --float32-reference error_vs_float32:
-{variant: [max, mean]}}]}. A run
+--profile kernel_ms: {variant: {category: ms}}, with --float32-reference error_vs_float32:
+{variant: [max, mean]}, and with --rounds ms_rounds: {variant: [ms of each round]}}]}. A run
 given --workloads or --variants merges into an existing file of the same card, torch, diffusers and
 dtype (its other workloads and variants kept), so that the table can be measured in parts.
 
@@ -58,7 +58,7 @@ size, a minute each on 2 cores). Needs diffusers; without it, says so and exits 
     python benchmarks/diffusers_bench.py [--out DIR] [--device cuda|cpu] [--no-compile]
                                          [--workloads NAMES] [--variants LABELS] [--profile [--top N]]
                                          [--channels-last] [--no-conv3d-channels-last] [--more]
-                                         [--float32-reference]
+                                         [--float32-reference] [--rounds N]
 
 --workloads: comma-separated workload names or parts of them, case-insensitive, an exact name
 picking that workload alone ("VAE" picks the five VAE rows, "b8" the batch-8 UNet, "video" the
@@ -78,6 +78,12 @@ of 576x1024), written to diffusers_<device>_more.json; --workloads picks among t
 --float32-reference: each variant's max and mean |error| against a float32 copy of the model on
 the same inputs (saved as error_vs_float32: {variant: [max, mean]}): whether a variant's
 difference from eager is eager's rounding or its own.
+
+--rounds N: a workload's variants are all kept alive and timed N times each, in turns, and each
+one's median round is its time: for host-bound steps (e.g. the video UNets without CUDA graphs) on a
+host whose speed drifts (on the H100 machine of 2026-12-05 a ModelScope step's host time went from
+~33 to ~50 ms within a minute, under every variant alike), where variants timed one after the other
+or in two processes can differ by that drift alone. Costs the memory of all variants at once.
 
 --channels-last: the models' 4-D and 5-D weights and inputs in channels_last / channels_last_3d
 (as users of convolutional models often run them); written to diffusers_<device>_channels_last.json.
@@ -509,9 +515,10 @@ def float32_output(model, inputs):
 
 
 def run_workload(name, model, inputs, labels, measure, device, errors, profile=False, top=0,
-                 conv3d_channels_last=True, float32_reference=False):
+                 conv3d_channels_last=True, float32_reference=False, rounds=1):
     row = {"workload": name, "ms": {}, "max_abs_diff": {}}
     fusions = {}
+    kept = {}  # label: its timing, with rounds > 1: every variant kept alive for the later rounds
     want = model(*inputs)
     reference = float32_output(model, inputs) if float32_reference else None
     for label in labels:
@@ -574,13 +581,37 @@ def run_workload(name, model, inputs, labels, measure, device, errors, profile=F
             row.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"
             first_line = (str(e).splitlines() or [""])[0]
             print(f"  {name:16s} {label:29s} FAILED: {type(e).__name__}: {first_line}", flush=True)
+        if rounds > 1 and not failed:
+            kept[label] = functools.partial(measure, timed)  # (what time_in_rounds calls again)
         del m, backend, got, call, timed  # (the variant's model, e.g. a converted copy, with them)
-        if label in COMPILED or failed:
+        if (label in COMPILED or failed) and rounds == 1:
             free_memory(device)
+    if kept:
+        time_in_rounds(name, row, kept, rounds)
+        kept = None
+        free_memory(device)
     if fusions:
         row["fusions"] = fusions.get("compile + fusion", next(iter(fusions.values())))
         row["fusions_by_variant"] = fusions
     return row
+
+
+def time_in_rounds(name, row, kept, rounds):
+    """--rounds: times the variants of `kept` ({label: timed}, each measured once already) rounds - 1
+    more times, in turns (forward, then backward order), and makes row["ms"] each one's median
+    round (all rounds in row["ms_rounds"]): on a host whose speed drifts in a minute, which moves a
+    host-bound step's time by a third, every variant sees the drift alike."""
+    times = {label: [row["ms"][label]] for label in kept}
+    for r in range(1, rounds):
+        for label in (list(kept)[::-1] if r % 2 else list(kept)):
+            times[label].append(kept[label]())
+        print(f"  {name:16s} round {r + 1}: " + ", ".join(f"{label} {times[label][-1]:.3f}" for label in kept),
+              flush=True)
+    for label, ms in times.items():
+        row["ms"][label] = sorted(ms)[(len(ms) - 1) // 2]
+        row.setdefault("ms_rounds", {})[label] = ms
+        print(f"  {name:16s} {label:29s} {row['ms'][label]:10.3f} ms  (median of {len(ms)} rounds, "
+              f"{min(ms):.3f} to {max(ms):.3f})", flush=True)
 
 
 def merge(old_rows, new_rows):
@@ -591,7 +622,7 @@ def merge(old_rows, new_rows):
         o = merged.setdefault(r["workload"], {"workload": r["workload"]})
         ran = set(r["ms"]) | set(r.get("errors", {}))
         for key in ("ms", "max_abs_diff", "error_vs_float32", "fusions_by_variant", "errors", "cudagraph_skips",
-                    "kernel_ms"):
+                    "kernel_ms", "ms_rounds"):
             values = {**{v: x for v, x in o.get(key, {}).items() if v not in ran}, **r.get(key, {})}
             o[key] = dict(sorted(values.items(), key=lambda item: VARIANTS.index(item[0])
                                  if item[0] in VARIANTS else len(VARIANTS)))
@@ -630,9 +661,13 @@ def main():
                         help="the fusion backend with conv3d_channels_last=False")
     parser.add_argument("--more", action="store_true",
                         help="other diffusers autoencoders and video UNets (MORE_WORKLOADS) instead of the default models")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="time a workload's variants N times each, in turns, all kept alive (median round)")
     parser.add_argument("--float32-reference", action="store_true",
                         help="each variant's max and mean |error| against a float32 copy of the model too")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     workloads = MORE_WORKLOADS if args.more else WORKLOADS
     names = pick(args.workloads, workloads, "workload", substrings=True)
     labels = pick(args.variants, VARIANTS, "variant", substrings=False)
@@ -714,7 +749,7 @@ def main():
             these = [v for v in labels if not (name in eager_only and v in COMPILED)]
             rows.append(run_workload(name, model, inputs, these, measure, device, errors, profile, args.top,
                                      conv3d_channels_last=not args.no_conv3d_channels_last,
-                                     float32_reference=args.float32_reference))
+                                     float32_reference=args.float32_reference, rounds=args.rounds))
             del model, inputs
             free_memory(device)
             save(rows, complete=False)

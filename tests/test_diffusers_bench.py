@@ -32,3 +32,26 @@ def test_workload_names_are_unique_and_picked():
         "UNet step b2", "UNet step b8", "AnimateDiff UNet step", "SVD UNet step"]  # ("UNet3D step": no)
     with pytest.raises(SystemExit, match="unknown workload"):
         db.pick("no such model", db.ALL_WORKLOADS, "workload", substrings=True)
+
+
+def test_rounds_time_every_variant_in_turns_and_keep_the_median():
+    import_or_skip("diffusers")
+    name = "VAE decode 512"
+    model, inputs = db.ALL_WORKLOADS[name]("cpu", torch.float32, False)
+    calls = []
+
+    def measure(timed):  # a fake timer: records which variant it timed, returns a time per call
+        before = len(calls)
+        timed()
+        calls.append(before)
+        return float(len(calls))
+
+    labels, errors = ["eager", "eager + convert"], []
+    with torch.no_grad():
+        row = db.run_workload(name, model, inputs, labels, measure, "cpu", errors, rounds=4)
+        once = db.run_workload(name, model, inputs, labels, measure, "cpu", [])
+    assert errors == []
+    # the first round in the variants' order, then backward, forward, backward: 1, 2 | 4, 3 | 5, 6 | 8, 7
+    assert row["ms_rounds"] == {"eager": [1.0, 4.0, 5.0, 8.0], "eager + convert": [2.0, 3.0, 6.0, 7.0]}
+    assert row["ms"] == {"eager": 4.0, "eager + convert": 3.0}  # the lower median of an even count
+    assert "ms_rounds" not in once and set(once["ms"]) == set(labels)
