@@ -265,10 +265,12 @@ void short_rows_grad_sums(const T* dy, const T* x, const GroupNormShape& sh,
     if (r < present) {
       const int64_t nc = first + r, o = nc * sh.S;
       const Vec m(k.mean[nc]);
-      const acc_t* dp = dp_first + r * sh.S;
+      // dp's address is formed where it is read, with an epilogue: without one, dp_first is
+      // block_dp, which rows of up to kPlainShortRowVectors would run past.
+      const int64_t dp_row = r * sh.S;
       IO::for_each_vector(sh.S, [&](int64_t i, int64_t count) {
         // Padding lanes hold dp = x = 0: only x - m needs masking.
-        const Vec dpv = active ? Vec::loadu(dp + i, count) : IO::load(dy + o + i, count);
+        const Vec dpv = active ? Vec::loadu(dp_first + (dp_row + i), count) : IO::load(dy + o + i, count);
         accumulate_grad_sums(acc, dpv, first_lanes(IO::load(x + o + i, count) - m, count));
       });
     }
