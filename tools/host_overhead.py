@@ -5,13 +5,20 @@ torch.nn) under no_grad. The small rows of the GPU suite are bound by
 this time, not by their kernels.
 
     python tools/host_overhead.py [--device cpu|cuda] [--threads 1] [--reps 2000]
-        [--shape 2,320,64,64 --dtype float16 --channels-last] [--enqueue]
+        [--shape 2,320,64,64 --dtype float16 --channels-last] [--enqueue] [--compiled]
 
 Calls are timed in turns (the order rotating) and each figure is the median in microseconds; on
 CUDA each call is followed by a synchronize, so a figure is its host time plus one tiny kernel's
 latency. With --enqueue the clock stops when the call returns (the synchronize comes after it,
 so each call starts on an idle GPU): the host time alone, which is what bounds a call whose
 kernels take less, on an input of any size (--shape).
+
+With --compiled, instead: two norm chains of a UNet compiled under Inductor (`torch.compile`) and
+under `fusion.backend()`, under no_grad: `silu(group_norm(conv(h) + temb))` (the backend gives the
+convolution's bias and the embedding to the fused op as input_bias; Inductor computes them in its
+norm kernels) and `silu(group_norm(x))`. In a step without CUDA graphs whose host is the bound
+(the SD1.5 UNet at batch 2), what a fused chain costs the host over Inductor's kernels is what the
+backend's rewrite costs the step (docs/performance.md, "End to end").
 """
 
 import argparse
@@ -52,6 +59,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--enqueue", action="store_true", help="time until the call returns, not until the GPU is done")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compiled chains, Inductor against the fusion backend, in place of the eager calls")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -64,6 +73,8 @@ def main():
     x = torch.randn(shape, device=device, dtype=dtype)
     if args.channels_last:
         x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    if args.compiled:
+        return compiled_chains(x, G, args, sync)
     w, b = torch.randn(shape[1], device=device, dtype=dtype), torch.randn(shape[1], device=device, dtype=dtype)
     dy = torch.randn_like(x)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
@@ -118,6 +129,46 @@ def main():
           f"{dtype} {layout}; {what}")
     for name, us in timed_in_turns(fns, args.reps, sync, args.enqueue).items():
         print(f"{name:38s} {us:8.1f} us")
+
+
+def compiled_chains(x, G, args, sync):
+    """--compiled: host time a call of two compiled norm chains, Inductor's against the fusion
+    backend's."""
+    C = x.shape[1]
+    conv = torch.nn.Conv2d(C, C, 3, padding=1, device=x.device, dtype=x.dtype)
+    if args.channels_last:
+        conv = conv.to(memory_format=torch.channels_last)
+    w, b = torch.randn(C, device=x.device, dtype=x.dtype), torch.randn(C, device=x.device, dtype=x.dtype)
+    temb = torch.randn(x.shape[0], C, *([1] * (x.dim() - 2)), device=x.device, dtype=x.dtype)
+
+    def prologue_chain(h):
+        return F.silu(F.group_norm(conv(h) + temb, G, w, b))
+
+    def plain_chain(h):
+        return F.silu(F.group_norm(h, G, w, b))
+
+    fns, rewritten = {}, {}
+    for chain, f in (("conv + temb -> GN+SiLU", prologue_chain), ("GN+SiLU", plain_chain)):
+        backend = fusednorm.fusion.backend()
+        fns[f"{chain}, Inductor"] = torch.compile(f)
+        fns[f"{chain}, fusion backend"] = torch.compile(f, backend=backend)
+        fns[f"{chain}, eager"] = f
+        with torch.no_grad():
+            fns[f"{chain}, fusion backend"](x)
+        rewritten[chain] = sum(backend.fusions)
+
+    def no_grad(f):
+        def call():
+            with torch.no_grad():
+                return f(x)
+        return call
+
+    what = "host time to return" if args.enqueue else "host time + GPU"
+    print(f"torch {torch.__version__}, {x.device}, {torch.get_num_threads()} thread(s), input {tuple(x.shape)} "
+          f"{x.dtype} {'channels_last' if args.channels_last else 'contiguous'}; compiled chains, no grad; {what}; "
+          f"chains the backend rewrote: {rewritten}")
+    for name, us in timed_in_turns({k: no_grad(f) for k, f in fns.items()}, args.reps, sync, args.enqueue).items():
+        print(f"{name:42s} {us:8.1f} us")
 
 
 if __name__ == "__main__":
