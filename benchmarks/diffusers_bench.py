@@ -597,10 +597,10 @@ def run_workload(name, model, inputs, labels, measure, device, errors, profile=F
 
 
 def time_in_rounds(name, row, kept, rounds):
-    """--rounds: times the variants of `kept` ({label: timed}, each measured once already) rounds - 1
-    more times, in turns (forward, then backward order), and makes row["ms"] each one's median
-    round (all rounds in row["ms_rounds"]): on a host whose speed drifts in a minute, which moves a
-    host-bound step's time by a third, every variant sees the drift alike."""
+    """--rounds: times the variants of `kept` ({label: a call that times it}, each timed once
+    already) rounds - 1 more times, in turns (forward, then backward order), and makes row["ms"]
+    each one's median round (all rounds in row["ms_rounds"]): on a host whose speed drifts in a
+    minute, which moves a host-bound step's time by a third, every variant sees the drift alike."""
     times = {label: [row["ms"][label]] for label in kept}
     for r in range(1, rounds):
         for label in (list(kept)[::-1] if r % 2 else list(kept)):
