@@ -14,9 +14,10 @@ so each call starts on an idle GPU): the host time alone, which is what bounds a
 kernels take less, on an input of any size (--shape).
 
 With --compiled, instead: two norm chains of a UNet compiled under Inductor (`torch.compile`) and
-under `fusion.backend()`, under no_grad: `silu(group_norm(conv(h) + temb))` (the backend gives the
-convolution's bias and the embedding to the fused op as input_bias; Inductor computes them in its
-norm kernels) and `silu(group_norm(x))`. In a step without CUDA graphs whose host is the bound
+under `fusion.backend()`, under no_grad: `silu(group_norm(conv(h) + temb))` (on 8 MiB or more the
+backend gives the convolution's bias and the embedding to the fused op as input_bias; under that it
+leaves the chain to Inductor, which computes them in its norm kernels: the chains each rewrote are
+printed) and `silu(group_norm(x))`. In a step without CUDA graphs whose host is the bound
 (the SD1.5 UNet at batch 2), what a fused chain costs the host over Inductor's kernels is what the
 backend's rewrite costs the step (docs/performance.md, "End to end").
 """
@@ -48,6 +49,14 @@ def timed_in_turns(fns, reps, sync, enqueue=False):
             if enqueue:
                 sync()
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
+def no_grad(f):
+    """f() under torch.no_grad(), as a model's inference calls it."""
+    def call():
+        with torch.no_grad():
+            return f()
+    return call
 
 
 def main():
@@ -96,12 +105,6 @@ def main():
     silu = torch.nn.SiLU()
     fgn, fgn_silu = fusednorm.nn.GroupNorm(G, shape[1], device=device, dtype=dtype), \
         fusednorm.nn.GroupNorm(G, shape[1], device=device, dtype=dtype, activation="silu")
-
-    def no_grad(f):
-        def call():
-            with torch.no_grad():
-                return f()
-        return call
 
     fns = {
         "fusednorm.nn.GroupNorm, no grad": no_grad(lambda: fgn(x)),
@@ -157,17 +160,12 @@ def compiled_chains(x, G, args, sync):
             fns[f"{chain}, fusion backend"](x)
         rewritten[chain] = sum(backend.fusions)
 
-    def no_grad(f):
-        def call():
-            with torch.no_grad():
-                return f(x)
-        return call
-
     what = "host time to return" if args.enqueue else "host time + GPU"
     print(f"torch {torch.__version__}, {x.device}, {torch.get_num_threads()} thread(s), input {tuple(x.shape)} "
           f"{x.dtype} {'channels_last' if args.channels_last else 'contiguous'}; compiled chains, no grad; {what}; "
           f"chains the backend rewrote: {rewritten}")
-    for name, us in timed_in_turns({k: no_grad(f) for k, f in fns.items()}, args.reps, sync, args.enqueue).items():
+    calls = {k: no_grad(lambda f=f: f(x)) for k, f in fns.items()}
+    for name, us in timed_in_turns(calls, args.reps, sync, args.enqueue).items():
         print(f"{name:42s} {us:8.1f} us")
 
 
